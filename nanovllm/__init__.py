@@ -1,0 +1,15 @@
+"""nanovllm: a small offline LLM inference engine with vLLM's API.
+
+`LLM` is imported lazily so that the metadata modules (sequence, block manager, scheduler) stay importable without
+torch.
+"""
+from nanovllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from nanovllm.llm import LLM
+        return LLM
+    raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")

@@ -1,0 +1,125 @@
+"""Engine configuration: one dataclass, validated up front, torch-free.
+
+The Hugging Face config is loaded lazily (transformers is imported inside `load_hf_config`), so the scheduler and the
+block manager can import this module without pulling in torch or transformers.
+"""
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from nanovllm.models.registry import SUPPORTED_ARCHITECTURES
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
+
+
+@dataclass(slots=True)
+class Config:
+    model: str
+    # --- where and how the model runs
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    dtype: str = "auto"  # "auto": the checkpoint's dtype on cuda, float32 on cpu
+    load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False  # True: no CUDA graphs, no torch.compile
+    attention_backend: str = "auto"  # flash when importable, else triton on cuda, torch on cpu
+    # --- batch limits
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 512
+    max_num_batched_tokens: int = 16384  # token budget per step; longer prompts are prefilled in chunks
+    # --- GPU KV cache
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int | None = None  # explicit cap on GPU blocks
+    kv_cache_memory_bytes: int | None = None  # explicit KV budget; overrides gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may fill (weights + activations + KV)
+    enable_prefix_caching: bool = True
+    # --- host tier (nanovllm_offload)
+    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks, per tensor-parallel rank
+    preemption_mode: str = "auto"  # "auto" picks swap or recompute per victim from measured speeds
+    # --- filled in by __post_init__
+    hf_config: Any = field(default=None, repr=False)
+    architecture: str = ""
+
+    def __post_init__(self):
+        self._check_model_dir()
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("device", self.device, ("auto", "cuda", "cpu"))
+        _check_choice("load_format", self.load_format, ("auto", "dummy"))
+        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        bs = self.kvcache_block_size
+        if bs < 1 or bs & (bs - 1):
+            raise ValueError(f"kvcache_block_size={bs} must be a power of two")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
+            raise ValueError(f"num_kvcache_blocks={self.num_kvcache_blocks} must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space={self.swap_space} GiB must be >= 0")
+        self.hf_config = load_hf_config(self.model)
+        self._check_model_shape()
+
+    def _check_model_dir(self):
+        path = os.path.join(self.model, "config.json")
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model={self.model!r} is not a directory; pass a local Hugging Face checkpoint")
+        if not os.path.isfile(path):
+            raise ValueError(f"model={self.model!r} has no config.json")
+        with open(path) as f:
+            architectures = json.load(f).get("architectures") or []
+        supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
+        if not supported:
+            raise ValueError(f"unsupported architecture {architectures} in {path}; "
+                             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        self.architecture = supported[0]
+
+    def _check_model_shape(self):
+        hf = self.hf_config
+        max_pos = hf.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = max_pos
+        if not 1 <= self.max_model_len <= max_pos:
+            raise ValueError(f"max_model_len={self.max_model_len} must be in [1, {max_pos}] "
+                             f"(the model's max_position_embeddings)")
+        tp = self.tensor_parallel_size
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        for name, n in (("num_attention_heads", hf.num_attention_heads), ("num_key_value_heads", num_kv_heads)):
+            if n % tp:
+                raise ValueError(f"{name}={n} is not divisible by tensor_parallel_size={tp}; pick a divisor of {n}")
+        rope_type = rope_parameters(hf).get("rope_type", "default")
+        if rope_type != "default":
+            raise ValueError(f"rope_type={rope_type!r} is not supported (only the default rope)")
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.hf_config, "head_dim", None) or self.hf_config.hidden_size // self.hf_config.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+
+
+def _check_choice(name: str, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} must be one of {list(choices)}")
+
+
+def load_hf_config(model: str):
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model)
+
+
+def rope_parameters(hf_config) -> dict:
+    """rope_theta and rope_type across transformers 4 (rope_theta / rope_scaling) and 5 (rope_parameters)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    params.setdefault("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
+    return params

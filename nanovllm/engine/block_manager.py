@@ -1,0 +1,174 @@
+"""The GPU block pool: ref counts, the free queue, and the prefix cache (plain Python; no torch)."""
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+
+def hash_block(prev_hash: int, token_ids: list[int]) -> int:
+    """Prefix-chain hash of one full block: it depends on every token before the block too."""
+    return xxhash.xxh3_64_intdigest(np.asarray(token_ids, dtype=np.int64).tobytes(), seed=prev_hash)
+
+
+def content_hash(seq: Sequence, i: int) -> int:
+    """Hash of seq's full block i, memoized in seq.block_hashes (hashes are computed in block order)."""
+    while len(seq.block_hashes) <= i:
+        j = len(seq.block_hashes)
+        prev = seq.block_hashes[j - 1] if j else 0
+        seq.block_hashes.append(hash_block(prev, seq.block_token_ids(j)))
+    return seq.block_hashes[i]
+
+
+class BlockManager:
+    """Owns the GPU block ids.
+
+    `free_block_ids` is an OrderedDict used as an LRU queue: allocation pops from the head. A freed block that holds a
+    cached full block keeps its hash and goes to the tail, so the prefix cache loses the least recently freed blocks
+    first; a freed block without a hash goes to the head. An OrderedDict (not a deque) so that a prefix-cache hit can
+    take a free block out of the middle in O(1).
+    NOTE: a block is in `free_block_ids` iff its ref_count is 0.
+    NOTE: `hash_to_block_id[h] == b` implies `block_hash[b] == h`; a block gets a hash only after its KV is computed
+          (`cache_full_blocks`), so a prefix hit never reads KV that is still being written.
+    NOTE: `new_gpu_block_ids` lists the blocks handed out since `begin_step()`; only these can be written by this
+          step's copies and forward, so only these can collide with a swap-out still reading them.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.hash_to_block_id: dict[int, int] = {}
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.new_gpu_block_ids: list[int] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def begin_step(self):
+        self.new_gpu_block_ids = []
+
+    # --- prefix cache
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """GPU blocks holding seq's leading full blocks. The last prompt token is never a hit: it must be computed
+        to produce logits."""
+        if not self.enable_prefix_caching:
+            return []
+        block_ids = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block_id = self.hash_to_block_id.get(content_hash(seq, i))
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def cache_full_blocks(self, seq: Sequence):
+        """Register seq's newly computed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        for i in range(seq.num_cached_blocks, num_full):
+            block_id, h = seq.block_table[i], content_hash(seq, i)
+            if self.block_hash[block_id] is None:
+                self.block_hash[block_id] = h
+                self.hash_to_block_id.setdefault(h, block_id)
+        seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
+
+    # --- allocation
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_block_ids: list[int] = (),
+                 num_reserved_blocks: int = 0) -> bool:
+        """Give seq the cached blocks, then enough new blocks for `num_new_tokens` more tokens.
+        All or nothing: returns False (and changes nothing) when fewer than `num_reserved_blocks` would stay free."""
+        num_cached_tokens = len(cached_block_ids) * self.block_size
+        num_tokens = seq.num_computed_tokens + num_cached_tokens + num_new_tokens
+        num_new_blocks = seq.num_blocks_for(num_tokens) - len(seq.block_table) - len(cached_block_ids)
+        num_revived = sum(1 for b in cached_block_ids if self.ref_counts[b] == 0)
+        if num_new_blocks + num_revived + num_reserved_blocks > self.num_free_blocks:
+            return False
+        for block_id in cached_block_ids:
+            self._take(block_id)
+        seq.block_table.extend(cached_block_ids)
+        seq.num_computed_tokens += num_cached_tokens
+        seq.num_cached_blocks = len(seq.block_table) if cached_block_ids else seq.num_cached_blocks
+        seq.block_table.extend(self._pop_free() for _ in range(num_new_blocks))
+        return True
+
+    def computed_block_ids(self, seq: Sequence) -> list[int]:
+        """The blocks that hold seq's computed KV (the ones a swap-out must copy)."""
+        return seq.block_table[:seq.num_blocks_for(seq.num_computed_tokens)]
+
+    def free(self, seq: Sequence):
+        """Drop seq's references; its last blocks go to the free queue first so its prefix survives longest."""
+        for block_id in reversed(seq.block_table):
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] < 0:
+                raise RuntimeError(f"BlockManager.free: block {block_id} of seq {seq.seq_id} freed twice")
+            if self.ref_counts[block_id] == 0:
+                self.free_block_ids[block_id] = None
+                if self.block_hash[block_id] is None:
+                    self.free_block_ids.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_cached_blocks = 0
+
+    # --- swap-in: the host tier copies seq's KV back into the blocks chosen here
+    def allocate_for_swap_in(self, seq: Sequence, num_reserved_blocks: int = 0) -> list[tuple[int, int]] | None:
+        """Give a SWAPPED seq GPU blocks for its computed tokens. Full blocks still cached on the GPU are reused and
+        need no copy. Returns the (cpu_block_id, gpu_block_id) copies to make, or None when blocks are short."""
+        num_blocks = len(seq.cpu_block_table)
+        num_full = seq.num_computed_tokens // self.block_size
+        cached = {}
+        if self.enable_prefix_caching:
+            for i in range(min(num_full, len(seq.block_hashes))):
+                block_id = self.hash_to_block_id.get(seq.block_hashes[i])
+                if block_id is not None and block_id not in cached.values():
+                    cached[i] = block_id
+        num_revived = sum(1 for b in cached.values() if self.ref_counts[b] == 0)
+        if num_blocks - len(cached) + num_revived + num_reserved_blocks > self.num_free_blocks:
+            return None
+        copies = []
+        for i in range(num_blocks):
+            if i in cached:
+                self._take(cached[i])
+                seq.block_table.append(cached[i])
+            else:
+                seq.block_table.append(self._pop_free())
+                copies.append((seq.cpu_block_table[i], seq.block_table[-1]))
+        return copies
+
+    # --- internals
+    def _take(self, block_id: int):
+        if self.ref_counts[block_id] == 0:
+            del self.free_block_ids[block_id]
+        self.ref_counts[block_id] += 1
+
+    def _pop_free(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        h = self.block_hash[block_id]
+        if h is not None:
+            if self.hash_to_block_id.get(h) == block_id:
+                del self.hash_to_block_id[h]
+            self.block_hash[block_id] = None
+        self.ref_counts[block_id] = 1
+        self.new_gpu_block_ids.append(block_id)
+        return block_id
+
+    def check_invariants(self, seqs: list[Sequence] = ()):
+        """For tests: ref counts equal the number of block-table entries, and the free queue is exactly the
+        unreferenced blocks."""
+        owners = [0] * self.num_blocks
+        for seq in seqs:
+            for block_id in seq.block_table:
+                owners[block_id] += 1
+        if owners != self.ref_counts:
+            bad = [b for b in range(self.num_blocks) if owners[b] != self.ref_counts[b]]
+            raise RuntimeError(f"ref_counts disagree with block tables for gpu blocks {bad}")
+        free = {b for b in range(self.num_blocks) if self.ref_counts[b] == 0}
+        if free != set(self.free_block_ids):
+            raise RuntimeError(f"free queue {sorted(self.free_block_ids)} != unreferenced blocks {sorted(free)}")
+        for h, b in self.hash_to_block_id.items():
+            if self.block_hash[b] != h:
+                raise RuntimeError(f"hash index points at gpu block {b} whose hash is {self.block_hash[b]}")

@@ -1,0 +1,214 @@
+"""The scheduler: decides what each step computes, preempts, swaps. It owns the queues and nothing else
+(plain Python; no torch)."""
+from collections import deque
+from dataclasses import dataclass, field, fields
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm_offload.host_block_pool import HostBlockPool
+from nanovllm_offload.policy import PreemptionPolicy
+
+
+@dataclass
+class SchedulerOutput:
+    """One step, as ids and counts. The runner turns it into tensors and copies."""
+    seqs: list[Sequence] = field(default_factory=list)  # sequences that compute tokens this step, in batch order
+    num_new_tokens: list[int] = field(default_factory=list)  # per seq: 1 for a decode, a chunk for a prefill
+    # (gpu_block_id, cpu_block_id): KV of swapped-out victims; copied before any new owner writes the gpu block
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    # (cpu_block_id, gpu_block_id): KV of resumed sequences; they join the batch from the next step, so the copy
+    # overlaps this step's forward
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # gpu blocks handed out this step: the only ones this step's forward and swap-ins may write
+    new_gpu_block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.seqs or self.swap_out or self.swap_in)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.num_new_tokens)
+
+
+@dataclass
+class SchedulerStats:
+    prefill_tokens: int = 0  # tokens computed for prompts (and for recomputed outputs)
+    decode_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    preemptions: int = 0
+    preemptions_swap: int = 0
+    preemptions_recompute: int = 0
+    recomputed_tokens: int = 0  # tokens computed a second time because of a recompute preemption
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class Scheduler:
+    """Queues: `waiting` (FIFO; recompute victims go back to the front), `running` (batch order: oldest first,
+    victims are taken from the back), `swapped` (FIFO; resumed before any new prefill is admitted).
+
+    NOTE: every sequence is in exactly one queue until it finishes; its status names the queue.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: set[int], host_pool: HostBlockPool | None = None,
+                 policy: PreemptionPolicy | None = None):
+        self.block_manager = block_manager
+        self.host_pool = host_pool
+        self.policy = policy
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        # blocks kept free when admitting or resuming, so running sequences can grow a little before preemption
+        self.num_watermark_blocks = max(1, block_manager.num_blocks // 100)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.stats = SchedulerStats()
+
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        return not (self.waiting or self.running or self.swapped)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self.block_manager.begin_step()
+        budget = self.max_num_batched_tokens
+        num_preempted = 0
+
+        # running: one decode token, or the next prompt chunk, per sequence, oldest first;
+        # when blocks run out, preempt from the back (the newest) until this one fits
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                self._add_to_batch(out, seq, num_new)
+                budget -= num_new
+                i += 1
+                continue
+            break
+
+        # waiting: admit new prefills, only when nothing is preempted or swapped (swapped sequences resume first)
+        while (self.waiting and budget > 0 and not num_preempted and not self.swapped
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            cached_block_ids = self.block_manager.find_cached_prefix(seq) if not seq.block_table else []
+            num_cached = len(cached_block_ids) * self.block_manager.block_size
+            num_new = min(seq.num_uncomputed_tokens - num_cached, budget)
+            reserve = self.num_watermark_blocks if self.running else 0
+            if not self.block_manager.allocate(seq, num_new, cached_block_ids, reserve):
+                break
+            self.waiting.popleft()
+            self.stats.prefix_cache_hit_tokens += num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_to_batch(out, seq, num_new)
+            budget -= num_new
+
+        # swap-in: resume swapped sequences for the next step; the copies overlap this step's forward
+        while self.swapped and not num_preempted and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            copies = self.block_manager.allocate_for_swap_in(seq, self.num_watermark_blocks)
+            if copies is None:
+                break
+            self.swapped.popleft()
+            self.host_pool.free(seq)
+            out.swap_in.extend(copies)
+            self.stats.blocks_swapped_in += len(copies)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+
+        out.new_gpu_block_ids = self.block_manager.new_gpu_block_ids
+        return out
+
+    def _add_to_batch(self, out: SchedulerOutput, seq: Sequence, num_new: int):
+        out.seqs.append(seq)
+        out.num_new_tokens.append(num_new)
+        if seq.num_recompute_pending:
+            start = seq.num_computed_tokens
+            self.stats.recomputed_tokens += max(0, min(start + num_new, seq.num_recompute_pending) - start)
+            if start + num_new >= seq.num_recompute_pending:
+                seq.num_recompute_pending = 0
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput):
+        """Swap seq out when the policy says so and the host pool has room; else recompute it later."""
+        self.stats.preemptions += 1
+        if self.host_pool is not None and seq.num_computed_tokens and self.policy.should_swap(seq):
+            copies = self.host_pool.swap_out(seq, self.block_manager.computed_block_ids(seq))
+            if copies is not None:
+                self.block_manager.free(seq)
+                seq.status = SequenceStatus.SWAPPED
+                self.swapped.append(seq)
+                out.swap_out.extend(copies)
+                self.stats.preemptions_swap += 1
+                self.stats.blocks_swapped_out += len(copies)
+                return
+        self.stats.preemptions_recompute += 1
+        self.block_manager.free(seq)
+        seq.num_recompute_pending = max(seq.num_recompute_pending, seq.num_computed_tokens)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Sequence]:
+        """Advance the sequences of a finished step. `sampled_token_ids` has one token per sequence whose prompt
+        (or recompute) is now complete, in batch order. Returns the sequences that finished."""
+        finished = []
+        sampled = iter(sampled_token_ids)
+        for seq, num_new in zip(out.seqs, out.num_new_tokens):
+            is_decode = num_new == 1 and seq.num_completion_tokens > 0 and seq.num_uncomputed_tokens == 1
+            if is_decode:
+                self.stats.decode_tokens += 1
+            else:
+                self.stats.prefill_tokens += num_new
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(seq)
+            if seq.num_uncomputed_tokens:
+                continue  # a prompt chunk: nothing sampled yet
+            token_id = next(sampled)
+            seq.token_ids.append(token_id)
+            reason = self._finish_reason(seq, token_id)
+            if reason:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        params = seq.sampling_params
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            return "stop"
+        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str):
+        """Remove seq from its queue and release its blocks on both tiers (also used for aborts)."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        self.block_manager.free(seq)
+        if self.host_pool is not None:
+            self.host_pool.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

