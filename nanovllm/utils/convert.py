@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -85,31 +87,36 @@ def _convert_into(tmp_dir: str, dtype: str) -> None:
     if getattr(model, "is_quantized", False):
         with contextlib.suppress(AttributeError):
             model.is_quantized = False
-    model.config.name_or_path = MODEL_NAME
-    with contextlib.suppress(AttributeError):
-        model.config._name_or_path = MODEL_NAME
-
     model = model.to(torch_dtype)
     model.config.dtype = dtype
     # one file, no sharding, so REQUIRED_FILES is a fixed list
     model.save_pretrained(tmp_dir, safe_serialization=True, max_shard_size="10GB")
     tokenizer.save_pretrained(tmp_dir)
 
-    if "quantization_config" in open(os.path.join(tmp_dir, "config.json")).read():
-        raise RuntimeError("conversion left a quantization_config in config.json")
+    # tidy config.json: no quantizer, and name the model rather than the GGUF's title
+    config_path = os.path.join(tmp_dir, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config.pop("quantization_config", None)
+    config["_model_name_or_path"] = MODEL_NAME
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
     if not is_converted(tmp_dir):
         missing = [f for f in REQUIRED_FILES if not os.path.isfile(os.path.join(tmp_dir, f))]
         raise RuntimeError(f"conversion did not write {missing}")
 
 
 @contextlib.contextmanager
-def _lock(path: str):
-    """Inter-process lock beside the output dir, so two first uses don't both convert."""
+def _lock(out_dir: str):
+    """Inter-process lock (in the temp dir, keyed by out_dir) so two first uses don't both convert."""
     try:
         import fcntl
     except ImportError:  # not POSIX: rely on the atomic rename alone
         yield
         return
+    key = hashlib.sha256(out_dir.encode()).hexdigest()[:16]
+    path = os.path.join(tempfile.gettempdir(), f"nanovllm-convert-{key}.lock")
     with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -135,7 +142,7 @@ def convert_smollm2(out_dir: str, dtype: str = "float32", force: bool = False) -
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
 
-    with _lock(out_dir + ".lock"):
+    with _lock(out_dir):
         if is_converted(out_dir) and not force:
             return out_dir
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -143,6 +150,10 @@ def convert_smollm2(out_dir: str, dtype: str = "float32", force: bool = False) -
         tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
         try:
             _convert_into(tmp_dir, dtype)
+            # mkdtemp makes 0700 dirs; a model dir is ordinary readable data
+            os.chmod(tmp_dir, 0o755)
+            for name in os.listdir(tmp_dir):
+                os.chmod(os.path.join(tmp_dir, name), 0o644)
             if os.path.isdir(out_dir):
                 # an old or partial dir is in the way: move it aside, then swap
                 old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)

@@ -1,0 +1,222 @@
+"""The engine loop: add requests, then step (schedule -> run -> postprocess) until they finish."""
+import json
+import os
+import time
+
+from tqdm.auto import tqdm
+
+from nanovllm.config import Config
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.sampling_params import SamplingParams
+from nanovllm_offload.host_block_pool import HostBlockPool
+from nanovllm_offload.policy import PreemptionPolicy
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class LLMEngine:
+    def __init__(self, model: str, **kwargs):
+        self.config = config = Config(model, **kwargs)
+        self.tokenizer = _load_tokenizer(model)
+        self.runner = ModelRunner(config)
+        self.num_gpu_blocks = self.runner.num_kv_blocks_for_budget()
+        self.runner.allocate_kv_cache(self.num_gpu_blocks)
+        host_pool = None
+        if config.preemption_mode != "recompute" and config.swap_space > 0:
+            num_cpu_blocks = self.runner.num_host_blocks()
+            self.runner.allocate_host_cache(num_cpu_blocks)
+            host_pool = HostBlockPool(num_cpu_blocks)
+        self.runner.capture_cuda_graphs()
+        self.block_bytes = self.runner.block_bytes
+        self.policy = PreemptionPolicy(config.preemption_mode, self.block_bytes)
+        self.scheduler = Scheduler(
+            BlockManager(self.num_gpu_blocks, config.kvcache_block_size, config.enable_prefix_caching),
+            config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
+            _eos_token_ids(model, config.hf_config, self.tokenizer), host_pool, self.policy)
+        self.requests: dict[int, Sequence] = {}
+        self._num_empty_steps = 0
+
+    # --- requests
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
+        seq = Sequence(self._prompt_token_ids(prompt, sampling_params), sampling_params,
+                       self.config.kvcache_block_size)
+        self.scheduler.add(seq)
+        self.requests[seq.seq_id] = seq
+        return seq.seq_id
+
+    def _prompt_token_ids(self, prompt, sampling_params: SamplingParams) -> list[int]:
+        """Validate a request without touching engine state; raises ValueError naming the problem."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model={self.config.model!r} has no tokenizer files; pass prompts as token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("empty prompt: a prompt needs at least one token")
+        vocab = self.config.hf_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        max_len = self.config.max_model_len
+        if len(token_ids) > max_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_len}; "
+                             f"shorten it or raise max_model_len")
+        num_tokens = min(len(token_ids) + sampling_params.max_tokens, max_len)
+        num_blocks = (num_tokens + self.config.kvcache_block_size - 1) // self.config.kvcache_block_size
+        if num_blocks > self.num_gpu_blocks:
+            raise ValueError(f"request needs {num_blocks} KV blocks ({num_tokens} tokens) but the cache has "
+                             f"{self.num_gpu_blocks}; lower max_tokens or raise num_kvcache_blocks / the KV budget")
+        return token_ids
+
+    def abort_request(self, seq_id: int):
+        seq = self.requests.pop(seq_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+            self.runner.release([seq_id])
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    # --- the loop
+    def step(self) -> list[Sequence]:
+        out = self.scheduler.schedule()
+        self._check_progress(out)
+        start = time.perf_counter()
+        token_ids = self.runner.run(out)
+        finished = self.scheduler.postprocess(out, token_ids)
+        finished += self._apply_stop_strings(out)
+        self._observe_speeds(out, time.perf_counter() - start)
+        self.runner.release([seq.seq_id for seq in finished])
+        return finished
+
+    def _check_progress(self, out: SchedulerOutput):
+        self._num_empty_steps = 0 if not out.is_empty else self._num_empty_steps + 1
+        if self._num_empty_steps > 1:
+            s = self.scheduler
+            raise RuntimeError(f"LLMEngine.step: no progress; waiting={list(s.waiting)} running={s.running} "
+                               f"swapped={list(s.swapped)} free_gpu_blocks={s.block_manager.num_free_blocks}")
+
+    def _apply_stop_strings(self, out: SchedulerOutput) -> list[Sequence]:
+        finished = []
+        for seq in out.seqs:
+            stops = seq.sampling_params.stop
+            if not stops or seq.is_finished or seq.num_uncomputed_tokens != 1 or self.tokenizer is None:
+                continue
+            text = self._detokenize(seq.completion_token_ids)
+            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                seq.output_text = text[:cut]
+                self.scheduler.finish(seq, "stop")
+                finished.append(seq)
+        return finished
+
+    def _observe_speeds(self, out: SchedulerOutput, seconds: float):
+        num_prefill = sum(n for n in out.num_new_tokens if n > 1)
+        if num_prefill > len(out.seqs):
+            self.policy.observe_prefill(num_prefill, seconds)
+        engine = self.runner.copy_engine
+        if engine is not None:
+            for num_bytes, copy_seconds in engine.take_recent_copies():
+                self.policy.observe_copy(num_bytes, copy_seconds)
+
+    def _detokenize(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def output(self, seq: Sequence) -> dict:
+        text = seq.output_text if seq.output_text is not None else self._detokenize(seq.completion_token_ids)
+        return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason}
+
+    def generate(self, prompts: list[str] | list[list[int]] | str, sampling_params=None, use_tqdm: bool = True):
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts; pass one or one each")
+        for prompt, sp in zip(prompts, sampling_params):  # validate everything before queueing anything
+            self._prompt_token_ids(prompt, sp)
+        seq_ids = [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        pending = set(seq_ids)
+        bar = tqdm(total=len(seq_ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        last = (time.perf_counter(), self.stats())
+        while pending:
+            finished = self.step()
+            done = [s.seq_id for s in finished if s.seq_id in pending]
+            pending.difference_update(done)
+            bar.update(len(done))
+            if use_tqdm:
+                last = self._update_bar(bar, last)
+        bar.close()
+        return [self.output(self.requests.pop(seq_id)) for seq_id in seq_ids]
+
+    def _update_bar(self, bar, last):
+        now, stats = time.perf_counter(), self.stats()
+        seconds = now - last[0]
+        if seconds < 0.5:
+            return last
+        prev = last[1]
+        swap_bytes = stats["bytes_swapped_out"] + stats["bytes_swapped_in"] - prev["bytes_swapped_out"] \
+            - prev["bytes_swapped_in"]
+        bar.set_postfix_str(
+            f"prefill={(stats['prefill_tokens'] - prev['prefill_tokens']) / seconds:.0f}tok/s "
+            f"decode={(stats['decode_tokens'] - prev['decode_tokens']) / seconds:.0f}tok/s "
+            f"swap={swap_bytes / seconds / 1e9:.2f}GB/s swapped={len(self.scheduler.swapped)}", refresh=False)
+        return now, stats
+
+    # --- counters and lifetime
+    def stats(self) -> dict:
+        stats = self.scheduler.stats.as_dict()
+        stats["bytes_swapped_out"] = stats["blocks_swapped_out"] * self.block_bytes * self.config.tensor_parallel_size
+        stats["bytes_swapped_in"] = stats["blocks_swapped_in"] * self.block_bytes * self.config.tensor_parallel_size
+        engine = self.runner.copy_engine if self.runner is not None else None
+        if engine is not None:
+            engine.poll()
+        stats["swap_seconds"] = engine.copy_seconds if engine else 0.0
+        stats["swap_exposed_seconds"] = engine.exposed_seconds if engine else 0.0
+        stats["num_gpu_blocks"] = self.num_gpu_blocks
+        host_pool = self.scheduler.host_pool
+        stats["num_cpu_blocks"] = host_pool.num_blocks if host_pool else 0
+        return stats
+
+    def close(self):
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _load_tokenizer(model: str):
+    if not any(os.path.exists(os.path.join(model, f)) for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model)
+
+
+def _eos_token_ids(model: str, hf_config, tokenizer) -> set[int]:
+    ids = set()
+    sources = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    path = os.path.join(model, "generation_config.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            sources.append(json.load(f).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids

@@ -1,0 +1,302 @@
+"""The model runner: the only owner of model weights, the GPU KV cache and (through the copy engine) the host KV
+cache. It turns a SchedulerOutput into tensors, issues the swap copies, runs the forward pass and samples."""
+import gc
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.config import Config
+from nanovllm.engine.scheduler import SchedulerOutput
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.attention import Attention, select_backend
+from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.models.decoder import DecoderForCausalLM
+from nanovllm.models.registry import SUPPORTED_ARCHITECTURES
+from nanovllm.utils.compile import set_compile
+from nanovllm.utils.context import AttentionMetadata, reset_context, set_context
+from nanovllm.utils.distributed import tp_rank, tp_size
+from nanovllm.utils.loader import init_dummy_weights, load_weights
+from nanovllm_offload.copy_engine import CopyEngine
+from nanovllm_offload.host_kv_cache import HostKVCache, num_host_blocks
+
+GiB = 1 << 30
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available; use device='cpu' or 'auto'")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.bfloat16
+    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled]: rows of the hidden states whose next token is sampled
+    sample_seqs: list[Sequence]
+
+
+class ModelRunner:
+    def __init__(self, config: Config, rank: int = 0, device: torch.device | None = None):
+        self.config = config
+        self.rank = rank
+        self.device = device or resolve_device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        hf = config.hf_config
+        self.dtype = resolve_dtype(config.dtype, hf, self.device)
+        self.block_size = config.kvcache_block_size
+        self.num_layers = hf.num_hidden_layers
+        self.num_kv_heads = config.num_kv_heads // tp_size()
+        self.head_dim = config.head_dim
+        self.model = self._build_model()
+        self.sampler = Sampler()
+        self.generators: dict[int, torch.Generator] = {}  # seq_id -> per-request generator (SamplingParams.seed)
+        self.backend = select_backend(config.attention_backend, self.device)
+        self.use_compile = self.device.type == "cuda" and not config.enforce_eager
+        set_compile(self.use_compile)
+        self.kv_cache = None
+        self.host_cache = self.copy_engine = None
+        self.graphs = {}
+
+    # --- start-up
+    def _build_model(self) -> DecoderForCausalLM:
+        config = self.config
+        family = SUPPORTED_ARCHITECTURES[config.architecture]
+        default_dtype, default_device = torch.get_default_dtype(), torch.get_default_device()
+        torch.set_default_dtype(self.dtype)
+        torch.set_default_device(self.device)
+        try:
+            torch.manual_seed(config.seed)
+            model = DecoderForCausalLM(config.hf_config, family)
+        finally:
+            torch.set_default_dtype(default_dtype)
+            torch.set_default_device(default_device)
+        if config.load_format == "dummy":
+            init_dummy_weights(model, config.seed)
+        else:
+            load_weights(model, config.model)
+        return model.eval()
+
+    @property
+    def block_bytes(self) -> int:
+        """One block of all layers, K and V, on this rank."""
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def max_useful_blocks(self) -> int:
+        blocks_per_seq = (self.config.max_model_len + self.block_size - 1) // self.block_size
+        return self.config.max_num_seqs * blocks_per_seq
+
+    def num_kv_blocks_for_budget(self) -> int:
+        """GPU blocks from num_kvcache_blocks, kv_cache_memory_bytes or, on CUDA, a profiling run under
+        gpu_memory_utilization; on CPU, 25% of available memory capped at 4 GiB."""
+        config = self.config
+        if config.kv_cache_memory_bytes is not None:
+            num_blocks = config.kv_cache_memory_bytes // self.block_bytes
+        elif self.device.type == "cuda":
+            num_blocks = self._profile_free_bytes() // self.block_bytes
+        else:
+            import psutil
+            num_blocks = min(4 * GiB, psutil.virtual_memory().available // 4) // self.block_bytes
+        num_blocks = min(num_blocks, self.max_useful_blocks())
+        if config.num_kvcache_blocks is not None:
+            num_blocks = min(num_blocks, config.num_kvcache_blocks) if config.kv_cache_memory_bytes else \
+                config.num_kvcache_blocks
+        if num_blocks < 1:
+            raise ValueError(f"no room for a single KV block of {self.block_bytes / 2**20:.1f} MiB; raise "
+                             f"gpu_memory_utilization or kv_cache_memory_bytes, or lower max_num_batched_tokens")
+        return int(num_blocks)
+
+    @torch.inference_mode()
+    def _profile_free_bytes(self) -> int:
+        """Run the largest prefill without a cache and see what memory is left under gpu_memory_utilization."""
+        config = self.config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        num_tokens = min(config.max_num_batched_tokens, config.max_model_len * config.max_num_seqs)
+        seq_len = min(num_tokens, config.max_model_len)
+        positions = torch.arange(num_tokens, device=self.device) % seq_len
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        set_context(AttentionMetadata(False, None, None, None))
+        try:
+            hidden = self.model(input_ids, positions)
+            self.model.compute_logits(hidden[-config.max_num_seqs:])
+        finally:
+            reset_context()
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        peak, current = torch.cuda.memory_stats()["allocated_bytes.all.peak"], torch.cuda.memory_allocated()
+        return int(total * config.gpu_memory_utilization - used - (peak - current))
+
+    def allocate_kv_cache(self, num_blocks: int):
+        """One block-major tensor kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: a block of all
+        layers is one contiguous chunk, so swapping it is one DMA. Each layer sees strided views of its K and V."""
+        shape = (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for i, attn in enumerate(layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]
+            attn.backend = self.backend
+
+    def allocate_host_cache(self, num_blocks: int):
+        self.host_cache = HostKVCache(num_blocks, tuple(self.kv_cache.shape[1:]), self.dtype,
+                                      pin_memory=self.device.type == "cuda")
+        self.copy_engine = CopyEngine(self.kv_cache, self.host_cache.kv)
+
+    def num_host_blocks(self) -> int:
+        return num_host_blocks(self.config.swap_space, self.block_bytes, tp_size())
+
+    # --- one step
+    def prepare(self, out: SchedulerOutput, width: int | None = None) -> StepInputs:
+        bs = self.block_size
+        input_ids, positions, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
+        logits_indices, sample_seqs = [], []
+        num_tokens = 0
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            start, end, table = seq.num_computed_tokens, seq.num_computed_tokens + n, seq.block_table
+            if n == 1:
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            num_tokens += n
+            query_lens.append(n)
+            seq_lens.append(end)
+            tables.append(table)
+            if end == seq.num_tokens:
+                logits_indices.append(num_tokens - 1)
+                sample_seqs.append(seq)
+        width = width or max(len(t) for t in tables)
+        block_tables = [t + [-1] * (width - len(t)) for t in tables]
+        is_decode = num_tokens == len(query_lens)
+        cu_seqlens = [0]
+        for n in query_lens:
+            cu_seqlens.append(cu_seqlens[-1] + n)
+        md = AttentionMetadata(
+            is_decode_only=is_decode,
+            slot_mapping=self._to_device(slots, torch.int64),
+            seq_lens=self._to_device(seq_lens, torch.int32),
+            block_tables=self._to_device(block_tables, torch.int32),
+            cu_seqlens_q=self._to_device(cu_seqlens, torch.int32),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+        return StepInputs(self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), md,
+                          self._to_device(logits_indices, torch.int64), sample_seqs)
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return torch.tensor(values, dtype=dtype)
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+
+    def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        params = [s.sampling_params for s in seqs]
+        temperatures = [p.temperature for p in params]
+        all_greedy = all(p.is_greedy for p in params)
+        top_ks = top_ps = min_ps = generators = None
+        if not all_greedy:
+            vocab = self.config.hf_config.vocab_size
+            if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+                top_ks = self._to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64)
+                top_ps = self._to_device([p.top_p for p in params], torch.float32)
+            if any(p.min_p > 0 for p in params):
+                min_ps = self._to_device([p.min_p for p in params], torch.float32)
+            if any(p.seed is not None for p in params):
+                generators = [self._generator(s) for s in seqs]
+        temps = self._to_device([0.0 if p.is_greedy else t for p, t in zip(params, temperatures)], torch.float32)
+        return SamplingTensors(temps, top_ks, top_ps, min_ps, generators, all_greedy)
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        seed = seq.sampling_params.seed
+        if seed is None:
+            return None
+        if seq.seq_id not in self.generators:
+            self.generators[seq.seq_id] = torch.Generator(self.device).manual_seed(seed)
+        return self.generators[seq.seq_id]
+
+    def release(self, seq_ids: list[int]):
+        for seq_id in seq_ids:
+            self.generators.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> list[int]:
+        """Issue this step's copies, run the forward, sample. Returns one token per sequence that completed its
+        prompt (or its recompute) this step, in batch order."""
+        if self.copy_engine is not None:
+            self.copy_engine.poll()
+            self.copy_engine.swap_out(out.swap_out)
+            self.copy_engine.wait_before_forward(out.new_gpu_block_ids)
+            self.copy_engine.swap_in(out.swap_in)
+        if not out.seqs:
+            return []
+        graph = self._graph_for(out)
+        inputs = self.prepare(out, width=graph.width if graph else None)
+        if graph is not None:
+            hidden = graph.replay(inputs)
+        else:
+            set_context(inputs.metadata)
+            try:
+                hidden = self.model(inputs.input_ids, inputs.positions)
+            finally:
+                reset_context()
+        if not inputs.sample_seqs:
+            return []
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if self.rank != 0:
+            return []
+        return self.sampler(logits, self.sampling_tensors(inputs.sample_seqs)).tolist()
+
+    # --- CUDA graphs for decode steps
+    def _graph_for(self, out: SchedulerOutput):
+        if not self.graphs or not out.is_decode_only:
+            return None
+        batch = len(out.seqs)
+        for size in self.graph_batch_sizes:
+            if size >= batch:
+                return self.graphs[size]
+        return None
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self):
+        """Capture decode forwards for batch sizes up to max_num_seqs (nano-vllm's 1, 2, 4, 8, 16, 32, ...)."""
+        if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name == "torch":
+            return
+        from nanovllm.engine.cuda_graph import DecodeGraph
+        max_bs = min(self.config.max_num_seqs, 512)
+        self.graph_batch_sizes = [b for b in [1, 2, 4, 8] if b < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
+        width = (self.config.max_model_len + self.block_size - 1) // self.block_size
+        pool = None
+        for size in reversed(self.graph_batch_sizes):
+            graph = DecodeGraph(self.model, size, width, self.device, pool)
+            pool = graph.pool
+            self.graphs[size] = graph
+
+    def close(self):
+        if self.copy_engine is not None:
+            self.copy_engine.synchronize()
+        for attn in (m for m in self.model.modules() if isinstance(m, Attention)):
+            attn.k_cache = attn.v_cache = torch.tensor([])
+        self.graphs.clear()
+        self.model = self.kv_cache = self.host_cache = self.copy_engine = None
+        self.generators.clear()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()

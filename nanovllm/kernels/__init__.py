@@ -1,0 +1,1 @@
+"""Triton GPU kernels (paged KV-cache store and attention)."""

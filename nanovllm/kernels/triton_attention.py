@@ -1,0 +1,480 @@
+"""Triton kernels for the paged KV cache: store, prefill attention, decode attention.
+
+KV cache layout
+---------------
+The whole cache is one tensor ``kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
+A layer sees the views ``k_cache = kv[:, layer, 0]`` and ``v_cache = kv[:, layer, 1]``, each
+``[num_blocks, block_size, num_kv_heads, head_dim]``: the inner ``[block_size, H, D]`` is contiguous,
+the block stride is ``num_layers * 2 * block_size * H * D``. Kernels take every stride from the
+tensors (only ``head_dim`` must have stride 1). Token ``t`` of a sequence lives in the physical block
+``block_tables[seq, t // block_size]`` at row ``t % block_size``; a slot id is
+``block_id * block_size + offset``.
+
+Kernels
+-------
+* ``_store_kvcache_kernel``: one program per new token copies its K and V rows (all kv heads) to
+  their slot; slot -1 (CUDA-graph padding) is skipped.
+* ``_prefill_kernel``: causal flash attention for a varlen batch whose K/V are all read from the
+  paged cache (cached prefix + the tokens just stored). The query tile packs ``BLOCK_Q`` tokens x
+  ``GROUP`` query heads of one kv head into ``BLOCK_M = BLOCK_Q * GROUP`` rows, so each K/V tile is
+  loaded once per GQA group. The 1-D grid runs over the q tiles of all sequences (binary search in
+  ``cu_seqlens_q``), heaviest tiles first; key tiles left of the diagonal skip the causal mask.
+* ``_decode_kernel`` + ``_decode_reduce_kernel``: flash-decoding. Program ``(b, kv_head, split)``
+  runs the ``GROUP`` query heads of one kv head (padded to 16 rows for ``tl.dot``) over one slice of
+  the context and writes a partial output and its log-sum-exp; the reduce kernel merges the slices.
+  The split size depends only on shapes (batch, kv heads, block-table width), never on
+  ``seq_lens`` values, so the launch is CUDA-graph capturable; slices past a sequence's end exit at
+  once. With a single split the first kernel writes the output directly (no reduce launch).
+
+All softmax math is fp32 in the log2 domain (``exp2`` with ``scale * log2(e)``).
+"""
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------------------------
+# shared device helpers
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _cache_rows(bt_row_ptr, n_start, pos, pos_mask, stride_b, stride_t,
+                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Element offsets (int64) of the cache rows holding token positions ``pos`` [BLOCK_N]."""
+    if BLOCK_SIZE >= BLOCK_N:
+        # the key tile lies inside one cache block (n_start is a multiple of BLOCK_N)
+        blk = tl.load(bt_row_ptr + n_start // BLOCK_SIZE).to(tl.int64)
+    else:
+        blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
+    return blk * stride_b + (pos % BLOCK_SIZE) * stride_t  # [BLOCK_N]
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, k_head, v_head, bt_row_ptr, n_start, q_pos, kv_end,
+                 stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr):
+    """One online-softmax step of the query rows ``q`` [M, BLOCK_D] over keys [n_start, n_start+BLOCK_N).
+
+    MASK: keys >= kv_end are invalid (last tile); CAUSAL: row r only sees keys <= q_pos[r].
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    pos = n_start + offs_n  # [BLOCK_N]
+    if MASK:
+        n_mask = pos < kv_end
+    else:
+        n_mask = pos >= 0  # all true
+    k_rows = _cache_rows(bt_row_ptr, n_start, pos, n_mask, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
+    v_rows = _cache_rows(bt_row_ptr, n_start, pos, n_mask, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N)
+    if BLOCK_D == HEAD_DIM:
+        kv_mask = n_mask[:, None]
+    else:
+        kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    if MASK:
+        k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    elif BLOCK_D == HEAD_DIM:
+        k = tl.load(k_head + k_rows[:, None] + offs_d[None, :])
+    else:
+        k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+
+    qk = tl.dot(q, tl.trans(k)) * qk_scale  # [M, BLOCK_N] fp32, log2 domain
+    if CAUSAL:
+        qk = tl.where(pos[None, :] <= q_pos[:, None], qk, float("-inf"))
+    elif MASK:
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(qk, 1))  # [M]
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])  # [M, BLOCK_N]
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    if MASK:
+        v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    elif BLOCK_D == HEAD_DIM:
+        v = tl.load(v_head + v_rows[:, None] + offs_d[None, :])
+    else:
+        v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # [M, BLOCK_D]
+    return acc, m_new, l_i
+
+
+# --------------------------------------------------------------------------------------------
+# store_kvcache
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kcb, stride_kct, stride_kch,
+    stride_vcb, stride_vct, stride_vch,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h < NUM_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_H, BLOCK_D]
+    t64 = t.to(tl.int64)
+
+    k = tl.load(key_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
+    v = tl.load(value_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
+    k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kct + offs_h[:, None] * stride_kch + offs_d[None, :]
+    v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :]
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_dim] to their slots; slot -1 is skipped."""
+    num_tokens, num_heads, head_dim = key.shape
+    _check_cache(k_cache, v_cache, num_heads, head_dim)
+    assert value.shape == key.shape and slot_mapping.shape[0] == num_tokens
+    if num_tokens == 0:
+        return
+    _store_kvcache_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        *key.stride(), *value.stride(),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# prefill attention
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """Sequence owning global q tile ``tile``; sequence i's tiles start at cu[i] // BLOCK_Q + i."""
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale, num_seqs,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_btb,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # last (heaviest) tiles are scheduled first
+    kvh = tl.program_id(1)
+    seq = _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    q_tile = tile - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_start = seq_len - q_len  # absolute position of the sequence's first query
+
+    # rows: BLOCK_Q query tokens x GROUP heads sharing kv head `kvh`
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_idx = q_tile * BLOCK_Q + offs_m // GROUP  # [BLOCK_M] query index within the sequence
+    head = kvh * GROUP + offs_m % GROUP  # [BLOCK_M]
+    row_mask = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
+    q_pos = ctx_start + q_idx  # [BLOCK_M] absolute positions
+    tok = (q_start + q_idx).to(tl.int64)
+    q_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_btb
+    k_head = k_cache_ptr + kvh * stride_kh
+    v_head = v_cache_ptr + kvh * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    first_pos = ctx_start + q_tile * BLOCK_Q
+    kv_end = ctx_start + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)  # one past the last visible key
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # key tiles below this are visible to every row
+    for n in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_head, v_head, bt_row, n, q_pos, kv_end,
+                                     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, False)
+    for n in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_head, v_head, bt_row, n, q_pos, kv_end,
+                                     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, True)
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int  # query rows per program (prefill) — unused by decode
+    block_n: int  # keys per inner step
+    num_warps: int
+    num_stages: int
+
+
+def _prefill_config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
+    if dtype == torch.float32 or head_dim > 128:
+        return KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    return KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                            max_query_len: int, scale: float, config: KernelConfig | None = None) -> torch.Tensor:
+    """Causal attention of new queries over their whole (paged) context. Returns [num_tokens, H, D]."""
+    num_tokens, num_heads, head_dim = q.shape  # [T, H, D]
+    num_kv_heads = k_cache.shape[2]
+    _check_cache(k_cache, v_cache, num_kv_heads, head_dim)
+    assert num_heads % num_kv_heads == 0
+    group = num_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)  # [T, H, D]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    cfg = config or _prefill_config(q.dtype, head_dim)
+    # small tiles when every query run is short (e.g. mostly-decode batches)
+    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(max(1, max_query_len) * group)))
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
+        scale * _LOG2E, num_seqs,
+        *q.stride(), *out.stride(),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_tables.stride(0),
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# decode attention (split-K / flash-decoding)
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr,
+    qk_scale, tokens_per_split, num_heads,
+    stride_qb, stride_qh, stride_qd,
+    stride_ob, stride_oh, stride_od,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_btb,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    if NUM_SPLITS > 1:
+        if start >= end:  # slice past the end of this sequence: the reduce ignores it
+            return
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    head = kvh * GROUP + offs_g  # [BLOCK_G] query heads of this kv head
+    qo_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_G, BLOCK_D]
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=qo_mask, other=0.0)  # [BLOCK_G, BLOCK_D]
+
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_btb
+    k_head = k_cache_ptr + kvh * stride_kh
+    v_head = v_cache_ptr + kvh * stride_vh
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n in range(start, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_head, v_head, bt_row, n, m_i, end,
+                                     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, False)
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]  # [BLOCK_G, BLOCK_D]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=qo_mask)
+    else:
+        # partials: part_o [B, H, NUM_SPLITS, BLOCK_D], part_lse [B, H, NUM_SPLITS] (log2 domain)
+        part = (b * num_heads + head).to(tl.int64) * NUM_SPLITS + split  # [BLOCK_G]
+        g_mask = offs_g < GROUP
+        tl.store(part_o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o, mask=g_mask[:, None])
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_safe), mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_o_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
+    tokens_per_split, num_heads,
+    stride_ob, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    num_valid = (seq_len + tokens_per_split - 1) // tokens_per_split
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = (offs_s < num_valid) & (offs_s < NUM_SPLITS)  # [BLOCK_S]
+    base = (b * num_heads + h).to(tl.int64) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))  # [BLOCK_S]
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence (seq_len 0): output zeros
+    w = tl.exp2(lse - m)  # [BLOCK_S]
+    denom = tl.sum(w, 0)
+    o = tl.load(part_o_ptr + (base + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
+                mask=s_mask[:, None], other=0.0)  # [BLOCK_S, BLOCK_D]
+    o = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)  # [BLOCK_D]
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+# Split policy constants (see _decode_split_plan).
+_TARGET_CTAS_PER_SM = 4  # enough resident programs to keep HBM busy
+_MAX_SPLITS = 64  # bounds the scratch buffers and the reduce tile
+_MAX_SPLIT_TOKENS = 1024  # when splitting, keep slices short so shorter-than-table sequences split too
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # CPU / interpreter runs: pretend to be an H100/H200
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _decode_split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, block_n: int,
+                       num_sms: int, num_splits: int | None = None) -> tuple[int, int]:
+    """(tokens_per_split, num_splits) from shapes only — never from seq_lens values (graph capture).
+
+    Programs are (batch x kv_heads x splits). When batch x kv_heads alone fills the GPU there is
+    one split. Otherwise the table width (max_blocks * block_size tokens) is cut into enough
+    slices to reach ~_TARGET_CTAS_PER_SM programs per SM, each at most _MAX_SPLIT_TOKENS long (so
+    sequences much shorter than the table width still split) and at most _MAX_SPLITS slices.
+    """
+    max_ctx = max(1, max_blocks * block_size)
+    if num_splits is None:
+        ctas = max(1, batch * num_kv_heads)
+        target = _TARGET_CTAS_PER_SM * num_sms
+        num_splits = 1 if ctas >= target else min(triton.cdiv(target, ctas), _MAX_SPLITS)
+        tokens = triton.cdiv(max_ctx, num_splits)
+        if num_splits > 1:
+            tokens = max(min(tokens, _MAX_SPLIT_TOKENS), triton.cdiv(max_ctx, _MAX_SPLITS))
+    else:
+        tokens = triton.cdiv(max_ctx, max(1, min(num_splits, _MAX_SPLITS)))
+    tokens = triton.cdiv(tokens, block_n) * block_n
+    return tokens, triton.cdiv(max_ctx, tokens)
+
+
+def _decode_config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
+    if dtype == torch.float32 or head_dim > 128:
+        return KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
+    return KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                           block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                           num_splits: int | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+    """One query per sequence (at its last position) over its paged context. Returns [B, H, D].
+
+    CUDA-graph safe: no host sync, scratch sized from shapes only. ``num_splits``/``config``
+    override the heuristics (tests and benchmarks).
+    """
+    batch, num_heads, head_dim = q.shape  # [B, H, D]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    _check_cache(k_cache, v_cache, num_kv_heads, head_dim)
+    assert num_heads % num_kv_heads == 0
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)  # [B, H, D]
+    assert out.shape == (batch, num_heads, head_dim)
+    if batch == 0:
+        return out
+
+    cfg = config or _decode_config(q.dtype, head_dim)
+    block_d = triton.next_power_of_2(head_dim)
+    tokens_per_split, splits = _decode_split_plan(batch, num_kv_heads, block_tables.shape[1], block_size,
+                                                  cfg.block_n, _sm_count(q.device), num_splits)
+    if splits > 1:
+        part_o = torch.empty((batch, num_heads, splits, block_d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    _decode_kernel[(batch, num_kv_heads, splits)](
+        q, k_cache, v_cache, seq_lens, block_tables,
+        out, part_o, part_lse,
+        scale * _LOG2E, tokens_per_split, num_heads,
+        *q.stride(), *out.stride(),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_tables.stride(0),
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=block_size, NUM_SPLITS=splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _decode_reduce_kernel[(batch, num_heads)](
+            part_o, part_lse, seq_lens, out,
+            tokens_per_split, num_heads,
+            *out.stride(),
+            HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "cache views must be [N, block_size, H, D]"
+    assert k_cache.shape[2] == num_kv_heads and k_cache.shape[3] == head_dim
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "head_dim must be contiguous"
+    bs = k_cache.shape[1]
+    assert bs >= 1 and bs & (bs - 1) == 0, "block_size must be a power of two"
+
+
+__all__ = ["store_kvcache", "paged_prefill_attention", "paged_decode_attention", "KernelConfig"]

@@ -1,0 +1,143 @@
+"""Paged attention behind a small backend interface.
+
+Every backend does three things on one layer's cache views `k_cache`, `v_cache` of shape
+[num_blocks, block_size, num_kv_heads, head_dim] (views of the block-major cache, so dim 0 is strided):
+- store_kv: write the new tokens' K and V at their slots;
+- prefill: varlen causal attention where each sequence's queries are the last tokens of its context and every
+  key/value (cached prefix and new tokens alike) is read from the cache through the block table;
+- decode: one query per sequence.
+`TorchBackend` is the reference: plain torch, CPU and GPU; the Triton and flash-attn backends are tested against it.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.utils.context import AttentionMetadata, get_context
+
+
+class TorchBackend:
+    name = "torch"
+
+    def store_kv(self, k, v, k_cache, v_cache, md: AttentionMetadata):
+        valid = md.slot_mapping >= 0
+        slots = md.slot_mapping[valid]
+        block_size = k_cache.size(1)
+        block_ids, offsets = slots // block_size, slots % block_size
+        k_cache[block_ids, offsets] = k[valid]
+        v_cache[block_ids, offsets] = v[valid]
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+        return cache[block_ids].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
+
+    def prefill(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        block_size = k_cache.size(1)
+        start = 0
+        for i, (query_len, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
+            block_ids = md.block_tables[i, :(seq_len + block_size - 1) // block_size]
+            k = self._gather(k_cache, block_ids, seq_len)
+            v = self._gather(v_cache, block_ids, seq_len)
+            qi = q[start:start + query_len]  # [query_len, num_heads, head_dim]
+            group = qi.size(1) // k.size(1)
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [seq_len, num_heads, head_dim]
+            scores = torch.einsum("qhd,khd->hqk", qi.float(), k.float()) * scale  # [num_heads, query_len, seq_len]
+            q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]
+            probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+            out[start:start + query_len] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+            start += query_len
+        return out
+
+    def decode(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.size(2)
+        block_tables = md.block_tables.clamp(min=0)
+        k = k_cache[block_tables].flatten(1, 2)  # [B, max_blocks * block_size, num_kv_heads, head_dim]
+        v = v_cache[block_tables].flatten(1, 2)
+        qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = torch.einsum("bngd,bsnd->bngs", qg.float(), k.float()) * scale
+        mask = torch.arange(k.size(1), device=q.device)[None, :] >= md.seq_lens[:, None]  # [B, S]
+        probs = scores.masked_fill(mask[:, None, None, :], float("-inf")).softmax(-1)
+        out = torch.einsum("bngs,bsnd->bngd", probs, v.float())
+        return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self):
+        from nanovllm.kernels import triton_attention
+        self.ops = triton_attention
+
+    def store_kv(self, k, v, k_cache, v_cache, md: AttentionMetadata):
+        self.ops.store_kvcache(k, v, k_cache, v_cache, md.slot_mapping)
+
+    def prefill(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self.ops.paged_prefill_attention(q, k_cache, v_cache, md.cu_seqlens_q, md.seq_lens, md.block_tables,
+                                                md.max_query_len, scale)
+
+    def decode(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self.ops.paged_decode_attention(q, k_cache, v_cache, md.seq_lens, md.block_tables, scale)
+
+
+class FlashBackend(TritonBackend):
+    """flash-attn for attention (paged through block_table), Triton for the KV store."""
+    name = "flash"
+
+    def __init__(self):
+        super().__init__()
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
+
+    def prefill(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self.varlen(q, k_cache, v_cache, cu_seqlens_q=md.cu_seqlens_q, max_seqlen_q=md.max_query_len,
+                           seqused_k=md.seq_lens, max_seqlen_k=md.max_seq_len, softmax_scale=scale, causal=True,
+                           block_table=md.block_tables)
+
+    def decode(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=md.seq_lens,
+                                block_table=md.block_tables, softmax_scale=scale, causal=True)
+        return out.squeeze(1)
+
+
+def select_backend(name: str, device: torch.device):
+    """"auto": flash-attn when importable on CUDA, else Triton on CUDA, torch on CPU."""
+    if name == "auto":
+        if device.type != "cuda":
+            return TorchBackend()
+        try:
+            return FlashBackend()
+        except ImportError:
+            name = "triton"
+    if name != "torch" and device.type != "cuda":
+        raise ValueError(f"attention_backend={name!r} needs a CUDA device; use 'torch' on {device.type}")
+    return {"torch": TorchBackend, "triton": TritonBackend, "flash": FlashBackend}[name]()
+
+
+class Attention(nn.Module):
+    """One layer's paged attention. The runner binds `k_cache`/`v_cache` and the backend before the first forward."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
+        self.k_cache = self.v_cache = torch.tensor([])
+        self.backend = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        md = get_context()
+        if self.k_cache.numel():  # no cache during the memory-profiling run
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, md)
+        else:
+            return self._profile_attention(q, k, v)
+        if md.is_decode_only:
+            return self.backend.decode(q, self.k_cache, self.v_cache, md, self.scale)
+        return self.backend.prefill(q, self.k_cache, self.v_cache, md, self.scale)
+
+    def _profile_attention(self, q, k, v) -> torch.Tensor:
+        """Attention without a cache, for the profiling run that sizes the KV cache (one sequence, causal)."""
+        group = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             is_causal=True, scale=self.scale)
+        return out.transpose(0, 1)

@@ -1,0 +1,49 @@
+"""Batched sampling with per-request temperature, top-k, top-p, min-p and seeds."""
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class SamplingTensors:
+    temperatures: torch.Tensor  # [B] float32; 0 = greedy
+    top_ks: torch.Tensor | None  # [B] int64, vocab size where disabled; None when no row filters
+    top_ps: torch.Tensor | None  # [B] float32
+    min_ps: torch.Tensor | None  # [B] float32
+    generators: list[torch.Generator | None] | None  # per row; None rows use the engine's generator
+    all_greedy: bool
+
+
+class Sampler(nn.Module):
+    """Samples with the exponential-race trick: argmax(p / E), E ~ Exp(1), which draws from p without a cumsum.
+    A seeded row draws its E from its own generator, so its tokens do not depend on the rest of the batch."""
+
+    def forward(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        logits = logits.float()  # [B, V]
+        greedy_ids = logits.argmax(-1)
+        if st.all_greedy:
+            return greedy_ids
+        logits = logits / st.temperatures.clamp(min=1e-5).unsqueeze(1)
+        if st.top_ks is not None:
+            logits = self._top_k_top_p(logits, st.top_ks, st.top_ps)
+        probs = logits.softmax(-1)
+        if st.min_ps is not None:
+            probs = probs.masked_fill(probs < st.min_ps.unsqueeze(1) * probs.amax(-1, keepdim=True), 0.0)
+        noise = torch.empty_like(probs).exponential_()
+        for row, generator in enumerate(st.generators or ()):
+            if generator is not None:
+                noise[row].exponential_(generator=generator)
+        sampled = probs.div(noise).argmax(-1)
+        return torch.where(st.temperatures == 0, greedy_ids, sampled)
+
+    @staticmethod
+    def _top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+        sorted_logits, order = logits.sort(-1, descending=True)  # [B, V]
+        ranks = torch.arange(logits.size(1), device=logits.device).unsqueeze(0)
+        remove = ranks >= top_ks.unsqueeze(1)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already reach top_p (the first token always stays)
+        remove |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_ps.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,118 @@
+"""The Llama-style decoder that serves Qwen3, Qwen2 and the Llama family.
+
+Families differ only in: q/k RMSNorm before rope (Qwen3), bias on q/k/v (Qwen2 always, Llama/Qwen3 when
+`attention_bias`), bias on the MLP (Llama `mlp_bias`), and whether the LM head is tied to the embedding.
+"""
+import torch
+from torch import nn
+
+from nanovllm.config import rope_parameters
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.utils.distributed import tp_size
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, hf, family: str):
+        super().__init__()
+        tp = tp_size()
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        self.num_heads, self.num_kv_heads = hf.num_attention_heads // tp, num_kv_heads // tp
+        attention_bias = getattr(hf, "attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(hf.hidden_size, self.head_dim, hf.num_attention_heads, num_kv_heads,
+                                          bias=attention_bias or family == "qwen2")
+        self.o_proj = RowParallelLinear(hf.num_attention_heads * self.head_dim, hf.hidden_size, bias=attention_bias)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, hf.max_position_embeddings,
+                                          rope_parameters(hf)["rope_theta"])
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        self.qk_norm = family == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, nh, hd]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, nkv, hd]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v)  # [T, nh, hd]
+        return self.o_proj(out.flatten(1))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, hf):
+        super().__init__()
+        bias = getattr(hf, "mlp_bias", False)
+        self.gate_up_proj = MergedColumnParallelLinear(hf.hidden_size, [hf.intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(hf.intermediate_size, hf.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hf, family: str):
+        super().__init__()
+        self.self_attn = DecoderAttention(hf, family)
+        self.mlp = DecoderMLP(hf)
+        self.input_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, hf, family: str):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(hf, family) for _ in range(hf.num_hidden_layers))
+        self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DecoderForCausalLM(nn.Module):
+    # Hugging Face weight name -> (our packed parameter, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, hf, family: str):
+        super().__init__()
+        self.model = DecoderModel(hf, family)
+        self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size)
+        self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)

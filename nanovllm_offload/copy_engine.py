@@ -1,0 +1,152 @@
+"""Moves whole KV blocks between the GPU cache and the host cache on dedicated CUDA streams.
+
+Ordering rules (each enforced by an event wait, never by a device-wide sync):
+1. A swap-out starts after all compute issued before it: it reads KV the previous forward wrote.
+2. Compute that writes a GPU block waits for any swap-out still reading that block (`wait_before_forward`).
+3. Compute waits for the swap-ins issued in earlier steps before it reads their blocks. A resumed sequence joins
+   the batch one step after its swap-in is issued, so the copy overlaps a whole forward.
+4. The two directions are ordered against each other: a host block released by a swap-in can be the next
+   swap-out's destination, and a GPU block released by a swap-out can be the next swap-in's destination.
+On a CPU-only machine the copies are plain synchronous memcpys and all of their time counts as exposed.
+"""
+import time
+
+import torch
+
+
+def contiguous_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """[(src, dst)] -> [(src_start, dst_start, length)], merging pairs where both ids advance by one."""
+    runs = []
+    for src, dst in pairs:
+        if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
+
+
+class CopyEngine:
+    """Owns the copy streams and the transfers in flight; drained once per step by `poll`."""
+
+    def __init__(self, gpu_kv: torch.Tensor, host_kv: torch.Tensor):
+        self.gpu_kv, self.host_kv = gpu_kv, host_kv
+        self.block_bytes = gpu_kv[0].numel() * gpu_kv.element_size()
+        self.is_cuda = gpu_kv.is_cuda
+        if self.is_cuda:
+            self.out_stream, self.in_stream = torch.cuda.Stream(), torch.cuda.Stream()
+        self.reading_gpu_blocks: dict[int, torch.cuda.Event] = {}  # swap-out sources still being read
+        self.incoming: list[torch.cuda.Event] = []  # swap-in batches that compute has not waited for yet
+        self.last_out_event = self.last_in_event = None
+        self.pending_copies: list[tuple[object, object, int]] = []  # (start, end, bytes): copies not yet timed
+        self.pending_waits: list[tuple[object, object]] = []  # compute-stream stalls not yet timed
+        self.bytes_out = self.bytes_in = 0
+        self.copy_seconds = self.exposed_seconds = 0.0
+        self.recent_copies: list[tuple[int, float]] = []  # (bytes, seconds) timed since the last take_recent_copies
+
+    # --- issuing copies
+    def swap_out(self, pairs: list[tuple[int, int]]):
+        """pairs: (gpu_block_id, cpu_block_id)."""
+        if not pairs:
+            return
+        self.bytes_out += len(pairs) * self.block_bytes
+        event = self._copy(pairs, self.gpu_kv, self.host_kv, "out")
+        for gpu_block_id, _ in pairs:
+            self.reading_gpu_blocks[gpu_block_id] = event
+
+    def swap_in(self, pairs: list[tuple[int, int]]):
+        """pairs: (cpu_block_id, gpu_block_id)."""
+        if not pairs:
+            return
+        self.bytes_in += len(pairs) * self.block_bytes
+        event = self._copy(pairs, self.host_kv, self.gpu_kv, "in")
+        if event is not None:
+            self.incoming.append(event)
+
+    def _copy(self, pairs, src: torch.Tensor, dst: torch.Tensor, direction: str):
+        num_bytes = len(pairs) * self.block_bytes
+        if not self.is_cuda:
+            start = time.perf_counter()
+            self._copy_runs(pairs, src, dst)
+            seconds = time.perf_counter() - start
+            self.copy_seconds += seconds
+            self.exposed_seconds += seconds
+            self.recent_copies.append((num_bytes, seconds))
+            return None
+        stream, other = (self.out_stream, self.last_in_event) if direction == "out" else (self.in_stream,
+                                                                                          self.last_out_event)
+        stream.wait_stream(torch.cuda.current_stream())  # rule 1 (and: earlier compute done with these blocks)
+        if other is not None:
+            stream.wait_event(other)  # rule 4
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record()
+            self._copy_runs(pairs, src, dst)
+            end.record()
+        self.pending_copies.append((start, end, num_bytes))
+        if direction == "out":
+            self.last_out_event = end
+        else:
+            self.last_in_event = end
+        return end
+
+    @staticmethod
+    def _copy_runs(pairs, src: torch.Tensor, dst: torch.Tensor):
+        for s, d, n in contiguous_runs(pairs):
+            dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+
+    # --- ordering against compute
+    def wait_before_forward(self, new_gpu_block_ids: list[int]):
+        """Make the compute stream wait for earlier swap-ins (rule 3) and for swap-outs still reading blocks that
+        this step hands out (rule 2). Call before issuing this step's swap-ins."""
+        if not self.is_cuda:
+            return
+        events = {id(e): e for e in self.incoming}
+        for block_id in new_gpu_block_ids:
+            event = self.reading_gpu_blocks.get(block_id)
+            if event is not None:
+                events[id(event)] = event
+        self.incoming = []
+        pending = [e for e in events.values() if not e.query()]
+        if not pending:
+            return
+        compute = torch.cuda.current_stream()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(compute)
+        for event in pending:
+            compute.wait_event(event)
+        end.record(compute)
+        self.pending_waits.append((start, end))
+
+    # --- once per step
+    def poll(self):
+        """Retire finished transfers: time them and forget the blocks they no longer read."""
+        if not self.is_cuda:
+            return
+        still = []
+        for start, end, num_bytes in self.pending_copies:
+            if end.query():
+                seconds = start.elapsed_time(end) / 1e3
+                self.copy_seconds += seconds
+                self.recent_copies.append((num_bytes, seconds))
+            else:
+                still.append((start, end, num_bytes))
+        self.pending_copies = still
+        waits = []
+        for start, end in self.pending_waits:
+            if end.query():
+                self.exposed_seconds += start.elapsed_time(end) / 1e3
+            else:
+                waits.append((start, end))
+        self.pending_waits = waits
+        self.reading_gpu_blocks = {b: e for b, e in self.reading_gpu_blocks.items() if not e.query()}
+
+    def take_recent_copies(self) -> list[tuple[int, float]]:
+        recent, self.recent_copies = self.recent_copies, []
+        return recent
+
+    def synchronize(self):
+        if self.is_cuda:
+            self.out_stream.synchronize()
+            self.in_stream.synchronize()
+            torch.cuda.current_stream().synchronize()
+        self.poll()

@@ -1,0 +1,30 @@
+"""The host tensors of the swap tier: one pinned block pool that mirrors the GPU cache block for block."""
+import psutil
+import torch
+
+GiB = 1 << 30
+
+
+def num_host_blocks(swap_space_gib: float, block_bytes: int, num_ranks: int = 1) -> int:
+    """How many host blocks `swap_space` buys. Raises ValueError when the host cannot hold it."""
+    size_bytes = int(swap_space_gib * GiB)
+    available = psutil.virtual_memory().available
+    if size_bytes * num_ranks > 0.9 * available:
+        raise ValueError(f"swap_space={swap_space_gib:g} GiB x {num_ranks} rank(s) but only "
+                         f"{available / GiB:.1f} GiB of host memory is available; lower swap_space")
+    return size_bytes // block_bytes
+
+
+class HostKVCache:
+    """kv[num_cpu_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], the GPU layout with cpu_block_ids.
+
+    Block-major like the GPU cache, so one block (all layers, K and V) is one contiguous chunk: one DMA per block,
+    one per run of consecutive ids. Pinned on CUDA machines so copies are asynchronous and run at link speed.
+    """
+
+    def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool):
+        self.kv = torch.empty((num_blocks, *block_shape), dtype=dtype, device="cpu", pin_memory=pin_memory)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.size(0)
