@@ -26,7 +26,9 @@ class LLMEngine:
         self.runner.allocate_kv_cache(self.num_gpu_blocks)
         host_pool = None
         if config.preemption_mode != "recompute" and config.swap_space > 0:
-            num_cpu_blocks = self.runner.num_host_blocks()
+            # running + swapped never exceeds max_num_seqs (no admissions while anything is swapped), so more
+            # host blocks than the GPU could ever hand to max_num_seqs sequences would sit idle
+            num_cpu_blocks = min(self.runner.num_host_blocks(), self.runner.max_useful_blocks())
             self.runner.allocate_host_cache(num_cpu_blocks)
             host_pool = HostBlockPool(num_cpu_blocks)
         self.runner.capture_cuda_graphs()
