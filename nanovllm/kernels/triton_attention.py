@@ -296,13 +296,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,
-    qk_scale, tokens_per_split, num_heads,
+    qk_scale, tokens_per_split, num_heads, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_ob, stride_oh, stride_od,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_btb,
-    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -311,7 +311,7 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + b)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
-    if NUM_SPLITS > 1:
+    if SPLIT:
         if start >= end:  # slice past the end of this sequence: the reduce ignores it
             return
 
@@ -335,12 +335,12 @@ def _decode_kernel(
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]  # [BLOCK_G, BLOCK_D]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=qo_mask)
     else:
-        # partials: part_o [B, H, NUM_SPLITS, BLOCK_D], part_lse [B, H, NUM_SPLITS] (log2 domain)
-        part = (b * num_heads + head).to(tl.int64) * NUM_SPLITS + split  # [BLOCK_G]
+        # partials: part_o [B, H, num_splits, BLOCK_D], part_lse [B, H, num_splits] (log2 domain)
+        part = (b * num_heads + head).to(tl.int64) * num_splits + split  # [BLOCK_G]
         g_mask = offs_g < GROUP
         tl.store(part_o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o, mask=g_mask[:, None])
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_safe), mask=g_mask)
@@ -349,9 +349,9 @@ def _decode_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     part_o_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
-    tokens_per_split, num_heads,
+    tokens_per_split, num_heads, num_splits,
     stride_ob, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -359,8 +359,8 @@ def _decode_reduce_kernel(
     num_valid = (seq_len + tokens_per_split - 1) // tokens_per_split
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = (offs_s < num_valid) & (offs_s < NUM_SPLITS)  # [BLOCK_S]
-    base = (b * num_heads + h).to(tl.int64) * NUM_SPLITS
+    s_mask = (offs_s < num_valid) & (offs_s < num_splits)  # [BLOCK_S]
+    base = (b * num_heads + h).to(tl.int64) * num_splits
     lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))  # [BLOCK_S]
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence (seq_len 0): output zeros
@@ -450,20 +450,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, seq_lens, block_tables,
         out, part_o, part_lse,
-        scale * _LOG2E, tokens_per_split, num_heads,
+        scale * _LOG2E, tokens_per_split, num_heads, splits,
         *q.stride(), *out.stride(),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
-        HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=block_size, NUM_SPLITS=splits,
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=block_size, SPLIT=splits > 1,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             part_o, part_lse, seq_lens, out,
-            tokens_per_split, num_heads,
+            tokens_per_split, num_heads, splits,
             *out.stride(),
-            HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
             num_warps=4,
         )
     return out

@@ -1,0 +1,152 @@
+"""Microbenchmark of the Triton paged-attention kernels.
+
+    python -m nanovllm.kernels.bench_attention [--sweep]
+
+Prints, for decode at batch 256 / context 1024 (Qwen3-0.6B and Qwen3-8B head shapes, bf16,
+block_size 256): kernel time, GB/s of KV read, the device-to-device copy bandwidth measured in the
+same run (read + write bytes of a large ``dst.copy_(src)``) and the ratio of the two. Then prefill
+attention on a 16k-token batch, with torch SDPA (flash) on contiguous tensors as a yardstick.
+``--sweep`` also times a grid of decode tile configs / split counts.
+"""
+
+import argparse
+import math
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from nanovllm.kernels.triton_attention import (
+    KernelConfig,
+    _decode_config,
+    _decode_split_plan,
+    _sm_count,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
+
+SHAPES = {  # name: (q heads, kv heads, head_dim)
+    "Qwen3-0.6B": (16, 8, 128),
+    "Qwen3-8B": (32, 8, 128),
+}
+NUM_LAYERS = 2  # > 1 so the layer view is strided like in the engine
+
+
+def bench_ms(fn) -> float:
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def make_paged_cache(batch, ctx, num_kv_heads, head_dim, block_size, dtype):
+    """Cache views of kv[N, L, 2, bs, H, D] (layer 0) and a permuted block table [B, width]."""
+    width = math.ceil(ctx / block_size)
+    num_blocks = batch * width
+    kv = torch.randn(num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device="cuda")
+    tables = torch.randperm(num_blocks, device="cuda").view(batch, width).to(torch.int32)
+    return kv, kv[:, 0, 0], kv[:, 0, 1], tables
+
+
+def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sweep=False):
+    num_heads, num_kv_heads, head_dim = SHAPES[name]
+    kv, k_cache, v_cache, tables = make_paged_cache(batch, ctx, num_kv_heads, head_dim, block_size, dtype)
+    q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device="cuda")  # [B, H, D]
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    kv_bytes = batch * ctx * num_kv_heads * head_dim * 2 * dtype.itemsize
+    scale = head_dim ** -0.5
+
+    def run(cfg=None, splits=None):
+        ms = bench_ms(lambda: paged_decode_attention(q, k_cache, v_cache, lens, tables, scale, out=out,
+                                                     num_splits=splits, config=cfg))
+        return ms, kv_bytes / (ms * 1e-3)
+
+    cfg = _decode_config(dtype, head_dim)
+    _, splits = _decode_split_plan(batch, num_kv_heads, tables.shape[1], block_size, cfg.block_n,
+                                   _sm_count(q.device))
+    ms, bw = run()
+    print(f"decode {name:11s} B={batch:3d} ctx={ctx:5d} bs={block_size:3d} splits={splits:2d}: "
+          f"{ms * 1e3:8.1f} us  KV read {bw / 1e9:7.0f} GB/s  = {bw / copy_bw:6.1%} of copy bw", flush=True)
+    if sweep:
+        configs = [KernelConfig(16, bn, w, st) for bn in (32, 64, 128) for (w, st) in ((4, 2), (4, 3), (8, 3))]
+        configs += [KernelConfig(16, 32, 4, 4), KernelConfig(16, 64, 4, 4), KernelConfig(16, 64, 2, 3)]
+        for c in configs:
+            for s in (1, 2):
+                try:
+                    ms, bw = run(c, s)
+                    print(f"    sweep bn={c.block_n:3d} warps={c.num_warps} stages={c.num_stages} splits={s}: "
+                          f"{ms * 1e3:8.1f} us  {bw / 1e9:6.0f} GB/s  {bw / copy_bw:6.1%}", flush=True)
+                except Exception as e:  # e.g. out of shared memory
+                    print(f"    sweep {c} splits={s}: failed ({type(e).__name__})", flush=True)
+    del kv, k_cache, v_cache
+    torch.cuda.empty_cache()
+
+
+def bench_prefill(name, seqs, block_size=256, dtype=torch.bfloat16):
+    """`seqs`: list of (cached prefix, new tokens)."""
+    num_heads, num_kv_heads, head_dim = SHAPES[name]
+    seq_lens = [p + n for p, n in seqs]
+    qlens = [n for _, n in seqs]
+    width = max(math.ceil(n / block_size) for n in seq_lens)
+    num_blocks = len(seqs) * width
+    kv = torch.randn(num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device="cuda")
+    k_cache, v_cache = kv[:, 0, 0], kv[:, 0, 1]
+    tables = torch.randperm(num_blocks, device="cuda").view(len(seqs), width).to(torch.int32)
+    q = torch.randn(sum(qlens), num_heads, head_dim, dtype=dtype, device="cuda")  # [T, H, D]
+    cu = torch.tensor([0] + [sum(qlens[:i + 1]) for i in range(len(qlens))], dtype=torch.int32, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    scale = head_dim ** -0.5
+    ms = bench_ms(lambda: paged_prefill_attention(q, k_cache, v_cache, cu, lens, tables, max(qlens), scale))
+    # causal FLOPs: 2 matmuls x 2 flop/MAC x visible (q, k) pairs x D x H
+    pairs = sum(n * p + n * (n + 1) // 2 for p, n in seqs)
+    tflops = 4 * pairs * head_dim * num_heads / (ms * 1e-3) / 1e12
+    desc = f"{len(seqs)}x(prefix {seqs[0][0]}, new {seqs[0][1]})" if len(set(seqs)) == 1 else f"{len(seqs)} seqs"
+    line = f"prefill {name:11s} {sum(qlens):6d} tokens [{desc}]: {ms * 1e3:8.1f} us  {tflops:6.1f} TFLOP/s"
+
+    if all(p == 0 for p, _ in seqs) and len(set(qlens)) == 1:
+        # yardstick: torch SDPA on contiguous [B, H, L, D] tensors (no paging)
+        b, n = len(seqs), qlens[0]
+        qs = torch.randn(b, num_heads, n, head_dim, dtype=dtype, device="cuda")
+        ks = torch.randn(b, num_heads, n, head_dim, dtype=dtype, device="cuda")
+        vs = torch.randn_like(ks)
+        sdpa = bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
+        line += f"   (torch SDPA, contiguous: {sdpa * 1e3:8.1f} us)"
+    print(line, flush=True)
+    del kv
+    torch.cuda.empty_cache()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of decode configs")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}  ({_sm_count(torch.device('cuda'))} SMs)  "
+          f"torch {torch.__version__}  triton {triton.__version__}")
+    copy_bw = copy_bandwidth()
+    print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)", flush=True)
+
+    for name in SHAPES:
+        bench_decode(name, 256, 1024, 256, copy_bw, sweep=args.sweep)
+    for name in SHAPES:  # other regimes: small batch / long context (split-K), block_size 16
+        bench_decode(name, 8, 8192, 256, copy_bw)
+        bench_decode(name, 256, 1024, 16, copy_bw)
+    copy_bw2 = copy_bandwidth()
+    print(f"device-to-device copy (again): {copy_bw2 / 1e9:.0f} GB/s", flush=True)
+
+    for name in SHAPES:
+        bench_prefill(name, [(0, 4096)] * 4)
+        bench_prefill(name, [(0, 16384)])
+        bench_prefill(name, [(3000, 1000)] * 4 + [(1000, 1)] * 64)  # chunked prefill + decodes
+
+
+if __name__ == "__main__":
+    main()
