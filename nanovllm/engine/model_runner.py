@@ -77,15 +77,14 @@ class ModelRunner:
     def _build_model(self) -> DecoderForCausalLM:
         config = self.config
         family = SUPPORTED_ARCHITECTURES[config.architecture]
-        default_dtype, default_device = torch.get_default_dtype(), torch.get_default_device()
+        default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
-        torch.set_default_device(self.device)
         try:
             torch.manual_seed(config.seed)
-            model = DecoderForCausalLM(config.hf_config, family)
+            with self.device:
+                model = DecoderForCausalLM(config.hf_config, family)
         finally:
             torch.set_default_dtype(default_dtype)
-            torch.set_default_device(default_device)
         if config.load_format == "dummy":
             init_dummy_weights(model, config.seed)
         else:

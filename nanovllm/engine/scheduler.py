@@ -70,6 +70,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.stats = SchedulerStats()
+        self._forced_swap_out: list[tuple[int, int]] = []  # copies of preempt() calls, issued with the next step
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
@@ -82,7 +83,8 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(swap_out=self._forced_swap_out)
+        self._forced_swap_out = []
         self.block_manager.begin_step()
         budget = self.max_num_batched_tokens
         num_preempted = 0
@@ -148,10 +150,21 @@ class Scheduler:
             if start + num_new >= seq.num_recompute_pending:
                 seq.num_recompute_pending = 0
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput):
+    def preempt(self, seq: Sequence, mode: str | None = None):
+        """Preempt a RUNNING seq between steps (verify_swap.py and tests use it to swap a chosen sequence);
+        `mode` "swap" / "recompute" overrides the policy. Its swap-out copies go out with the next step."""
+        if seq.status != SequenceStatus.RUNNING:
+            raise ValueError(f"seq {seq.seq_id} is {seq.status.name}, only a RUNNING sequence can be preempted")
+        self.running.remove(seq)
+        out = SchedulerOutput()
+        self._preempt(seq, out, mode)
+        self._forced_swap_out.extend(out.swap_out)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, mode: str | None = None):
         """Swap seq out when the policy says so and the host pool has room; else recompute it later."""
         self.stats.preemptions += 1
-        if self.host_pool is not None and seq.num_computed_tokens and self.policy.should_swap(seq):
+        wants_swap = self.policy.should_swap(seq) if mode is None else mode == "swap"
+        if self.host_pool is not None and seq.num_computed_tokens and wants_swap:
             copies = self.host_pool.swap_out(seq, self.block_manager.computed_block_ids(seq))
             if copies is not None:
                 self.block_manager.free(seq)

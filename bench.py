@@ -1,0 +1,79 @@
+"""nano-vllm's seed benchmark with dummy weights: output tokens, seconds, tok/s, host time per decode step.
+
+    python bench.py                                   # Qwen3-0.6B shape, 256 seqs
+    python bench.py --shape qwen3-8b --num-seqs 1024  # the H800 workload
+"""
+import argparse
+import random
+import time
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.presets import preset_dir
+
+
+def seed_workload(num_seqs: int, max_input_len: int = 1024, max_output_len: int = 1024, temperature: float = 0.6):
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))] for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=random.randint(100, max_output_len))
+              for _ in range(num_seqs)]
+    return prompts, params
+
+
+class HostTimer:
+    """Wall time of the host-side work of decode-only steps: schedule, input preparation, postprocess."""
+
+    def __init__(self, llm):
+        self.seconds, self.num_steps = 0.0, 0
+        self._wrap(llm.scheduler, "schedule")
+        self._wrap(llm.runner, "prepare")
+        self._wrap(llm.runner, "sampling_tensors")
+        self._wrap(llm.scheduler, "postprocess")
+
+    def _wrap(self, obj, name):
+        fn = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            if name == "schedule":
+                self.is_decode = result.is_decode_only and bool(result.seqs)
+                self.num_steps += self.is_decode
+            if self.is_decode:
+                self.seconds += time.perf_counter() - start
+            return result
+        self.is_decode = False
+        setattr(obj, name, timed)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3-0.6b")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    args = parser.parse_args()
+    llm = LLM(preset_dir(args.shape), load_format="dummy", max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+              attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
+              preemption_mode="recompute")
+    prompts, params = seed_workload(args.num_seqs)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    timer = HostTimer(llm)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    num_tokens = sum(p.max_tokens for p in params)
+    stats = llm.stats()
+    print(f"shape={args.shape} seqs={args.num_seqs} tp={args.tensor_parallel_size} backend={llm.runner.backend.name} "
+          f"gpu_blocks={stats['num_gpu_blocks']} preemptions={stats['preemptions']}")
+    print(f"Total: {num_tokens} tok, Time: {seconds:.2f} s, Throughput: {num_tokens / seconds:.0f} tok/s, "
+          f"host time per decode step: {1e3 * timer.seconds / max(timer.num_steps, 1):.3f} ms "
+          f"over {timer.num_steps} steps")
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""Real model shapes as config.json-only directories, for load_format="dummy" benchmarks."""
+import json
+import os
+import tempfile
+
+PRESETS = {
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+QWEN3_COMMON = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
+                    max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu",
+                    attention_bias=False, torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645)
+
+
+def preset_dir(name: str) -> str:
+    """A directory holding only config.json for the named shape (pass load_format="dummy")."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    path = os.path.join(tempfile.gettempdir(), "nanovllm-presets", name)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**QWEN3_COMMON, **PRESETS[name]}, f, indent=1)
+    return path
