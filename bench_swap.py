@@ -1,0 +1,163 @@
+"""Swap vs recompute under KV pressure, with dummy weights. Each mode runs in its own subprocess.
+
+    python bench_swap.py --scenario rtx4070              # Qwen3-0.6B shape, 256 seqs, 4 GiB of GPU KV
+    python bench_swap.py --scenario h800                 # Qwen3-8B shape, 1024 seqs, 55 GiB of GPU KV
+    python bench_swap.py --scenario rtx4070 --scale 0.25 --plot
+
+Modes: unpressured (no KV cap), recompute, swap, auto (all three capped). The workload is nano-vllm's bench.py:
+random.seed(0), prompt and output lengths uniform in [100, 1024], prompt ids uniform in [0, 10000].
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+GiB = 1 << 30
+SCENARIOS = {
+    "rtx4070": dict(shape="qwen3-0.6b", num_seqs=256, kv_gib=4, swap_space=32),
+    "h800": dict(shape="qwen3-8b", num_seqs=1024, kv_gib=55, swap_space=64),
+}
+MODES = ["unpressured", "recompute", "swap", "auto"]
+
+
+def run_mode(scenario: str, mode: str, num_seqs: int, args) -> dict:
+    """Runs inside the subprocess: one engine, one mode, the whole workload."""
+    from bench import seed_workload
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.utils.presets import preset_dir
+    s = SCENARIOS[scenario]
+    options = dict(load_format="dummy", max_model_len=4096, max_num_seqs=args.max_num_seqs,
+                   enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
+    if mode == "unpressured":
+        options.update(preemption_mode="recompute")
+    else:
+        options.update(kv_cache_memory_bytes=int(s["kv_gib"] * GiB) // args.tensor_parallel_size,
+                       preemption_mode=mode, swap_space=args.swap_space or s["swap_space"])
+    llm = LLM(preset_dir(s["shape"]), **options)
+    prompts, params = seed_workload(num_seqs)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    base = llm.stats()
+    timeline = Timeline(llm)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+    seconds = time.perf_counter() - start
+    stats = {k: (v - base[k] if isinstance(v, (int, float)) and k in base and not k.startswith("num_") else v)
+             for k, v in llm.stats().items()}
+    llm.close()
+    return dict(mode=mode, output_tokens=sum(p.max_tokens for p in params), seconds=seconds, stats=stats,
+                timeline=timeline.points)
+
+
+class Timeline:
+    """Per step: seconds since start, GPU blocks in use, host blocks in use, bytes swapped so far."""
+
+    def __init__(self, llm):
+        self.points, self.start, step = [], time.perf_counter(), llm.step
+        bm, host = llm.scheduler.block_manager, llm.scheduler.host_pool
+        sched = llm.scheduler
+
+        def timed_step():
+            finished = step()
+            host_used = sum(len(s.cpu_block_table) for s in sched.swapped) if host else 0
+            swapped = (sched.stats.blocks_swapped_out + sched.stats.blocks_swapped_in) * llm.block_bytes
+            self.points.append((time.perf_counter() - self.start, bm.num_blocks - bm.num_free_blocks,
+                                host_used, swapped))
+            return finished
+        llm.step = timed_step
+
+
+def print_table(scenario: str, results: list[dict]):
+    print(f"\n## {scenario}: {SCENARIOS[scenario]}")
+    head = ("mode", "out tok", "seconds", "tok/s", "preempt swap/recomp", "recomputed", "GB swapped", "copy GB/s",
+            "exposed s")
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in results:
+        s = r["stats"]
+        swapped = (s["bytes_swapped_out"] + s["bytes_swapped_in"]) / 1e9
+        copy_bw = swapped / s["swap_seconds"] if s["swap_seconds"] else 0.0
+        print(f"| {r['mode']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['output_tokens'] / r['seconds']:.0f} | "
+              f"{s['preemptions_swap']}/{s['preemptions_recompute']} | {s['recomputed_tokens']} | {swapped:.1f} | "
+              f"{copy_bw:.1f} | {s['swap_exposed_seconds']:.3f} (of {s['swap_seconds']:.3f}) |")
+
+
+def plot(scenario: str, results: list[dict], path: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
+    for r in results:
+        t = [p[0] for p in r["timeline"]]
+        for ax, i in zip(axes, (1, 2, 3)):
+            ys = [p[i] / 1e9 if i == 3 else p[i] for p in r["timeline"]]
+            ax.plot(t, ys, label=r["mode"])
+    for ax, label in zip(axes, ("GPU blocks in use", "host blocks held by swapped seqs", "GB swapped (cumulative)")):
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    axes[-1].set_xlabel("seconds")
+    fig.suptitle(f"bench_swap.py --scenario {scenario}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenario", nargs="+", default=["rtx4070"], choices=sorted(SCENARIOS))
+    parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply num-seqs (quick runs)")
+    parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument("--swap-space", type=float, default=None, help="GiB; default per scenario")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--plot", action="store_true", help="write bench_swap_<scenario>.png (needs matplotlib)")
+    parser.add_argument("--out-dir", default=".")
+    parser.add_argument("--no-tqdm", action="store_true")
+    parser.add_argument("--run-mode", nargs=3, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run_mode:
+        scenario, mode, path = args.run_mode
+        num_seqs = max(1, round(SCENARIOS[scenario]["num_seqs"] * args.scale))
+        with open(path, "w") as f:
+            json.dump(run_mode(scenario, mode, num_seqs, args), f)
+        return
+    for scenario in args.scenario:
+        results = []
+        for mode in args.modes:
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+                path = f.name
+            cmd = [sys.executable, __file__, "--run-mode", scenario, mode, path] + [a for a in sys.argv[1:]]
+            cmd = [c for c in cmd if c not in ("--plot",)]
+            proc = subprocess.run(_strip_scenario(cmd))
+            if proc.returncode:
+                print(f"{scenario}/{mode} failed with exit code {proc.returncode}")
+                continue
+            with open(path) as f:
+                results.append(json.load(f))
+            os.unlink(path)
+            r = results[-1]
+            print(f"{scenario}/{mode}: {r['output_tokens'] / r['seconds']:.0f} tok/s", flush=True)
+        print_table(scenario, results)
+        if args.plot and results:
+            plot(scenario, results, os.path.join(args.out_dir, f"bench_swap_{scenario}.png"))
+
+
+def _strip_scenario(cmd: list[str]) -> list[str]:
+    """Drop the parent's --scenario/--modes values so the child parses only its own --run-mode."""
+    out, skip = [], False
+    for c in cmd:
+        if c in ("--scenario", "--modes"):
+            skip = True
+            continue
+        if skip and not c.startswith("--"):
+            continue
+        skip = False
+        out.append(c)
+    return out
+
+
+if __name__ == "__main__":
+    main()
