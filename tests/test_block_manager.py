@@ -1,0 +1,108 @@
+"""GPU block manager: allocation order, prefix-cache hits and eviction, exact block ids (no torch needed)."""
+import pytest
+
+from metadata_factories import BLOCK_SIZE, make_seq
+from nanovllm.engine.block_manager import BlockManager
+
+
+def test_allocate_takes_blocks_from_the_head_in_order():
+    bm = BlockManager(6, BLOCK_SIZE)
+    a, b = make_seq(6), make_seq(9, start=200)
+    assert bm.allocate(a, 6)
+    assert bm.allocate(b, 9)
+    assert a.block_table == [0, 1] and b.block_table == [2, 3, 4]
+    assert list(bm.free_block_ids) == [5]
+    bm.check_invariants([a, b])
+
+
+def test_allocate_is_all_or_nothing_when_short():
+    bm = BlockManager(3, BLOCK_SIZE)
+    a = make_seq(16)
+    assert not bm.allocate(a, 16)  # needs 4 blocks, 3 exist
+    assert a.block_table == [] and bm.num_free_blocks == 3
+    assert not bm.allocate(make_seq(8), 8, num_reserved_blocks=2)  # 2 needed + 2 reserved > 3
+    bm.check_invariants([])
+
+
+def test_prefix_hit_reuses_computed_full_blocks_but_not_the_last_token():
+    bm = BlockManager(8, BLOCK_SIZE)
+    a = make_seq(10)
+    assert bm.allocate(a, 10)
+    a.num_computed_tokens = 10
+    bm.cache_full_blocks(a)  # blocks 0 and 1 are full -> cached; block 2 (2 tokens) is not
+    assert bm.hash_to_block_id == {a.block_hashes[0]: 0, a.block_hashes[1]: 1}
+    b = make_seq(9)  # same first 9 tokens: two full blocks, but the 9th token must be computed
+    assert bm.find_cached_prefix(b) == [0, 1]
+    c = make_seq(8)  # exactly two blocks: the last block holds the last token, so only block 0 hits
+    assert bm.find_cached_prefix(c) == [0]
+    assert bm.allocate(b, 1, [0, 1])
+    assert b.block_table == [0, 1, 3] and b.num_computed_tokens == 8
+    assert bm.ref_counts[:4] == [2, 2, 1, 1]
+    bm.check_invariants([a, b])
+
+
+def test_blocks_not_yet_computed_are_never_hits():
+    bm = BlockManager(8, BLOCK_SIZE)
+    a = make_seq(12)
+    assert bm.allocate(a, 12)  # allocated, not computed
+    assert bm.find_cached_prefix(make_seq(12)) == []
+
+
+def test_free_keeps_hashed_blocks_at_the_tail_and_eviction_is_lru():
+    bm = BlockManager(4, BLOCK_SIZE)
+    a = make_seq(10)
+    assert bm.allocate(a, 10)  # blocks 0, 1, 2
+    a.num_computed_tokens = 10
+    bm.cache_full_blocks(a)
+    bm.free(a)
+    # the partial block 2 has no hash: head; full blocks are freed last-first and keep their hashes
+    assert list(bm.free_block_ids) == [2, 3, 1, 0]
+    b = make_seq(5, start=500)  # unrelated: takes 2 and 3, the prefix cache survives
+    assert bm.allocate(b, 5)
+    assert b.block_table == [2, 3] and len(bm.hash_to_block_id) == 2
+    c = make_seq(3, start=900)  # takes block 1: its hash is evicted, block 0 stays cached
+    assert bm.allocate(c, 3)
+    assert c.block_table == [1] and list(bm.hash_to_block_id.values()) == [0]
+    assert bm.find_cached_prefix(make_seq(10)) == [0]
+    bm.check_invariants([b, c])
+
+
+def test_hit_on_a_free_cached_block_revives_it():
+    bm = BlockManager(4, BLOCK_SIZE)
+    a = make_seq(9)
+    assert bm.allocate(a, 9)
+    a.num_computed_tokens = 9
+    bm.cache_full_blocks(a)
+    bm.free(a)
+    b = make_seq(9)
+    hits = bm.find_cached_prefix(b)
+    assert hits == [0, 1]
+    assert bm.allocate(b, 1, hits)
+    assert b.block_table == [0, 1, 2] and bm.ref_counts == [1, 1, 1, 0]
+    assert list(bm.free_block_ids) == [3]
+    bm.check_invariants([b])
+
+
+def test_swap_in_reuses_gpu_cached_blocks_and_copies_the_rest():
+    bm = BlockManager(6, BLOCK_SIZE)
+    a = make_seq(10)
+    assert bm.allocate(a, 10)
+    a.num_computed_tokens = 10
+    bm.cache_full_blocks(a)
+    bm.free(a)  # as a swap-out would: blocks 0, 1 stay cached on the GPU
+    a.cpu_block_table = [7, 8, 9]
+    copies = bm.allocate_for_swap_in(a)
+    assert a.block_table == [0, 1, 2]  # 2 was at the head of the free queue (no hash)
+    assert copies == [(9, 2)]  # only the partial block crosses the link
+    bm.check_invariants([a])
+
+
+def test_double_free_is_a_bug_naming_the_block():
+    bm = BlockManager(2, BLOCK_SIZE)
+    a = make_seq(3)
+    assert bm.allocate(a, 3)
+    table = list(a.block_table)
+    bm.free(a)
+    a.block_table = table
+    with pytest.raises(RuntimeError, match="block 0 of seq"):
+        bm.free(a)

@@ -1,0 +1,147 @@
+"""Scheduler state machine with the host tier: every step checks all invariants (no torch needed).
+
+Block size 4 throughout; `run_step` samples token 7 for every sequence that completes its prompt."""
+from metadata_factories import check, make_scheduler, make_seq, run_step
+
+
+def test_prefill_then_decode_with_exact_blocks():
+    s = make_scheduler(num_gpu_blocks=8)
+    a, b = make_seq(6), make_seq(3, start=200)
+    s.add(a)
+    s.add(b)
+    out, _ = run_step(s)
+    assert [x.seq_id for x in out.seqs] == [a.seq_id, b.seq_id] and out.num_new_tokens == [6, 3]
+    assert a.block_table == [0, 1] and b.block_table == [2]
+    out, _ = run_step(s)  # decode: a writes token 7 at position 6 (block 1), b at position 3 (block 2)
+    assert out.num_new_tokens == [1, 1] and out.is_decode_only
+    assert a.block_table == [0, 1] and b.block_table == [2]
+    out, _ = run_step(s)  # b now needs a second block
+    assert b.block_table == [2, 3]
+    assert s.stats.prefill_tokens == 9 and s.stats.decode_tokens == 4
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    s = make_scheduler(max_num_batched_tokens=5)
+    a, b = make_seq(12), make_seq(3, start=300)
+    s.add(a)
+    s.add(b)
+    out, _ = run_step(s)
+    assert out.num_new_tokens == [5] and a.num_computed_tokens == 5 and a.block_table == [0, 1]
+    out, _ = run_step(s)  # a continues with 5, then the budget is spent
+    assert [x.seq_id for x in out.seqs] == [a.seq_id] and a.num_computed_tokens == 10
+    out, _ = run_step(s)  # a's last 2 tokens (sampled), b's 3
+    assert out.num_new_tokens == [2, 3] and a.num_completion_tokens == 1 and b.num_completion_tokens == 1
+
+
+def swap_scenario():
+    """Two 8-token prompts on 5 GPU blocks: after 1 decode step each needs a third block, only one is free."""
+    s = make_scheduler(num_gpu_blocks=5, num_cpu_blocks=8, mode="swap")
+    a, b = make_seq(8), make_seq(8, start=200)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # prefill: a [0, 1], b [2, 3]; both sample a 9th token
+    assert a.block_table == [0, 1] and b.block_table == [2, 3]
+    return s, a, b
+
+
+def test_preemption_swaps_out_the_newest_and_resumes_it_without_recompute():
+    s, a, b = swap_scenario()
+    out, _ = run_step(s)  # a takes block 4; b cannot grow: b is swapped out
+    assert a.block_table == [0, 1, 4]
+    assert b.status.name == "SWAPPED" and b.cpu_block_table == [0, 1]
+    assert out.swap_out == [(2, 0), (3, 1)] and out.swap_in == []
+    assert s.stats.preemptions_swap == 1 and b.num_computed_tokens == 8
+    # while b is swapped, a new prefill is not admitted
+    c = make_seq(2, start=900)
+    s.add(c)
+    out, _ = run_step(s)
+    assert c.status.name == "WAITING"
+    # a finishes after 8 tokens: its blocks free up and b comes back, copied into new blocks
+    while not a.is_finished:
+        out, _ = run_step(s)
+    out, _ = run_step(s)
+    # block 2 (b's first block) is still in the GPU prefix cache: reused without a copy; block 3 was reused by a
+    assert b.status.name == "RUNNING" and b.block_table == [2, 3] and out.swap_in == [(1, 3)]
+    assert b not in out.seqs  # it joins one step after its copy was issued
+    while not b.is_finished:
+        run_step(s)
+    assert s.stats.recomputed_tokens == 0 and b.num_completion_tokens == 8
+
+
+def test_host_pool_full_falls_back_to_recompute():
+    s = make_scheduler(num_gpu_blocks=5, num_cpu_blocks=1, mode="swap")
+    a, b = make_seq(8), make_seq(8, start=200)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    run_step(s)
+    assert b.status.name == "WAITING" and b.num_computed_tokens == 0 and b.block_table == []
+    assert s.stats.preemptions_recompute == 1 and s.stats.preemptions_swap == 0
+    assert b.num_recompute_pending == 8
+    while not (a.is_finished and b.is_finished):
+        run_step(s)
+    assert s.stats.recomputed_tokens > 0
+
+
+def test_recompute_mode_never_touches_the_host_pool():
+    s = make_scheduler(num_gpu_blocks=5, num_cpu_blocks=8, mode="recompute")
+    a, b = make_seq(8), make_seq(8, start=200)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    out, _ = run_step(s)
+    assert out.swap_out == [] and b.status.name == "WAITING" and s.host_pool.num_free_blocks == 8
+
+
+def test_sequence_in_chunked_prefill_swaps_only_its_computed_blocks():
+    s = make_scheduler(num_gpu_blocks=6, num_cpu_blocks=8, max_num_batched_tokens=6, mode="swap")
+    a = make_seq(14)
+    s.add(a)
+    run_step(s)  # 6 tokens computed, blocks [0, 1]
+    assert a.num_computed_tokens == 6 and a.block_table == [0, 1]
+    s.preempt(a, mode="swap")
+    check(s)
+    assert a.cpu_block_table == [0, 1] and a.num_computed_tokens == 6
+    out, _ = run_step(s)  # the copies go out with the next step; a comes straight back (room is plenty)
+    assert out.swap_out == [(0, 0), (1, 1)]
+    assert a.status.name == "RUNNING"
+    while not a.is_finished:
+        run_step(s)
+    assert s.stats.recomputed_tokens == 0 and a.num_completion_tokens == 8
+
+
+def test_shared_blocks_stay_on_the_gpu_and_cross_once():
+    s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=8, mode="swap")
+    a = make_seq(9)
+    s.add(a)
+    run_step(s)  # a computes 9 tokens: blocks 0, 1 full and cached
+    b = make_seq(9)  # same prompt: hits blocks 0 and 1
+    s.add(b)
+    run_step(s)
+    assert b.block_table[:2] == [0, 1] and s.stats.prefix_cache_hit_tokens == 8
+    s.preempt(b, mode="swap")
+    check(s)
+    assert s.block_manager.ref_counts[0] == 1 and s.block_manager.ref_counts[1] == 1  # a still owns them
+    out, _ = run_step(s)
+    # the shared blocks are copied (b must own its KV on the host), each once, plus b's own partial block
+    assert out.swap_out == [(0, 0), (1, 1), (3, 2)]
+    assert a.block_table == [0, 1, 2] and s.block_manager.ref_counts[:3] == [2, 2, 1]  # b is back already
+
+
+def test_finish_and_abort_while_swapped_release_host_blocks():
+    s, a, b = swap_scenario()
+    run_step(s)
+    assert b.status.name == "SWAPPED"
+    s.finish(b, "abort")
+    check(s, extra=[b])
+    assert b.status.name == "FINISHED" and b.cpu_block_table == [] and s.host_pool.num_free_blocks == 8
+    assert not s.swapped
+
+
+def test_eos_and_stop_token_ids_finish_with_stop():
+    s = make_scheduler()
+    a = make_seq(3)
+    a.sampling_params.stop_token_ids = [7]
+    s.add(a)
+    _, finished = run_step(s, sampled_token=7)
+    assert finished == [a] and a.finish_reason == "stop" and a.block_table == []
