@@ -1,12 +1,12 @@
 """Microbenchmark of the Triton paged-attention kernels.
 
-    python -m nanovllm.kernels.bench_attention [--sweep]
+    python -m nanovllm.kernels.bench_attention [--sweep [decode] [prefill]]
 
 Prints, for decode at batch 256 / context 1024 (Qwen3-0.6B and Qwen3-8B head shapes, bf16,
 block_size 256): kernel time, GB/s of KV read, the device-to-device copy bandwidth measured in the
 same run (read + write bytes of a large ``dst.copy_(src)``) and the ratio of the two. Then prefill
 attention on a 16k-token batch, with torch SDPA (flash) on contiguous tensors as a yardstick.
-``--sweep`` also times a grid of decode tile configs / split counts.
+``--sweep`` also times a grid of decode (tile configs x split counts) and prefill tile configs.
 """
 
 import argparse
@@ -18,7 +18,7 @@ from triton.testing import do_bench
 
 from nanovllm.kernels.triton_attention import (
     KernelConfig,
-    _decode_config,
+    _SPLIT_PLAN_BLOCK_N,
     _decode_split_plan,
     _sm_count,
     paged_decode_attention,
@@ -55,7 +55,7 @@ def make_paged_cache(batch, ctx, num_kv_heads, head_dim, block_size, dtype):
     return kv, kv[:, 0, 0], kv[:, 0, 1], tables
 
 
-def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sweep=False):
+def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sweep=False, other_splits=()):
     num_heads, num_kv_heads, head_dim = SHAPES[name]
     kv, k_cache, v_cache, tables = make_paged_cache(batch, ctx, num_kv_heads, head_dim, block_size, dtype)
     q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device="cuda")  # [B, H, D]
@@ -69,12 +69,14 @@ def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sw
                                                      num_splits=splits, config=cfg))
         return ms, kv_bytes / (ms * 1e-3)
 
-    cfg = _decode_config(dtype, head_dim)
-    _, splits = _decode_split_plan(batch, num_kv_heads, tables.shape[1], block_size, cfg.block_n,
+    _, splits = _decode_split_plan(batch, num_kv_heads, tables.shape[1], block_size, _SPLIT_PLAN_BLOCK_N,
                                    _sm_count(q.device))
     ms, bw = run()
     print(f"decode {name:11s} B={batch:3d} ctx={ctx:5d} bs={block_size:3d} splits={splits:2d}: "
           f"{ms * 1e3:8.1f} us  KV read {bw / 1e9:7.0f} GB/s  = {bw / copy_bw:6.1%} of copy bw", flush=True)
+    for s in other_splits:
+        ms, bw = run(None, s)
+        print(f"    splits={s:2d}: {ms * 1e3:8.1f} us  {bw / 1e9:7.0f} GB/s  {bw / copy_bw:6.1%}", flush=True)
     if sweep:
         configs = [KernelConfig(16, bn, w, st) for bn in (32, 64, 128) for (w, st) in ((4, 2), (4, 3), (8, 3))]
         configs += [KernelConfig(16, 32, 4, 4), KernelConfig(16, 64, 4, 4), KernelConfig(16, 64, 2, 3)]
@@ -90,7 +92,7 @@ def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sw
     torch.cuda.empty_cache()
 
 
-def bench_prefill(name, seqs, block_size=256, dtype=torch.bfloat16):
+def bench_prefill(name, seqs, block_size=256, dtype=torch.bfloat16, sweep=False):
     """`seqs`: list of (cached prefix, new tokens)."""
     num_heads, num_kv_heads, head_dim = SHAPES[name]
     seq_lens = [p + n for p, n in seqs]
@@ -120,14 +122,29 @@ def bench_prefill(name, seqs, block_size=256, dtype=torch.bfloat16):
         sdpa = bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
         line += f"   (torch SDPA, contiguous: {sdpa * 1e3:8.1f} us)"
     print(line, flush=True)
+    if sweep:
+        configs = [KernelConfig(m, n, w, st) for (m, n, w, st) in (
+            (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
+            (64, 64, 4, 3), (64, 128, 4, 2), (256, 64, 8, 2))]
+        for c in configs:
+            try:
+                ms = bench_ms(lambda: paged_prefill_attention(q, k_cache, v_cache, cu, lens, tables, max(qlens),
+                                                              scale, config=c))
+                tflops = 4 * pairs * head_dim * num_heads / (ms * 1e-3) / 1e12
+                print(f"    sweep m={c.block_m:3d} n={c.block_n:3d} warps={c.num_warps} stages={c.num_stages}: "
+                      f"{ms * 1e3:8.1f} us  {tflops:6.1f} TFLOP/s", flush=True)
+            except Exception as e:  # e.g. out of shared memory
+                print(f"    sweep {c}: failed ({type(e).__name__})", flush=True)
     del kv
     torch.cuda.empty_cache()
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", action="store_true", help="also time a grid of decode configs")
+    parser.add_argument("--sweep", nargs="*", choices=["decode", "prefill"], default=None,
+                        help="also time a grid of kernel configs (default: both kernels)")
     args = parser.parse_args()
+    sweep = set(args.sweep or ["decode", "prefill"]) if args.sweep is not None else set()
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  ({_sm_count(torch.device('cuda'))} SMs)  "
           f"torch {torch.__version__}  triton {triton.__version__}")
@@ -135,15 +152,15 @@ def main():
     print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)", flush=True)
 
     for name in SHAPES:
-        bench_decode(name, 256, 1024, 256, copy_bw, sweep=args.sweep)
+        bench_decode(name, 256, 1024, 256, copy_bw, sweep="decode" in sweep)
     for name in SHAPES:  # other regimes: small batch / long context (split-K), block_size 16
-        bench_decode(name, 8, 8192, 256, copy_bw)
+        bench_decode(name, 8, 8192, 256, copy_bw, other_splits=(4, 16, 32, 64))
         bench_decode(name, 256, 1024, 16, copy_bw)
     copy_bw2 = copy_bandwidth()
     print(f"device-to-device copy (again): {copy_bw2 / 1e9:.0f} GB/s", flush=True)
 
     for name in SHAPES:
-        bench_prefill(name, [(0, 4096)] * 4)
+        bench_prefill(name, [(0, 4096)] * 4, sweep="prefill" in sweep)
         bench_prefill(name, [(0, 16384)])
         bench_prefill(name, [(3000, 1000)] * 4 + [(1000, 1)] * 64)  # chunked prefill + decodes
 
