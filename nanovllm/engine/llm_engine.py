@@ -1,4 +1,5 @@
 """The engine loop: add requests, then step (schedule -> run -> postprocess) until they finish."""
+import atexit
 import json
 import os
 import time
@@ -9,7 +10,9 @@ from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_plan import make_plan
+from nanovllm.engine.workers import WorkerPool, free_init_method
 from nanovllm.sampling_params import SamplingParams
 from nanovllm_offload.host_block_pool import HostBlockPool
 from nanovllm_offload.policy import PreemptionPolicy
@@ -20,18 +23,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
         self.config = config = Config(model, **kwargs)
+        self.runner = self.workers = None
         self.tokenizer = _load_tokenizer(model)
-        self.runner = ModelRunner(config)
-        self.num_gpu_blocks = self.runner.num_kv_blocks_for_budget()
-        self.runner.allocate_kv_cache(self.num_gpu_blocks)
-        host_pool = None
-        if config.preemption_mode != "recompute" and config.swap_space > 0:
-            # running + swapped never exceeds max_num_seqs (no admissions while anything is swapped), so more
-            # host blocks than the GPU could ever hand to max_num_seqs sequences would sit idle
-            num_cpu_blocks = min(self.runner.num_host_blocks(), self.runner.max_useful_blocks())
-            self.runner.allocate_host_cache(num_cpu_blocks)
-            host_pool = HostBlockPool(num_cpu_blocks)
-        self.runner.capture_cuda_graphs()
+        try:
+            host_pool = self._start_runners()
+        except BaseException:
+            self.close()
+            raise
         self.block_bytes = self.runner.block_bytes
         self.policy = PreemptionPolicy(config.preemption_mode, self.block_bytes)
         self.scheduler = Scheduler(
@@ -40,6 +38,40 @@ class LLMEngine:
             _eos_token_ids(model, config.hf_config, self.tokenizer), host_pool, self.policy)
         self.requests: dict[int, Sequence] = {}
         self._num_empty_steps = 0
+
+    def _start_runners(self) -> HostBlockPool | None:
+        """Rank 0 here, ranks 1..N-1 in worker processes; every rank sizes and allocates the same caches."""
+        config = self.config
+        init_method = None
+        if config.tensor_parallel_size > 1:
+            init_method = free_init_method()
+            self.workers = WorkerPool(config, init_method)
+            atexit.register(self.close)
+        self.runner = ModelRunner(config, 0, init_method)
+        self._call_workers_wait()  # the workers' runners are built
+        self.num_gpu_blocks = self._call("num_kv_blocks_for_budget")
+        self._call("allocate_kv_cache", self.num_gpu_blocks)
+        host_pool = None
+        if config.preemption_mode != "recompute" and config.swap_space > 0:
+            # running + swapped never exceeds max_num_seqs (no admissions while anything is swapped), so more
+            # host blocks than the GPU could ever hand to max_num_seqs sequences would sit idle
+            num_cpu_blocks = min(self.runner.num_host_blocks(), self.runner.max_useful_blocks())
+            self._call("allocate_host_cache", num_cpu_blocks)
+            host_pool = HostBlockPool(num_cpu_blocks)
+        self._call("capture_cuda_graphs")
+        return host_pool
+
+    def _call(self, method: str, *args):
+        """Run a runner method on every rank; returns rank 0's result."""
+        if self.workers is not None:
+            self.workers.send(method, *args)
+        result = getattr(self.runner, method)(*args)
+        self._call_workers_wait()
+        return result
+
+    def _call_workers_wait(self):
+        if self.workers is not None:
+            self.workers.wait()
 
     # --- requests
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
@@ -90,7 +122,11 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self._check_progress(out)
         start = time.perf_counter()
-        token_ids = self.runner.run(out)
+        plan, sample_seqs = make_plan(out, self.config.kvcache_block_size)
+        if self.workers is not None:
+            self.workers.send("run", plan)
+        token_ids = self.runner.run(plan, sample_seqs)
+        self._call_workers_wait()
         finished = self.scheduler.postprocess(out, token_ids)
         finished += self._apply_stop_strings(out)
         self._observe_speeds(out, time.perf_counter() - start)
@@ -191,6 +227,11 @@ class LLMEngine:
         return stats
 
     def close(self):
+        """Release the KV caches, the host pool and the worker processes; safe to call twice."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+            atexit.unregister(self.close)
         if self.runner is not None:
             self.runner.close()
             self.runner = None

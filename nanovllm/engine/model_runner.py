@@ -2,12 +2,14 @@
 cache. It turns a SchedulerOutput into tensors, issues the swap copies, runs the forward pass and samples."""
 import gc
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_plan import StepPlan
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.decoder import DecoderForCausalLM
@@ -47,16 +49,20 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens]
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled]: rows of the hidden states whose next token is sampled
-    sample_seqs: list[Sequence]
 
 
 class ModelRunner:
-    def __init__(self, config: Config, rank: int = 0, device: torch.device | None = None):
+    def __init__(self, config: Config, rank: int = 0, init_method: str | None = None):
         self.config = config
         self.rank = rank
-        self.device = device or resolve_device(config.device)
+        self.device = resolve_device(config.device)
         if self.device.type == "cuda":
+            self.device = torch.device("cuda", rank)
             torch.cuda.set_device(self.device)
+        if config.tensor_parallel_size > 1:
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method=init_method,
+                                    world_size=config.tensor_parallel_size, rank=rank,
+                                    timeout=timedelta(minutes=10))
         hf = config.hf_config
         self.dtype = resolve_dtype(config.dtype, hf, self.device)
         self.block_size = config.kvcache_block_size
@@ -115,6 +121,10 @@ class ModelRunner:
         if config.num_kvcache_blocks is not None:
             num_blocks = min(num_blocks, config.num_kvcache_blocks) if config.kv_cache_memory_bytes else \
                 config.num_kvcache_blocks
+        if tp_size() > 1:  # every rank must hold the same block ids
+            t = torch.tensor([int(num_blocks)], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            num_blocks = int(t.item())
         if num_blocks < 1:
             raise ValueError(f"no room for a single KV block of {self.block_bytes / 2**20:.1f} MiB; raise "
                              f"gpu_memory_utilization or kv_cache_memory_bytes, or lower max_num_batched_tokens")
@@ -161,44 +171,23 @@ class ModelRunner:
         return num_host_blocks(self.config.swap_space, self.block_bytes, tp_size())
 
     # --- one step
-    def prepare(self, out: SchedulerOutput, width: int | None = None) -> StepInputs:
-        bs = self.block_size
-        input_ids, positions, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
-        logits_indices, sample_seqs = [], []
-        num_tokens = 0
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            start, end, table = seq.num_computed_tokens, seq.num_computed_tokens + n, seq.block_table
-            if n == 1:
-                input_ids.append(seq.token_ids[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                input_ids.extend(seq.token_ids[start:end])
-                positions.extend(range(start, end))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            num_tokens += n
-            query_lens.append(n)
-            seq_lens.append(end)
-            tables.append(table)
-            if end == seq.num_tokens:
-                logits_indices.append(num_tokens - 1)
-                sample_seqs.append(seq)
-        width = width or max(len(t) for t in tables)
-        block_tables = [t + [-1] * (width - len(t)) for t in tables]
-        is_decode = num_tokens == len(query_lens)
+    def prepare(self, plan: StepPlan, width: int | None = None) -> StepInputs:
+        """Tensors for one step; block tables are padded with -1 to `width` columns (fixed under CUDA graphs)."""
+        width = width or max(len(t) for t in plan.block_tables)
+        block_tables = [t + [-1] * (width - len(t)) for t in plan.block_tables]
         cu_seqlens = [0]
-        for n in query_lens:
+        for n in plan.query_lens:
             cu_seqlens.append(cu_seqlens[-1] + n)
         md = AttentionMetadata(
-            is_decode_only=is_decode,
-            slot_mapping=self._to_device(slots, torch.int64),
-            seq_lens=self._to_device(seq_lens, torch.int32),
+            is_decode_only=plan.is_decode_only,
+            slot_mapping=self._to_device(plan.slot_mapping, torch.int64),
+            seq_lens=self._to_device(plan.seq_lens, torch.int32),
             block_tables=self._to_device(block_tables, torch.int32),
             cu_seqlens_q=self._to_device(cu_seqlens, torch.int32),
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
-        return StepInputs(self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), md,
-                          self._to_device(logits_indices, torch.int64), sample_seqs)
+            max_query_len=max(plan.query_lens), max_seq_len=max(plan.seq_lens),
+            query_lens_cpu=plan.query_lens, seq_lens_cpu=plan.seq_lens)
+        return StepInputs(self._to_device(plan.input_ids, torch.int64), self._to_device(plan.positions, torch.int64),
+                          md, self._to_device(plan.logits_indices, torch.int64))
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -235,18 +224,18 @@ class ModelRunner:
             self.generators.pop(seq_id, None)
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> list[int]:
-        """Issue this step's copies, run the forward, sample. Returns one token per sequence that completed its
-        prompt (or its recompute) this step, in batch order."""
+    def run(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None) -> list[int]:
+        """Issue this step's copies, run the forward, sample (rank 0). Returns one token per sequence that completed
+        its prompt (or its recompute) this step, in batch order."""
         if self.copy_engine is not None:
             self.copy_engine.poll()
-            self.copy_engine.swap_out(out.swap_out)
-            self.copy_engine.wait_before_forward(out.new_gpu_block_ids)
-            self.copy_engine.swap_in(out.swap_in)
-        if not out.seqs:
+            self.copy_engine.swap_out(plan.swap_out)
+            self.copy_engine.wait_before_forward(plan.new_gpu_block_ids)
+            self.copy_engine.swap_in(plan.swap_in)
+        if not plan.num_tokens:
             return []
-        graph = self._graph_for(out)
-        inputs = self.prepare(out, width=graph.width if graph else None)
+        graph = self._graph_for(plan)
+        inputs = self.prepare(plan, width=graph.width if graph else None)
         if graph is not None:
             hidden = graph.replay(inputs)
         else:
@@ -255,18 +244,18 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, inputs.positions)
             finally:
                 reset_context()
-        if not inputs.sample_seqs:
+        if not plan.logits_indices:
             return []
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if self.rank != 0:
             return []
-        return self.sampler(logits, self.sampling_tensors(inputs.sample_seqs)).tolist()
+        return self.sampler(logits, self.sampling_tensors(sample_seqs)).tolist()
 
     # --- CUDA graphs for decode steps
-    def _graph_for(self, out: SchedulerOutput):
-        if not self.graphs or not out.is_decode_only:
+    def _graph_for(self, plan: StepPlan):
+        if not self.graphs or not plan.is_decode_only:
             return None
-        batch = len(out.seqs)
+        batch = len(plan.query_lens)
         for size in self.graph_batch_sizes:
             if size >= batch:
                 return self.graphs[size]
@@ -299,3 +288,5 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+        if dist.is_initialized():
+            dist.destroy_process_group()
