@@ -8,6 +8,7 @@ import random
 import time
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine import llm_engine
 from nanovllm.utils.presets import preset_dir
 
 
@@ -20,11 +21,13 @@ def seed_workload(num_seqs: int, max_input_len: int = 1024, max_output_len: int 
 
 
 class HostTimer:
-    """Wall time of the host-side work of decode-only steps: schedule, input preparation, postprocess."""
+    """Wall time of the host-side work of decode-only steps: schedule, step plan, input tensors, sampling
+    parameters, postprocess."""
 
     def __init__(self, llm):
         self.seconds, self.num_steps = 0.0, 0
         self._wrap(llm.scheduler, "schedule")
+        self._wrap(llm_engine, "make_plan")
         self._wrap(llm.runner, "prepare")
         self._wrap(llm.runner, "sampling_tensors")
         self._wrap(llm.scheduler, "postprocess")
