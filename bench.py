@@ -26,6 +26,18 @@ class HostTimer:
 
     def __init__(self, llm):
         self.seconds, self.num_steps = 0.0, 0
+        self.decode_wall_seconds = self.prefill_wall_seconds = 0.0
+        step = llm.step
+
+        def timed_step():
+            start = time.perf_counter()
+            finished = step()
+            if self.is_decode:
+                self.decode_wall_seconds += time.perf_counter() - start
+            else:
+                self.prefill_wall_seconds += time.perf_counter() - start
+            return finished
+        llm.step = timed_step
         self._wrap(llm.scheduler, "schedule")
         self._wrap(llm_engine, "make_plan")
         self._wrap(llm.runner, "prepare")
@@ -57,6 +69,7 @@ def main():
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels (torch.profiler)")
     args = parser.parse_args()
     llm = LLM(preset_dir(args.shape), load_format="dummy", max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
@@ -66,7 +79,13 @@ def main():
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     timer = HostTimer(llm)
     start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, params, use_tqdm=False)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    else:
+        llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     num_tokens = sum(p.max_tokens for p in params)
     stats = llm.stats()
@@ -75,6 +94,8 @@ def main():
     print(f"Total: {num_tokens} tok, Time: {seconds:.2f} s, Throughput: {num_tokens / seconds:.0f} tok/s, "
           f"host time per decode step: {1e3 * timer.seconds / max(timer.num_steps, 1):.3f} ms "
           f"over {timer.num_steps} steps")
+    print(f"wall time in decode steps {timer.decode_wall_seconds:.2f} s ({1e3 * timer.decode_wall_seconds / max(timer.num_steps, 1):.2f} ms/step), "
+          f"in prefill/mixed steps {timer.prefill_wall_seconds:.2f} s")
     llm.close()
 
 

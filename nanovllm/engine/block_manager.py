@@ -83,6 +83,8 @@ class BlockManager:
                  num_reserved_blocks: int = 0) -> bool:
         """Give seq the cached blocks, then enough new blocks for `num_new_tokens` more tokens.
         All or nothing: returns False (and changes nothing) when fewer than `num_reserved_blocks` would stay free."""
+        if not cached_block_ids and seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size:
+            return True  # the common decode step: the last block still has room
         num_cached_tokens = len(cached_block_ids) * self.block_size
         num_tokens = seq.num_computed_tokens + num_cached_tokens + num_new_tokens
         num_new_blocks = seq.num_blocks_for(num_tokens) - len(seq.block_table) - len(cached_block_ids)

@@ -136,11 +136,11 @@ class ModelRunner:
         config = self.config
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        num_tokens = min(config.max_num_batched_tokens, config.max_model_len * config.max_num_seqs)
-        seq_len = min(num_tokens, config.max_model_len)
+        seq_len = min(config.max_num_batched_tokens, config.max_model_len)
+        num_tokens = seq_len * min(config.max_num_batched_tokens // seq_len, config.max_num_seqs)
         positions = torch.arange(num_tokens, device=self.device) % seq_len
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        set_context(AttentionMetadata(False, None, None, None))
+        set_context(AttentionMetadata(False, None, None, None, max_seq_len=seq_len))
         try:
             hidden = self.model(input_ids, positions)
             self.model.compute_logits(hidden[-config.max_num_seqs:])
@@ -172,22 +172,26 @@ class ModelRunner:
 
     # --- one step
     def prepare(self, plan: StepPlan, width: int | None = None) -> StepInputs:
-        """Tensors for one step; block tables are padded with -1 to `width` columns (fixed under CUDA graphs)."""
+        """Tensors for one step, moved in one host-to-device copy; block tables are padded with -1 to `width`
+        columns (fixed under CUDA graphs)."""
         width = width or max(len(t) for t in plan.block_tables)
-        block_tables = [t + [-1] * (width - len(t)) for t in plan.block_tables]
         cu_seqlens = [0]
         for n in plan.query_lens:
             cu_seqlens.append(cu_seqlens[-1] + n)
+        parts = [plan.input_ids, plan.positions, plan.slot_mapping, plan.logits_indices, plan.seq_lens, cu_seqlens]
+        flat = [x for part in parts for x in part]
+        for table in plan.block_tables:
+            flat.extend(table)
+            flat.extend([-1] * (width - len(table)))
+        data = self._to_device(flat, torch.int64)
+        sizes = [len(p) for p in parts] + [len(plan.block_tables) * width]
+        input_ids, positions, slots, logits_indices, seq_lens, cu_seqlens_q, tables = data.split(sizes)
         md = AttentionMetadata(
-            is_decode_only=plan.is_decode_only,
-            slot_mapping=self._to_device(plan.slot_mapping, torch.int64),
-            seq_lens=self._to_device(plan.seq_lens, torch.int32),
-            block_tables=self._to_device(block_tables, torch.int32),
-            cu_seqlens_q=self._to_device(cu_seqlens, torch.int32),
+            is_decode_only=plan.is_decode_only, slot_mapping=slots, seq_lens=seq_lens.int(),
+            block_tables=tables.view(-1, width).int(), cu_seqlens_q=cu_seqlens_q.int(),
             max_query_len=max(plan.query_lens), max_seq_len=max(plan.seq_lens),
             query_lens_cpu=plan.query_lens, seq_lens_cpu=plan.seq_lens)
-        return StepInputs(self._to_device(plan.input_ids, torch.int64), self._to_device(plan.positions, torch.int64),
-                          md, self._to_device(plan.logits_indices, torch.int64))
+        return StepInputs(input_ids, positions, md, logits_indices)
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         if self.device.type == "cpu":

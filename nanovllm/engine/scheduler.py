@@ -186,15 +186,17 @@ class Scheduler:
         (or recompute) is now complete, in batch order. Returns the sequences that finished."""
         finished = []
         sampled = iter(sampled_token_ids)
+        stats = self.stats
         for seq, num_new in zip(out.seqs, out.num_new_tokens):
-            is_decode = num_new == 1 and seq.num_completion_tokens > 0 and seq.num_uncomputed_tokens == 1
-            if is_decode:
-                self.stats.decode_tokens += 1
+            num_tokens = len(seq.token_ids)
+            if num_new == 1 and num_tokens > seq.num_prompt_tokens and seq.num_computed_tokens == num_tokens - 1:
+                stats.decode_tokens += 1
             else:
-                self.stats.prefill_tokens += num_new
+                stats.prefill_tokens += num_new
             seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq)
-            if seq.num_uncomputed_tokens:
+            if seq.num_computed_tokens % self.block_manager.block_size == 0 or num_new > 1:
+                self.block_manager.cache_full_blocks(seq)  # a block just filled up
+            if seq.num_computed_tokens < num_tokens:
                 continue  # a prompt chunk: nothing sampled yet
             token_id = next(sampled)
             seq.token_ids.append(token_id)

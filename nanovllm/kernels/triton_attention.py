@@ -86,7 +86,10 @@ def _attend_tile(acc, m_i, l_i, q, k_head, v_head, bt_row_ptr, n_start, q_pos, k
     else:
         k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
 
-    qk = tl.dot(q, tl.trans(k)) * qk_scale  # [M, BLOCK_N] fp32, log2 domain
+    if k.dtype == tl.float32:  # full fp32 for the float32 parity tests (tl.dot would round to tf32)
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [M, BLOCK_N] fp32, log2 domain
+    else:
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
     if CAUSAL:
         qk = tl.where(pos[None, :] <= q_pos[:, None], qk, float("-inf"))
     elif MASK:
@@ -103,7 +106,10 @@ def _attend_tile(acc, m_i, l_i, q, k_head, v_head, bt_row_ptr, n_start, q_pos, k
         v = tl.load(v_head + v_rows[:, None] + offs_d[None, :])
     else:
         v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # [M, BLOCK_D]
+    if v.dtype == tl.float32:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")  # [M, BLOCK_D]
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
 
 

@@ -129,15 +129,16 @@ class Attention(nn.Module):
         if self.k_cache.numel():  # no cache during the memory-profiling run
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, md)
         else:
-            return self._profile_attention(q, k, v)
+            return self._profile_attention(q, k, v, md.max_seq_len)
         if md.is_decode_only:
             return self.backend.decode(q, self.k_cache, self.v_cache, md, self.scale)
         return self.backend.prefill(q, self.k_cache, self.v_cache, md, self.scale)
 
-    def _profile_attention(self, q, k, v) -> torch.Tensor:
-        """Attention without a cache, for the profiling run that sizes the KV cache (one sequence, causal)."""
+    def _profile_attention(self, q, k, v, seq_len: int) -> torch.Tensor:
+        """Attention without a cache, for the profiling run that sizes the KV cache: the tokens are
+        consecutive causal sequences of seq_len tokens each."""
         group = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             is_causal=True, scale=self.scale)
-        return out.transpose(0, 1)
+        q, k, v = (x.view(-1, seq_len, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))  # [N, H, seq_len, D]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return out.transpose(1, 2).flatten(0, 1)
