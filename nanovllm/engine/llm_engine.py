@@ -172,7 +172,8 @@ class LLMEngine:
         text = seq.output_text if seq.output_text is not None else self._detokenize(seq.completion_token_ids)
         return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason}
 
-    def generate(self, prompts: list[str] | list[list[int]] | str, sampling_params=None, use_tqdm: bool = True):
+    def _queue(self, prompts, sampling_params) -> list[int]:
+        """Validate every request first, then queue them all: a bad one leaves the engine untouched."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
@@ -181,21 +182,69 @@ class LLMEngine:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts; pass one or one each")
-        for prompt, sp in zip(prompts, sampling_params):  # validate everything before queueing anything
+        for prompt, sp in zip(prompts, sampling_params):
             self._prompt_token_ids(prompt, sp)
-        seq_ids = [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        return [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+
+    def generate(self, prompts: list[str] | list[list[int]] | str, sampling_params=None, use_tqdm: bool = True):
+        """Run prompts to completion; returns {"text", "token_ids", "finish_reason"} per prompt, in input order."""
+        seq_ids = self._queue(prompts, sampling_params)
         pending = set(seq_ids)
         bar = tqdm(total=len(seq_ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         last = (time.perf_counter(), self.stats())
-        while pending:
-            finished = self.step()
-            done = [s.seq_id for s in finished if s.seq_id in pending]
-            pending.difference_update(done)
-            bar.update(len(done))
-            if use_tqdm:
-                last = self._update_bar(bar, last)
-        bar.close()
+        try:
+            while pending:
+                finished = self.step()
+                done = [s.seq_id for s in finished if s.seq_id in pending]
+                pending.difference_update(done)
+                bar.update(len(done))
+                if use_tqdm:
+                    last = self._update_bar(bar, last)
+        finally:
+            bar.close()
+            for seq_id in pending:  # interrupted (e.g. Ctrl-C): free what the unfinished requests hold
+                self.abort_request(seq_id)
         return [self.output(self.requests.pop(seq_id)) for seq_id in seq_ids]
+
+    def generate_stream(self, prompts: list[str] | list[list[int]] | str, sampling_params=None):
+        """Like generate, but yields {"index", "token_ids", "text", "finish_reason"} with the new tokens and text
+        of a request as soon as a step produces them; finish_reason is None until its last chunk.
+        Closing the generator early aborts the unfinished requests and frees their blocks."""
+        seq_ids = self._queue(prompts, sampling_params)
+        pending = dict.fromkeys(seq_ids)
+        num_sent = {seq_id: 0 for seq_id in seq_ids}
+        text_sent = {seq_id: "" for seq_id in seq_ids}
+        try:
+            while pending:
+                self.step()
+                for i, seq_id in enumerate(seq_ids):
+                    if seq_id not in pending:
+                        continue
+                    seq = self.requests[seq_id]
+                    new_ids = seq.completion_token_ids[num_sent[seq_id]:]
+                    if not new_ids and not seq.is_finished:
+                        continue
+                    text = self._stream_text(seq)
+                    delta = text[len(text_sent[seq_id]):]
+                    num_sent[seq_id] += len(new_ids)
+                    text_sent[seq_id] = text
+                    if seq.is_finished:
+                        del pending[seq_id]
+                        self.requests.pop(seq_id)
+                    yield {"index": i, "token_ids": new_ids, "text": delta, "finish_reason": seq.finish_reason}
+        finally:
+            for seq_id in pending:
+                self.abort_request(seq_id)
+
+    def _stream_text(self, seq: Sequence) -> str:
+        """The text that is safe to send: all of it once finished; before that, without a trailing partial
+        character and without a tail that could still become a stop string."""
+        text = self.output(seq)["text"]
+        if seq.is_finished:
+            return text
+        text = text.rstrip("\ufffd")
+        holdback = max((len(s) - 1 for s in seq.sampling_params.stop), default=0)
+        return text[:len(text) - holdback] if holdback else text
 
     def _update_bar(self, bar, last):
         now, stats = time.perf_counter(), self.stats()
