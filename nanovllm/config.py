@@ -13,6 +13,7 @@ from nanovllm.models.registry import SUPPORTED_ARCHITECTURES
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
+HOST_CACHE_POLICIES = ("write_back", "write_through", "off")
 
 
 @dataclass(slots=True)
@@ -39,6 +40,9 @@ class Config:
     # --- host tier (nanovllm_offload)
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks, per tensor-parallel rank
     preemption_mode: str = "auto"  # "auto" picks swap or recompute per victim from measured speeds
+    # the host pool as a second-level prefix cache: "write_back" copies a cached block when it becomes evictable,
+    # "write_through" as soon as it is cached, "off" keeps the pool for swapped sequences only
+    host_cache_policy: str = "write_back"
     # --- filled in by __post_init__
     hf_config: Any = field(default=None, repr=False)
     architecture: str = ""
@@ -50,6 +54,7 @@ class Config:
         _check_choice("load_format", self.load_format, ("auto", "dummy"))
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("host_cache_policy", self.host_cache_policy, HOST_CACHE_POLICIES)
         bs = self.kvcache_block_size
         if bs < 1 or bs & (bs - 1):
             raise ValueError(f"kvcache_block_size={bs} must be a power of two")

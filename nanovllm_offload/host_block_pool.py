@@ -1,16 +1,18 @@
 """Host block ids for swapped-out KV (plain Python; no torch)."""
 from collections import OrderedDict
 
+from nanovllm.engine.block_manager import content_hash
 from nanovllm.engine.sequence import Sequence
 
 
 class HostBlockPool:
     """Owns the cpu_block_ids of the host tier.
 
-    A cpu block is pinned (ref_count > 0) while a SWAPPED sequence owns it. A full block is stored once, keyed by its
-    prefix-chain hash, so two swapped sequences sharing a prefix share the host copy ("never copied twice").
-    Free blocks that still hold a hashed block stay findable and are evicted in LRU order from the head of
-    `free_block_ids`, as on the GPU.
+    One pool, two roles. A cpu block is pinned (ref_count > 0) while a SWAPPED sequence owns it. A free block that
+    holds a hashed full block is a second-level prefix cache entry: findable by its prefix-chain hash, evicted in
+    LRU order from the head of `free_block_ids`. So swapped sequences can claim the whole pool, and the prefix cache
+    gets whatever they do not hold. A full block is stored once, so two swapped sequences sharing a prefix share
+    the host copy ("never copied twice"), and a cached copy is reused by a later swap-out.
     NOTE: a block is in `free_block_ids` iff its ref_count is 0.
     NOTE: `hash_to_block_id[h] == b` implies `block_hash[b] == h`.
     """
@@ -56,6 +58,32 @@ class HostBlockPool:
                     self.hash_to_block_id.setdefault(h, cpu_block_id)
             seq.cpu_block_table.append(cpu_block_id)
         return copies
+
+    # --- the prefix-cache role
+    def find_cached_prefix(self, seq: Sequence, start_block: int, num_blocks: int) -> list[int]:
+        """Host blocks holding seq's full blocks start_block, start_block + 1, ... (at most num_blocks of them);
+        each hit becomes the most recently used."""
+        cpu_block_ids = []
+        for i in range(start_block, start_block + num_blocks):
+            cpu_block_id = self.hash_to_block_id.get(content_hash(seq, i))
+            if cpu_block_id is None:
+                break
+            if cpu_block_id in self.free_block_ids:
+                self.free_block_ids.move_to_end(cpu_block_id)
+            cpu_block_ids.append(cpu_block_id)
+        return cpu_block_ids
+
+    def store(self, block_hash: int) -> int | None:
+        """A host block for a copy of a cached GPU block: evicts the least recently used cached host block.
+        Returns None when the hash is already here or every host block is held by a swapped sequence."""
+        if block_hash in self.hash_to_block_id or not self.free_block_ids:
+            return None
+        cpu_block_id = self._pop_free()
+        self.ref_counts[cpu_block_id] = 0  # cached, not owned: stays evictable
+        self.block_hash[cpu_block_id] = block_hash
+        self.hash_to_block_id[block_hash] = cpu_block_id
+        self.free_block_ids[cpu_block_id] = None
+        return cpu_block_id
 
     def free(self, seq: Sequence):
         """Release seq's host blocks (after its swap-in was issued, or when it finishes or is aborted while SWAPPED).

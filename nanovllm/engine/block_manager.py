@@ -33,9 +33,12 @@ class BlockManager:
           (`cache_full_blocks`), so a prefix hit never reads KV that is still being written.
     NOTE: `new_gpu_block_ids` lists the blocks handed out since `begin_step()`; only these can be written by this
           step's copies and forward, so only these can collide with a swap-out still reading them.
+    NOTE: `offload_candidate_ids` collects hashed blocks the host tier may want a copy of: blocks that became
+          evictable (write-back) or, with write-through, blocks that were just cached. The scheduler drains it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 write_through: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -44,6 +47,8 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.new_gpu_block_ids: list[int] = []
+        self.write_through = write_through
+        self.offload_candidate_ids: list[int] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -76,6 +81,8 @@ class BlockManager:
             if self.block_hash[block_id] is None:
                 self.block_hash[block_id] = h
                 self.hash_to_block_id.setdefault(h, block_id)
+                if self.write_through:
+                    self.offload_candidate_ids.append(block_id)
         seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
 
     # --- allocation
@@ -99,6 +106,11 @@ class BlockManager:
         seq.block_table.extend(self._pop_free() for _ in range(num_new_blocks))
         return True
 
+    def take_offload_candidates(self) -> list[tuple[int, int]]:
+        """(gpu_block_id, hash) of the candidates that still hold their hashed block."""
+        ids, self.offload_candidate_ids = self.offload_candidate_ids, []
+        return [(b, self.block_hash[b]) for b in ids if self.block_hash[b] is not None]
+
     def computed_block_ids(self, seq: Sequence) -> list[int]:
         """The blocks that hold seq's computed KV (the ones a swap-out must copy)."""
         return seq.block_table[:seq.num_blocks_for(seq.num_computed_tokens)]
@@ -113,6 +125,8 @@ class BlockManager:
                 self.free_block_ids[block_id] = None
                 if self.block_hash[block_id] is None:
                     self.free_block_ids.move_to_end(block_id, last=False)
+                elif not self.write_through:
+                    self.offload_candidate_ids.append(block_id)
         seq.block_table = []
         seq.num_cached_blocks = 0
 

