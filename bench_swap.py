@@ -3,13 +3,18 @@
     python bench_swap.py --scenario rtx4070              # Qwen3-0.6B shape, 256 seqs, 4 GiB of GPU KV
     python bench_swap.py --scenario h800                 # Qwen3-8B shape, 1024 seqs, 55 GiB of GPU KV
     python bench_swap.py --scenario rtx4070 --scale 0.25 --plot
+    python bench_swap.py --scenario chat                 # multi-turn chat: the host tier as a prefix cache
 
 Modes: unpressured (no KV cap), recompute, swap, auto (all three capped). The workload is nano-vllm's bench.py:
-random.seed(0), prompt and output lengths uniform in [100, 1024], prompt ids uniform in [0, 10000].
+random.seed(0), prompt and output lengths uniform in [100, 1024], prompt ids uniform in [0, 10000]. The host prefix
+cache is off in these four modes, so that they compare preemption alone.
+"chat": 128 conversations x 4 turns sharing a 2048-token system prompt, Qwen3-8B shape, 20 GiB of GPU KV; modes
+no_host_tier (recompute, no host pool) and host_tier (64 GiB host pool: prefix cache + swap).
 """
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -19,8 +24,71 @@ GiB = 1 << 30
 SCENARIOS = {
     "rtx4070": dict(shape="qwen3-0.6b", num_seqs=256, kv_gib=4, swap_space=32),
     "h800": dict(shape="qwen3-8b", num_seqs=1024, kv_gib=55, swap_space=64),
+    "chat": dict(shape="qwen3-8b", num_seqs=128, kv_gib=20, swap_space=64, num_turns=4),
 }
 MODES = ["unpressured", "recompute", "swap", "auto"]
+CHAT_MODES = ["no_host_tier", "host_tier"]
+
+
+def chat_workload(num_convs: int, num_turns: int = 4):
+    """128 conversations x 4 turns sharing a 2048-token system prompt (the issue's generator, in its order)."""
+    rng = random.Random(1)
+    system = [rng.randint(0, 10000) for _ in range(2048)]
+    users = [[[rng.randint(0, 10000) for _ in range(rng.randint(64, 512))] for _ in range(num_turns)]
+             for _ in range(num_convs)]
+    max_tokens = [[rng.randint(64, 512) for _ in range(num_turns)] for _ in range(num_convs)]
+    return system, users, max_tokens
+
+
+def run_chat(mode: str, num_convs: int, args) -> dict:
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.utils.presets import preset_dir
+    s = SCENARIOS["chat"]
+    options = dict(load_format="dummy", max_model_len=8192, max_num_seqs=args.max_num_seqs,
+                   enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+                   kv_cache_memory_bytes=int(s["kv_gib"] * GiB) // args.tensor_parallel_size)
+    if mode == "no_host_tier":
+        options.update(preemption_mode="recompute", swap_space=0, host_cache_policy="off")
+    else:
+        options.update(preemption_mode="auto", swap_space=args.swap_space or s["swap_space"],
+                       host_cache_policy="write_back")
+    llm = LLM(preset_dir(s["shape"]), **options)
+    system, users, max_tokens = chat_workload(num_convs, s["num_turns"])
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    histories = [list(system) for _ in range(num_convs)]
+    turns, total_tokens, start = [], 0, time.perf_counter()
+    keys = ("prefill_tokens", "prefix_cache_hit_tokens", "host_prefix_hit_tokens", "preemptions")
+    for t in range(s["num_turns"]):
+        before, turn_start = llm.stats(), time.perf_counter()
+        prompts = [h + users[c][t] for c, h in enumerate(histories)]
+        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens[c][t])
+                  for c in range(num_convs)]
+        outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+        histories = [p + o["token_ids"] for p, o in zip(prompts, outputs)]
+        after = llm.stats()
+        turns.append(dict(turn=t + 1, seconds=time.perf_counter() - turn_start,
+                          prompt_tokens=sum(map(len, prompts)), output_tokens=sum(p.max_tokens for p in params),
+                          **{k: after[k] - before[k] for k in keys}))
+        total_tokens += turns[-1]["output_tokens"]
+    seconds = time.perf_counter() - start
+    stats = llm.stats()
+    llm.close()
+    return dict(mode=mode, output_tokens=total_tokens, seconds=seconds, stats=stats, turns=turns, timeline=[])
+
+
+def print_chat_table(results: list[dict]):
+    print(f"\n## chat: {SCENARIOS['chat']}")
+    print("| mode | turn | seconds | prompt tok | computed | GPU cache | host tier | preemptions |\n|" + "---|" * 8)
+    for r in results:
+        for t in r["turns"]:
+            print(f"| {r['mode']} | {t['turn']} | {t['seconds']:.2f} | {t['prompt_tokens']} | {t['prefill_tokens']} | "
+                  f"{t['prefix_cache_hit_tokens']} | {t['host_prefix_hit_tokens']} | {t['preemptions']} |")
+    print("\n| mode | total s | output tok/s | prompt tokens computed | host hit tokens | swap GB |\n|" + "---|" * 6)
+    for r in results:
+        s = r["stats"]
+        print(f"| {r['mode']} | {r['seconds']:.2f} | {r['output_tokens'] / r['seconds']:.0f} | "
+              f"{sum(t['prefill_tokens'] for t in r['turns'])} | {s['host_prefix_hit_tokens']} | "
+              f"{(s['bytes_swapped_out'] + s['bytes_swapped_in']) / 1e9:.1f} |")
 
 
 def run_mode(scenario: str, mode: str, num_seqs: int, args) -> dict:
@@ -31,11 +99,12 @@ def run_mode(scenario: str, mode: str, num_seqs: int, args) -> dict:
     s = SCENARIOS[scenario]
     options = dict(load_format="dummy", max_model_len=4096, max_num_seqs=args.max_num_seqs,
                    enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
-    if mode == "unpressured":
-        options.update(preemption_mode="recompute")
+    if mode in ("unpressured", "recompute"):
+        options.update(preemption_mode="recompute", host_cache_policy="off", swap_space=0)
     else:
-        options.update(kv_cache_memory_bytes=int(s["kv_gib"] * GiB) // args.tensor_parallel_size,
-                       preemption_mode=mode, swap_space=args.swap_space or s["swap_space"])
+        options.update(preemption_mode=mode, swap_space=args.swap_space or s["swap_space"], host_cache_policy="off")
+    if mode != "unpressured":
+        options.update(kv_cache_memory_bytes=int(s["kv_gib"] * GiB) // args.tensor_parallel_size)
     llm = LLM(preset_dir(s["shape"]), **options)
     prompts, params = seed_workload(num_seqs)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
@@ -107,7 +176,8 @@ def plot(scenario: str, results: list[dict], path: str):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", nargs="+", default=["rtx4070"], choices=sorted(SCENARIOS))
-    parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=None, choices=MODES + CHAT_MODES,
+                        help="default: all modes of the scenario")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply num-seqs (quick runs)")
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--swap-space", type=float, default=None, help="GiB; default per scenario")
@@ -121,12 +191,14 @@ def main():
     if args.run_mode:
         scenario, mode, path = args.run_mode
         num_seqs = max(1, round(SCENARIOS[scenario]["num_seqs"] * args.scale))
+        run = run_chat(mode, num_seqs, args) if scenario == "chat" else run_mode(scenario, mode, num_seqs, args)
         with open(path, "w") as f:
-            json.dump(run_mode(scenario, mode, num_seqs, args), f)
+            json.dump(run, f)
         return
     for scenario in args.scenario:
         results = []
-        for mode in args.modes:
+        scenario_modes = CHAT_MODES if scenario == "chat" else MODES
+        for mode in [m for m in (args.modes or scenario_modes) if m in scenario_modes]:
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
                 path = f.name
             cmd = [sys.executable, __file__, "--run-mode", scenario, mode, path] + [a for a in sys.argv[1:]]
@@ -140,6 +212,9 @@ def main():
             os.unlink(path)
             r = results[-1]
             print(f"{scenario}/{mode}: {r['output_tokens'] / r['seconds']:.0f} tok/s", flush=True)
+        if scenario == "chat":
+            print_chat_table(results)
+            continue
         print_table(scenario, results)
         if args.plot and results:
             plot(scenario, results, os.path.join(args.out_dir, f"bench_swap_{scenario}.png"))

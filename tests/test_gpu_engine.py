@@ -78,8 +78,8 @@ def test_triton_graphs_compile_match_hf_in_float32(gpu_models, family):
 
 def test_swap_on_cuda_streams_matches_the_unpressured_run(gpu_models):
     model = gpu_models["qwen3"]
-    base = run(model)["token_ids"]
-    swap = run(model, num_kvcache_blocks=24, preemption_mode="swap", swap_space=0.5)
+    base = run(model, enforce_eager=True)["token_ids"]
+    swap = run(model, num_kvcache_blocks=24, preemption_mode="swap", swap_space=0.5, enforce_eager=True)
     assert swap["token_ids"] == base
     s = swap["stats"]
     assert s["preemptions_swap"] > 0 and s["blocks_swapped_in"] > 0 and s["recomputed_tokens"] == 0
@@ -88,6 +88,6 @@ def test_swap_on_cuda_streams_matches_the_unpressured_run(gpu_models):
 
 def test_recompute_on_cuda_matches_the_unpressured_run(gpu_models):
     model = gpu_models["llama"]
-    base = run(model)["token_ids"]
-    rec = run(model, num_kvcache_blocks=24, preemption_mode="recompute")
+    base = run(model, enforce_eager=True)["token_ids"]
+    rec = run(model, num_kvcache_blocks=24, preemption_mode="recompute", enforce_eager=True)
     assert rec["token_ids"] == base and rec["stats"]["preemptions_recompute"] > 0

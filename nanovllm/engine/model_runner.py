@@ -272,7 +272,8 @@ class ModelRunner:
             return
         from nanovllm.engine.cuda_graph import DecodeGraph
         max_bs = min(self.config.max_num_seqs, 512)
-        self.graph_batch_sizes = [b for b in [1, 2, 4, 8] if b < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
+        sizes = [1, 2, 4, 8] + list(range(16, 128, 16)) + list(range(128, max_bs, 32))
+        self.graph_batch_sizes = [b for b in sizes if b < max_bs] + [max_bs]
         width = (self.config.max_model_len + self.block_size - 1) // self.block_size
         pool = None
         for size in reversed(self.graph_batch_sizes):

@@ -241,11 +241,13 @@ class EngineLoop:
         return tokenizer.encode(text, add_special_tokens=False)  # the template already has its special tokens
 
     def _room_left(self, token_ids: list[int]) -> int:
-        max_len = self.llm.config.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, max_model_len={max_len} leaves no room for a "
-                             f"completion; shorten it")
-        return max_len - len(token_ids)
+        """The default max_tokens: up to max_model_len, and no more than the whole GPU KV cache holds."""
+        config = self.llm.config
+        if len(token_ids) >= config.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, max_model_len={config.max_model_len} leaves no "
+                             f"room for a completion; shorten it")
+        max_len = min(config.max_model_len, self.llm.num_gpu_blocks * config.kvcache_block_size)
+        return max(1, max_len - len(token_ids))  # max(1, ...): past the cache, add_request names the limit
 
     def _abort(self, stream: RequestStream):
         if self._active.pop(stream.seq_id, None) is None:
