@@ -1,6 +1,7 @@
 """The model runner: the only owner of model weights, the GPU KV cache and (through the copy engine) the host KV
 cache. It turns a SchedulerOutput into tensors, issues the swap copies, runs the forward pass and samples."""
 import gc
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -60,6 +61,8 @@ class ModelRunner:
             self.device = torch.device("cuda", rank)
             torch.cuda.set_device(self.device)
         if config.tensor_parallel_size > 1:
+            if self.device.type == "cpu":  # share the cores instead of oversubscribing them
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method=init_method,
                                     world_size=config.tensor_parallel_size, rank=rank,
                                     timeout=timedelta(minutes=10))

@@ -1,0 +1,58 @@
+"""Tensor parallelism on CPU with gloo: TP=N gives TP=1's greedy tokens, with and without forced swapping, and
+leaves no process behind."""
+import multiprocessing as mp
+
+import pytest
+
+from conftest import close_llm, greedy, random_prompts, smollm2_llm_kwargs, tiny_llm_kwargs
+from nanovllm import LLM
+
+PROMPTS = random_prompts([3, 17, 40, 9, 33])
+
+
+def run(model_dir, kwargs, prompts=PROMPTS, max_tokens=16):
+    llm = LLM(model_dir, **kwargs)
+    try:
+        outs = [o["token_ids"] for o in llm.generate(prompts, greedy(max_tokens), use_tqdm=False)]
+        return outs, llm.stats()
+    finally:
+        close_llm(llm)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+def test_tp2_equals_tp1(tiny_dirs, family):
+    ref, _ = run(tiny_dirs[family], tiny_llm_kwargs())
+    got, _ = run(tiny_dirs[family], tiny_llm_kwargs(tensor_parallel_size=2))
+    assert got == ref
+    assert mp.active_children() == []
+
+
+def test_tp2_with_forced_swapping_equals_tp1(qwen3_dir):
+    ref, _ = run(qwen3_dir, tiny_llm_kwargs())
+    got, stats = run(qwen3_dir, tiny_llm_kwargs(tensor_parallel_size=2, num_kvcache_blocks=24,
+                                                 preemption_mode="swap", swap_space=0.01))
+    assert got == ref
+    assert stats["preemptions_swap"] > 0 and stats["blocks_swapped_in"] > 0 and stats["recomputed_tokens"] == 0
+    # both ranks moved their shard: the byte count covers 2 shards of each block
+    assert stats["bytes_swapped_out"] % 2 == 0 and stats["bytes_swapped_out"] > 0
+
+
+def test_smollm2_tp3_equals_tp1(smollm2_dir):
+    """9 query heads and 3 KV heads: one KV head per rank."""
+    prompts = random_prompts([12, 30], vocab=49152)
+    ref, _ = run(smollm2_dir, smollm2_llm_kwargs(), prompts, 8)
+    got, _ = run(smollm2_dir, smollm2_llm_kwargs(tensor_parallel_size=3), prompts, 8)
+    assert got == ref
+    assert mp.active_children() == []
+
+
+def test_heads_not_divisible_is_a_value_error(qwen3_dir):
+    with pytest.raises(ValueError, match="not divisible by tensor_parallel_size=3"):
+        LLM(qwen3_dir, **tiny_llm_kwargs(tensor_parallel_size=3))
+    assert mp.active_children() == []
+
+
+def test_bad_config_fails_before_any_worker_starts(qwen3_dir):
+    with pytest.raises(ValueError):
+        LLM(qwen3_dir, **tiny_llm_kwargs(tensor_parallel_size=2, num_kvcache_blocks=0))
+    assert mp.active_children() == []
