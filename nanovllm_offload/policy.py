@@ -8,14 +8,16 @@ from nanovllm.engine.sequence import Sequence
 class PreemptionPolicy:
     """Picks the cheaper way to bring a victim back.
 
-    swap: its computed blocks go to the host and come back (2 copies of block_bytes each);
-    recompute: its computed tokens are prefilled again.
-    "auto" compares the two from speeds measured while the engine runs (exponential moving averages); the priors
-    below only matter until the first copy and the first prefill have been timed.
+    swap: its computed blocks go to the host and come back (2 copies of block_bytes each); the copies run on their
+    own streams, so what the GPU loses is only the part of the copy time the forward has to wait for;
+    recompute: its computed tokens are prefilled again, all of it on the GPU.
+    "auto" compares the two from what the engine measures while it runs (exponential moving averages): copy
+    bandwidth, the exposed share of copy time, and prefill speed. The priors only matter until then.
     """
     mode: str  # "auto" | "swap" | "recompute"
     block_bytes: int  # one block: all layers, K and V, on one rank
     copy_bytes_per_s: float = 20e9  # prior: a PCIe 4.0 x16 link, pinned
+    exposed_fraction: float = 0.25  # prior: share of copy time the forward waits for
     prefill_tokens_per_s: float = 20e3  # prior
     ema: float = 0.2  # weight of the newest measurement
 
@@ -23,13 +25,18 @@ class PreemptionPolicy:
         if self.mode != "auto":
             return self.mode == "swap"
         num_blocks = seq.num_blocks_for(seq.num_computed_tokens)
-        copy_s = 2 * num_blocks * self.block_bytes / self.copy_bytes_per_s
+        copy_s = 2 * num_blocks * self.block_bytes / self.copy_bytes_per_s * self.exposed_fraction
         recompute_s = seq.num_computed_tokens / self.prefill_tokens_per_s
         return copy_s <= recompute_s
 
     def observe_copy(self, num_bytes: int, seconds: float):
         if num_bytes > 0 and seconds > 0:
             self.copy_bytes_per_s += self.ema * (num_bytes / seconds - self.copy_bytes_per_s)
+
+    def observe_exposure(self, exposed_seconds: float, copy_seconds: float):
+        if copy_seconds > 0:
+            fraction = min(1.0, exposed_seconds / copy_seconds)
+            self.exposed_fraction += self.ema * (fraction - self.exposed_fraction)
 
     def observe_prefill(self, num_tokens: int, seconds: float):
         if num_tokens > 0 and seconds > 0:

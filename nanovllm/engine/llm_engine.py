@@ -40,6 +40,7 @@ class LLMEngine:
             _eos_token_ids(model, config.hf_config, self.tokenizer), host_pool, self.policy, host_prefix_cache)
         self.requests: dict[int, Sequence] = {}
         self._num_empty_steps = 0
+        self._last_exposed = (0.0, 0.0)  # (exposed, copy) seconds at the last policy update
 
     def _start_runners(self) -> HostBlockPool | None:
         """Rank 0 here, ranks 1..N-1 in worker processes; every rank sizes and allocates the same caches."""
@@ -165,8 +166,13 @@ class LLMEngine:
             self.policy.observe_prefill(num_prefill, seconds)
         engine = self.runner.copy_engine
         if engine is not None:
-            for num_bytes, copy_seconds in engine.take_recent_copies():
+            copies = engine.take_recent_copies()
+            for num_bytes, copy_seconds in copies:
                 self.policy.observe_copy(num_bytes, copy_seconds)
+            if copies:
+                copy_s, exposed_s = engine.copy_seconds, engine.exposed_seconds
+                self.policy.observe_exposure(exposed_s - self._last_exposed[0], copy_s - self._last_exposed[1])
+                self._last_exposed = (exposed_s, copy_s)
 
     def _detokenize(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
