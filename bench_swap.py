@@ -22,7 +22,7 @@ import time
 
 GiB = 1 << 30
 SCENARIOS = {
-    "rtx4070": dict(shape="qwen3-0.6b", num_seqs=256, kv_gib=4, swap_space=32),
+    "rtx4070": dict(shape="qwen3-0.6b", num_seqs=256, kv_gib=4, swap_space=16),
     "h800": dict(shape="qwen3-8b", num_seqs=1024, kv_gib=55, swap_space=64),
     "chat": dict(shape="qwen3-8b", num_seqs=128, kv_gib=20, swap_space=64, num_turns=4),
 }

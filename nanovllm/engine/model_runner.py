@@ -241,6 +241,13 @@ class ModelRunner:
             self.copy_engine.swap_in(plan.swap_in)
         if not plan.num_tokens:
             return []
+        logits = self._forward(plan)
+        if logits is None or self.rank != 0:
+            return []
+        return self.sampler(logits, self.sampling_tensors(sample_seqs)).tolist()
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor | None:
+        """Logits of the sampled rows (rank 0; None elsewhere or when nothing is sampled)."""
         graph = self._graph_for(plan)
         inputs = self.prepare(plan, width=graph.width if graph else None)
         if graph is not None:
@@ -252,11 +259,26 @@ class ModelRunner:
             finally:
                 reset_context()
         if not plan.logits_indices:
-            return []
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        if self.rank != 0:
-            return []
-        return self.sampler(logits, self.sampling_tensors(sample_seqs)).tolist()
+            return None
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    @torch.inference_mode()
+    def warmup(self):
+        """Compile the attention tile variants (one per query-length class) and settle torch.compile's dynamic
+        shapes before the first request, so no JIT compile lands in a timed step. The prefills write into blocks
+        that are all still free; nothing reads them before their next owner overwrites them."""
+        if self.device.type != "cuda":
+            return
+        bs, num_blocks = self.block_size, self.kv_cache.size(0)
+        limit = min(self.config.max_model_len, self.config.max_num_batched_tokens, num_blocks * bs)
+        for query_len in sorted({min(n, limit) for n in (2, 12, 24, 48, 100, 300, 1000)}):
+            table = list(range((query_len + bs - 1) // bs))
+            plan = StepPlan(input_ids=[0] * query_len, positions=list(range(query_len)),
+                            slot_mapping=[table[p // bs] * bs + p % bs for p in range(query_len)],
+                            query_lens=[query_len], seq_lens=[query_len], block_tables=[table],
+                            logits_indices=[query_len - 1])
+            self._forward(plan)
+        torch.cuda.synchronize()
 
     # --- CUDA graphs for decode steps
     def _graph_for(self, plan: StepPlan):
@@ -270,7 +292,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_cuda_graphs(self):
-        """Capture decode forwards for batch sizes up to max_num_seqs (nano-vllm's 1, 2, 4, 8, 16, 32, ...)."""
+        """Warm up, then capture decode forwards for batch sizes up to max_num_seqs (1, 2, 4, 8, 16, 32, ...)."""
+        self.warmup()
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name == "torch":
             return
         from nanovllm.engine.cuda_graph import DecodeGraph

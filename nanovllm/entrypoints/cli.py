@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="checkpoint directory (default: SmolLM2-135M-Instruct, converted on first use)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"),
+    srv.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY") or None,
                      help="require 'Authorization: Bearer KEY' on /v1 routes (default: $NANOVLLM_API_KEY)")
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -15,6 +15,7 @@ import json
 import logging
 import queue
 import secrets
+import signal
 import threading
 import time
 import uuid
@@ -53,8 +54,7 @@ class Delta:
     """A request's new output since its previous Delta. The last Delta has `finish_reason` set ("abort" when the
     request was aborted) and `final_text`: the whole completion, exactly as the non-streaming API returns it."""
     text: str
-    token_ids: list[int]
-    num_completion_tokens: int  # tokens generated so far, this delta included
+    num_completion_tokens: int  # tokens generated so far, this delta's included
     finish_reason: str | None = None
     final_text: str | None = None
 
@@ -66,7 +66,8 @@ class EngineError(RuntimeError):
 class RequestStream:
     """The handler's end of one request. The loop thread calls `put` (thread-safe); the handler iterates `events`.
 
-    NOTE: `seq_id` is written and read only on the loop thread; the handler just passes the stream back to abort.
+    NOTE: the loop thread writes `seq_id` and `num_prompt_tokens` before `EngineLoop.submit` returns the stream;
+    after that only the loop thread reads `seq_id` (the handler just passes the stream back to abort it).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
@@ -184,8 +185,7 @@ class EngineLoop:
 
     # --- the loop thread
     def _run(self):
-        stats = self.llm.scheduler.stats
-        self._throughput.add(time.monotonic(), stats.prefill_tokens, stats.decode_tokens)
+        self._sample_throughput()
         while True:
             for command in self._take_commands(block=self.llm.is_finished()):
                 if command is _STOP:
@@ -205,13 +205,19 @@ class EngineLoop:
 
     @staticmethod
     def _run_command(fn: Callable, args: tuple, reply: concurrent.futures.Future | None):
-        if reply is None:
-            fn(*args)
-        elif reply.set_running_or_notify_cancel():  # False: the handler gave up waiting; don't run it
-            try:
-                reply.set_result(fn(*args))
-            except Exception as e:
+        """Run one command; its result or exception goes to the waiting handler (none waits on an abort)."""
+        if reply is not None and not reply.set_running_or_notify_cancel():
+            return  # the handler gave up waiting: don't run it
+        try:
+            result = fn(*args)
+        except Exception as e:
+            if reply is None:
+                logger.exception("engine loop: %s failed", fn.__name__)
+            else:
                 reply.set_exception(e)
+            return
+        if reply is not None:
+            reply.set_result(result)
 
     def _add(self, stream: RequestStream, request: GenerateRequest):
         try:
@@ -237,7 +243,11 @@ class EngineLoop:
             return tokenizer.encode(request.prompt)
         if not tokenizer.chat_template:
             raise ValueError(f"model {self.llm.config.model!r} has no chat template; use /v1/completions")
-        text = tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
+        from jinja2 import TemplateError
+        try:
+            text = tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
+        except TemplateError as e:  # templates raise on messages they refuse, e.g. roles out of order
+            raise ValueError(f"the chat template refused these messages: {e}") from None
         return tokenizer.encode(text, add_special_tokens=False)  # the template already has its special tokens
 
     def _room_left(self, token_ids: list[int]) -> int:
@@ -254,19 +264,23 @@ class EngineLoop:
             return  # never added, already finished, or already aborted
         self.llm.abort_request(stream.seq_id)
         self.num_aborted_requests += 1
-        stream.put(Delta("", [], 0, finish_reason="abort", final_text=""))
+        stream.put(Delta("", 0, finish_reason="abort", final_text=""))
 
     def _step(self):
+        """One engine step, then every request's new output. A failure fails the requests in flight, not the loop:
+        the server keeps taking new ones."""
         try:
             self.llm.step()
+            self._sample_throughput()
+            for active in list(self._active.values()):
+                self._publish(active)
         except Exception as e:
             logger.exception("engine step failed; failing the %d requests in flight", len(self._active))
             self._fail_all(EngineError(f"the engine failed a step: {e!r}"))
-            return
+
+    def _sample_throughput(self):
         stats = self.llm.scheduler.stats
         self._throughput.add(time.monotonic(), stats.prefill_tokens, stats.decode_tokens)
-        for active in list(self._active.values()):
-            self._publish(active)
 
     def _publish(self, active: _Active):
         """Send the tokens and text that are new since the last Delta; on the last one, forget the request."""
@@ -276,7 +290,7 @@ class EngineLoop:
         if not new_ids and not seq.is_finished:
             return
         text = self.llm._stream_text(seq)
-        delta = Delta(text[len(active.text_sent):], new_ids, seq.num_completion_tokens)
+        delta = Delta(text[len(active.text_sent):], seq.num_completion_tokens)
         active.num_tokens_sent += len(new_ids)
         active.text_sent = text
         if seq.is_finished:
@@ -288,24 +302,31 @@ class EngineLoop:
 
     def _fail_all(self, error: BaseException):
         for seq_id, active in list(self._active.items()):
-            self.llm.abort_request(seq_id)
             active.stream.put(error)
+            try:
+                self.llm.abort_request(seq_id)
+            except Exception:
+                logger.exception("engine loop: could not abort request %d", seq_id)
         self._active.clear()
 
     def _snapshot(self) -> dict:
-        """The numbers behind /metrics, read on the loop thread."""
+        """The numbers behind /metrics (see METRICS), read on the loop thread."""
         llm, scheduler = self.llm, self.llm.scheduler
-        host_pool = scheduler.host_pool
+        stats = llm.stats()
+        num_free_gpu_blocks = scheduler.block_manager.num_free_blocks
+        num_free_cpu_blocks = scheduler.host_pool.num_free_blocks if scheduler.host_pool else 0
         prefill_rate, decode_rate = self._throughput.rates(time.monotonic())
         return {
-            **llm.stats(),
+            **stats,
             "num_requests_running": len(scheduler.running),
             "num_requests_waiting": len(scheduler.waiting),
             "num_requests_swapped": len(scheduler.swapped),
-            "num_free_gpu_blocks": scheduler.block_manager.num_free_blocks,
-            "num_free_cpu_blocks": host_pool.num_free_blocks if host_pool else 0,
-            "prefill_throughput": prefill_rate,
-            "decode_throughput": decode_rate,
+            "prefill_throughput_tokens_per_s": prefill_rate,
+            "decode_throughput_tokens_per_s": decode_rate,
+            "num_free_gpu_blocks": num_free_gpu_blocks,
+            "gpu_kv_cache_usage_ratio": _usage_ratio(stats["num_gpu_blocks"], num_free_gpu_blocks),
+            "num_free_cpu_blocks": num_free_cpu_blocks,
+            "cpu_kv_cache_usage_ratio": _usage_ratio(stats["num_cpu_blocks"], num_free_cpu_blocks),
             "finished_requests": self.num_finished_requests,
             "aborted_requests": self.num_aborted_requests,
             "rejected_requests": self.num_rejected_requests,
@@ -473,7 +494,7 @@ class _Reply:
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def completion(self, choice: dict, object: str = "text_completion", **extra) -> dict:
+    def body(self, choice: dict, object: str = "text_completion", **extra) -> dict:
         return {"id": self.id, "object": object, "created": self.created, "model": self.model,
                 "choices": [choice] if choice else [], **extra}
 
@@ -489,13 +510,13 @@ async def _collect(engine: EngineLoop, stream: RequestStream, request: Request) 
 
 def _completion_response(reply: _Reply, stream: RequestStream, last: Delta) -> dict:
     choice = {"index": 0, "text": last.final_text, "logprobs": None, "finish_reason": last.finish_reason}
-    return reply.completion(choice, usage=_usage(stream, last.num_completion_tokens))
+    return reply.body(choice, usage=_usage(stream, last.num_completion_tokens))
 
 
 def _chat_response(reply: _Reply, stream: RequestStream, last: Delta) -> dict:
     choice = {"index": 0, "message": {"role": "assistant", "content": last.final_text}, "logprobs": None,
               "finish_reason": last.finish_reason}
-    return reply.completion(choice, object="chat.completion", usage=_usage(stream, last.num_completion_tokens))
+    return reply.body(choice, object="chat.completion", usage=_usage(stream, last.num_completion_tokens))
 
 
 async def _completion_chunks(reply: _Reply, stream: RequestStream, include_usage: bool) -> AsyncIterator[dict]:
@@ -504,25 +525,25 @@ async def _completion_chunks(reply: _Reply, stream: RequestStream, include_usage
         if delta.finish_reason == "abort":
             return
         num_tokens = delta.num_completion_tokens
-        yield reply.completion({"index": 0, "text": delta.text, "logprobs": None,
+        yield reply.body({"index": 0, "text": delta.text, "logprobs": None,
                                 "finish_reason": delta.finish_reason})
     if include_usage:
-        yield reply.completion({}, usage=_usage(stream, num_tokens))
+        yield reply.body({}, usage=_usage(stream, num_tokens))
 
 
 async def _chat_chunks(reply: _Reply, stream: RequestStream, include_usage: bool) -> AsyncIterator[dict]:
     chunk = "chat.completion.chunk"
-    yield reply.completion({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+    yield reply.body({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}, object=chunk)
     num_tokens = 0
     async for delta in stream.events():
         if delta.finish_reason == "abort":
             return
         num_tokens = delta.num_completion_tokens
-        yield reply.completion({"index": 0, "delta": {"content": delta.text} if delta.text else {},
+        yield reply.body({"index": 0, "delta": {"content": delta.text} if delta.text else {},
                                 "logprobs": None, "finish_reason": delta.finish_reason}, object=chunk)
     if include_usage:
-        yield reply.completion({}, object=chunk, usage=_usage(stream, num_tokens))
+        yield reply.body({}, object=chunk, usage=_usage(stream, num_tokens))
 
 
 def _sse_response(engine: EngineLoop, stream: RequestStream, request: Request,
@@ -560,49 +581,44 @@ async def _abort_on_disconnect(engine: EngineLoop, stream: RequestStream, reques
 
 # ------------------------------------------------------------------------------------------------ metrics
 
-# (name, type, help, snapshot key); counters get Prometheus' `_total` suffix
+# (name, type, help): the name is the key in EngineLoop's snapshot; counters get Prometheus' `_total` suffix
 METRICS = [
-    ("num_requests_running", "gauge", "Requests in the running batch", "num_requests_running"),
-    ("num_requests_waiting", "gauge", "Requests waiting to be admitted (new, or preempted by recompute)",
-     "num_requests_waiting"),
-    ("num_requests_swapped", "gauge", "Requests whose KV is swapped out to host memory", "num_requests_swapped"),
-    ("prefill_throughput_tokens_per_s", "gauge", "Prefill tokens per second over the last 10 s",
-     "prefill_throughput"),
-    ("decode_throughput_tokens_per_s", "gauge", "Decode tokens per second over the last 10 s", "decode_throughput"),
-    ("num_gpu_blocks", "gauge", "KV blocks on the GPU (device) tier", "num_gpu_blocks"),
-    ("num_free_gpu_blocks", "gauge", "Free GPU KV blocks (prefix-cached blocks no request holds count as free)",
-     "num_free_gpu_blocks"),
-    ("gpu_kv_cache_usage_ratio", "gauge", "Fraction of GPU KV blocks held by requests", "gpu_kv_usage"),
-    ("num_cpu_blocks", "gauge", "KV blocks in the host swap tier (0: no swap tier)", "num_cpu_blocks"),
-    ("num_free_cpu_blocks", "gauge", "Free host KV blocks", "num_free_cpu_blocks"),
-    ("cpu_kv_cache_usage_ratio", "gauge", "Fraction of host KV blocks held by swapped requests", "cpu_kv_usage"),
-    ("finished_requests", "counter", "Requests that finished (stop or length)", "finished_requests"),
-    ("aborted_requests", "counter", "Requests aborted, e.g. because the client disconnected", "aborted_requests"),
-    ("rejected_requests", "counter", "Requests the engine refused with HTTP 400", "rejected_requests"),
-    ("prefill_tokens", "counter", "Prompt tokens computed (recomputed ones included)", "prefill_tokens"),
-    ("decode_tokens", "counter", "Tokens computed by decode steps", "decode_tokens"),
-    ("prefix_cache_hit_tokens", "counter", "Prompt tokens served from the prefix cache", "prefix_cache_hit_tokens"),
-    ("preemptions", "counter", "Preemptions (swap and recompute)", "preemptions"),
-    ("preemptions_swap", "counter", "Preemptions by swapping KV to host memory", "preemptions_swap"),
-    ("preemptions_recompute", "counter", "Preemptions by recompute", "preemptions_recompute"),
-    ("recomputed_tokens", "counter", "Tokens computed again after a recompute preemption", "recomputed_tokens"),
-    ("blocks_swapped_out", "counter", "KV blocks copied GPU -> host", "blocks_swapped_out"),
-    ("blocks_swapped_in", "counter", "KV blocks copied host -> GPU", "blocks_swapped_in"),
-    ("bytes_swapped_out", "counter", "Bytes copied GPU -> host (all ranks)", "bytes_swapped_out"),
-    ("bytes_swapped_in", "counter", "Bytes copied host -> GPU (all ranks)", "bytes_swapped_in"),
-    ("swap_seconds", "counter", "Seconds spent in swap copies", "swap_seconds"),
-    ("swap_exposed_seconds", "counter", "Swap copy seconds not hidden behind compute", "swap_exposed_seconds"),
+    ("num_requests_running", "gauge", "Requests in the running batch"),
+    ("num_requests_waiting", "gauge", "Requests waiting to be admitted (new, or preempted by recompute)"),
+    ("num_requests_swapped", "gauge", "Requests whose KV is swapped out to host memory"),
+    ("prefill_throughput_tokens_per_s", "gauge", "Prefill tokens per second over the last 10 s"),
+    ("decode_throughput_tokens_per_s", "gauge", "Decode tokens per second over the last 10 s"),
+    ("num_gpu_blocks", "gauge", "KV blocks on the GPU (device) tier"),
+    ("num_free_gpu_blocks", "gauge", "Free GPU KV blocks (prefix-cached blocks that no request holds count as free)"),
+    ("gpu_kv_cache_usage_ratio", "gauge", "Fraction of GPU KV blocks held by requests"),
+    ("num_cpu_blocks", "gauge", "KV blocks in the host tier (0: no host tier)"),
+    ("num_free_cpu_blocks", "gauge", "Free host KV blocks (cached blocks that no swapped request holds count as free)"),
+    ("cpu_kv_cache_usage_ratio", "gauge", "Fraction of host KV blocks held by swapped requests"),
+    ("finished_requests", "counter", "Requests that finished (stop or length)"),
+    ("aborted_requests", "counter", "Requests aborted because their client disconnected"),
+    ("rejected_requests", "counter", "Requests the engine refused with HTTP 400 (prompt or sampling values)"),
+    ("prefill_tokens", "counter", "Prompt tokens computed (recomputed ones included)"),
+    ("decode_tokens", "counter", "Tokens computed by decode steps"),
+    ("prefix_cache_hit_tokens", "counter", "Prompt tokens served from the prefix cache"),
+    ("preemptions", "counter", "Preemptions (swap and recompute)"),
+    ("preemptions_swap", "counter", "Preemptions by swapping KV out to host memory"),
+    ("preemptions_recompute", "counter", "Preemptions by recompute"),
+    ("recomputed_tokens", "counter", "Tokens computed again after a recompute preemption"),
+    ("blocks_swapped_out", "counter", "KV blocks copied GPU -> host"),
+    ("blocks_swapped_in", "counter", "KV blocks copied host -> GPU"),
+    ("bytes_swapped_out", "counter", "Bytes copied GPU -> host (all ranks)"),
+    ("bytes_swapped_in", "counter", "Bytes copied host -> GPU (all ranks)"),
+    ("swap_seconds", "counter", "Seconds spent in swap copies"),
+    ("swap_exposed_seconds", "counter", "Swap copy seconds not hidden behind compute"),
 ]
 
 
 def format_metrics(snapshot: dict) -> str:
     """Prometheus text exposition format, every name prefixed with `nanovllm_`."""
-    snapshot = {**snapshot, "gpu_kv_usage": _usage_ratio(snapshot["num_gpu_blocks"], snapshot["num_free_gpu_blocks"]),
-                "cpu_kv_usage": _usage_ratio(snapshot["num_cpu_blocks"], snapshot["num_free_cpu_blocks"])}
     lines = []
-    for name, kind, help, key in METRICS:
+    for name, kind, help in METRICS:
         full_name = f"nanovllm_{name}_total" if kind == "counter" else f"nanovllm_{name}"
-        lines += [f"# HELP {full_name} {help}", f"# TYPE {full_name} {kind}", f"{full_name} {snapshot[key]}"]
+        lines += [f"# HELP {full_name} {help}", f"# TYPE {full_name} {kind}", f"{full_name} {snapshot[name]}"]
     return "\n".join(lines) + "\n"
 
 
@@ -699,7 +715,7 @@ async def _submit(engine: EngineLoop, request: GenerateRequest) -> RequestStream
 # ------------------------------------------------------------------------------------------------ entry points
 
 def serve(args: argparse.Namespace, model: str, engine_kwargs: dict) -> int:
-    """Load the model, then serve until interrupted (Ctrl-C); `nanovllm serve` calls this."""
+    """Load the model, then serve until Ctrl-C or SIGTERM; `nanovllm serve` calls this."""
     import uvicorn
 
     from nanovllm import LLM
@@ -707,11 +723,21 @@ def serve(args: argparse.Namespace, model: str, engine_kwargs: dict) -> int:
     name = args.served_model_name or model
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
-    with LLM(model, **engine_kwargs) as llm:
-        app = build_app(llm, name, api_key=args.api_key)
-        print(f"nanovllm: serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again; leave through the `with`
+    # either way, so the LLM releases its caches and worker processes
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        with LLM(model, **engine_kwargs) as llm:
+            app = build_app(llm, name, api_key=args.api_key)
+            print(f"nanovllm: serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    except KeyboardInterrupt:
+        pass
     return 0
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
