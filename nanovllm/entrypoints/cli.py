@@ -76,7 +76,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from nanovllm.entrypoints.server import serve
     except ImportError as e:
-        raise ValueError(f"the server needs FastAPI and uvicorn ({e}); pip install 'nano-vllm-offload[serve]'") from None
+        raise ValueError(f"the server needs FastAPI and uvicorn ({e}); "
+                         f"pip install 'nano-vllm-offload[serve]'") from None
     return serve(args, resolve_model(args.model_path or args.model), engine_kwargs(args))
 
 

@@ -499,12 +499,14 @@ class _Reply:
                 "choices": [choice] if choice else [], **extra}
 
 
-async def _collect(engine: EngineLoop, stream: RequestStream, request: Request) -> Delta:
+async def _collect(stream: RequestStream, watch: _ClientWatch) -> Delta:
     """Wait for a request's last Delta (non-streaming responses)."""
     last = None
-    async with _abort_on_disconnect(engine, stream, request):
+    try:
         async for last in stream.events():
             pass
+    finally:
+        watch.close()
     return last
 
 
@@ -546,37 +548,39 @@ async def _chat_chunks(reply: _Reply, stream: RequestStream, include_usage: bool
         yield reply.body({}, object=chunk, usage=_usage(stream, num_tokens))
 
 
-def _sse_response(engine: EngineLoop, stream: RequestStream, request: Request,
-                  chunks: AsyncIterator[dict]) -> StreamingResponse:
+def _sse_response(chunks: AsyncIterator[dict], watch: _ClientWatch) -> StreamingResponse:
     """Server-Sent Events: one `data: {json}` per chunk, then `data: [DONE]`."""
     async def body():
-        async with _abort_on_disconnect(engine, stream, request):
-            try:
-                async for chunk in chunks:
-                    yield f"data: {json.dumps(chunk)}\n\n"
-            except EngineError as e:  # the status line is already sent; report it in the stream
-                yield f"data: {json.dumps(APIError(500, str(e), type='server_error').body)}\n\n"
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except EngineError as e:  # the status line is already sent; report it in the stream
+            yield f"data: {json.dumps(APIError(500, str(e), type='server_error').body)}\n\n"
+        finally:
+            watch.close()
         yield "data: [DONE]\n\n"
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-@asynccontextmanager
-async def _abort_on_disconnect(engine: EngineLoop, stream: RequestStream, request: Request):
-    """Abort stream's request when the client disconnects before it finishes, and on any early exit
-    (cancellation, error). The watcher reads the ASGI receive channel, which says `http.disconnect` once the client
-    is gone (the body has been read already)."""
-    async def watch():
+class _ClientWatch:
+    """Aborts a request when its client disconnects, streaming or not. A task reads the ASGI receive channel, which
+    says `http.disconnect` once the client is gone (the body has been read already). Started by the handler, so it
+    also covers a streaming response whose body never ran; `close()` when the response is done, or left early."""
+
+    def __init__(self, engine: EngineLoop, stream: RequestStream, request: Request):
+        self.engine = engine
+        self.stream = stream
+        self.task = asyncio.create_task(self._watch(request))
+
+    async def _watch(self, request: Request):
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        engine.abort(stream)
+        self.engine.abort(self.stream)
 
-    watcher = asyncio.create_task(watch())
-    try:
-        yield
-    finally:
-        watcher.cancel()
-        if not stream.is_finished:
-            engine.abort(stream)
+    def close(self):
+        self.task.cancel()
+        if not self.stream.is_finished:
+            self.engine.abort(self.stream)
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -688,10 +692,10 @@ def _add_routes(app: FastAPI, engine: EngineLoop, served_model_name: str, max_mo
         body.check(served_model_name)
         generate = GenerateRequest(prompt=body.single_prompt(), sampling=body.sampling(body.max_tokens))
         stream = await _submit(engine, generate)
-        reply = _Reply(f"cmpl-{uuid.uuid4().hex}", served_model_name)
+        reply, watch = _Reply(f"cmpl-{uuid.uuid4().hex}", served_model_name), _ClientWatch(engine, stream, request)
         if body.stream:
-            return _sse_response(engine, stream, request, _completion_chunks(reply, stream, body.include_usage))
-        return _completion_response(reply, stream, await _collect(engine, stream, request))
+            return _sse_response(_completion_chunks(reply, stream, body.include_usage), watch)
+        return _completion_response(reply, stream, await _collect(stream, watch))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -699,10 +703,10 @@ def _add_routes(app: FastAPI, engine: EngineLoop, served_model_name: str, max_mo
         generate = GenerateRequest(messages=body.template_messages(),
                                    sampling=body.sampling(body.max_completion_tokens or body.max_tokens))
         stream = await _submit(engine, generate)
-        reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", served_model_name)
+        reply, watch = _Reply(f"chatcmpl-{uuid.uuid4().hex}", served_model_name), _ClientWatch(engine, stream, request)
         if body.stream:
-            return _sse_response(engine, stream, request, _chat_chunks(reply, stream, body.include_usage))
-        return _chat_response(reply, stream, await _collect(engine, stream, request))
+            return _sse_response(_chat_chunks(reply, stream, body.include_usage), watch)
+        return _chat_response(reply, stream, await _collect(stream, watch))
 
 
 async def _submit(engine: EngineLoop, request: GenerateRequest) -> RequestStream:

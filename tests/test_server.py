@@ -1,0 +1,386 @@
+"""The OpenAI-compatible server end to end: the official `openai` client against a live uvicorn on loopback,
+serving SmolLM2-135M on the CPU.
+
+One server for the whole module (loading the model is the slow part). Its KV cache is kept small on purpose
+(64 GPU blocks of 8 tokens, preemption by swap), so concurrent requests get preempted and swapped and the tests
+also cover the host tier. Every check that counts blocks reads /metrics, the way an operator would.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+from conftest import VOCAB, close_llm, smollm2_llm_kwargs  # noqa: E402
+from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.entrypoints.server import build_app  # noqa: E402
+
+API_KEY = "test-key"
+MODEL = "smollm2"
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are"]
+NUM_TOKENS = 8  # per completion in the concurrency tests; ignore_eos makes every answer exactly this long
+IGNORE_EOS = {"ignore_eos": True}  # vLLM's extension, sent through the openai client's extra_body
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir):
+    """Yields (base_url, reference): the server's address and, per prompt, the offline engine's greedy text for
+    NUM_TOKENS tokens, computed before the server takes the engine over."""
+    llm = LLM(smollm2_dir, **smollm2_llm_kwargs(max_num_seqs=16, num_kvcache_blocks=64, preemption_mode="swap",
+                                                swap_space=0.05))
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    reference = {p: llm.generate([p], params, use_tqdm=False)[0]["text"] for p in PROMPTS}
+    config = uvicorn.Config(build_app(llm, MODEL, api_key=API_KEY), host="127.0.0.1", port=0, log_level="warning",
+                            timeout_graceful_shutdown=5)
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, name="uvicorn", daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: uv.started, "uvicorn to start", timeout_s=30)
+        port = uv.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}", reference
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "uvicorn did not shut down"
+        close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def base_url(server) -> str:
+    return server[0]
+
+
+@pytest.fixture(scope="module")
+def reference(server) -> dict[str, str]:
+    return server[1]
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+def async_client(base_url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def wait_for(predicate, what: str, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def metrics(base_url: str) -> dict[str, float]:
+    text = httpx.get(f"{base_url}/metrics").text
+    lines = [line.split() for line in text.splitlines() if line and not line.startswith("#")]
+    return {name.removeprefix("nanovllm_"): float(value) for name, value in lines}
+
+
+def assert_all_blocks_free(base_url: str):
+    """Nothing in flight, and every GPU and host block back in its free list (cached blocks count as free)."""
+    def idle():
+        m = metrics(base_url)
+        return (m["num_requests_running"] == m["num_requests_waiting"] == m["num_requests_swapped"] == 0
+                and m["num_free_gpu_blocks"] == m["num_gpu_blocks"] and m["num_free_cpu_blocks"] == m["num_cpu_blocks"])
+    wait_for(idle, f"every block to be free; /metrics: {metrics(base_url)}", timeout_s=10)
+
+
+# ------------------------------------------------------------------------------------------------ basics
+
+def test_models_health_and_metrics_format(base_url, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
+    text = httpx.get(f"{base_url}/metrics").text
+    assert "# TYPE nanovllm_aborted_requests_total counter" in text
+    assert "# TYPE nanovllm_num_requests_swapped gauge" in text
+    m = metrics(base_url)
+    assert m["num_gpu_blocks"] == 64 and m["num_cpu_blocks"] > 0
+    for name in ("decode_throughput_tokens_per_s", "gpu_kv_cache_usage_ratio", "blocks_swapped_out_total",
+                 "bytes_swapped_in_total", "preemptions_swap_total", "finished_requests_total"):
+        assert name in m, name
+
+
+def test_completion_matches_offline_and_stream_joins_to_it(client, reference):
+    prompt = PROMPTS[0]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=NUM_TOKENS, temperature=0,
+                                    extra_body=IGNORE_EOS)
+    assert out.choices[0].text == reference[prompt]
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.completion_tokens, out.usage.prompt_tokens > 0) == (NUM_TOKENS, True)
+
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=NUM_TOKENS, temperature=0,
+                                            extra_body=IGNORE_EOS, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert len(texts) > 1, "streamed as one chunk: not token by token"
+    assert "".join(texts) == out.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == NUM_TOKENS
+
+
+def test_chat_stream_joins_to_non_streamed(client):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    answer = out.choices[0].message.content
+    assert out.choices[0].message.role == "assistant"
+    assert "Paris" in answer  # the chat template is applied: the instruct model answers the question
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == out.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == out.usage.prompt_tokens
+
+
+def test_idle_engine_loop_blocks_instead_of_spinning(base_url):
+    """With nothing to do, the engine loop thread waits on its inbox: the whole process, uvicorn and this test
+    included, uses well under the ~1 s of CPU per second that a polling loop would burn."""
+    assert_all_blocks_free(base_url)
+    start_cpu, start = time.process_time(), time.monotonic()
+    time.sleep(1.0)
+    cpu_share = (time.process_time() - start_cpu) / (time.monotonic() - start)
+    assert cpu_share < 0.2, f"the idle server used {cpu_share:.0%} of a core"
+
+
+# ------------------------------------------------------------------------------------------------ concurrency
+
+async def _stream_text(c: openai.AsyncOpenAI, prompt: str) -> tuple[str, str]:
+    stream = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=NUM_TOKENS, temperature=0,
+                                        extra_body=IGNORE_EOS, stream=True)
+    texts, reasons = [], []
+    async for chunk in stream:
+        texts.append(chunk.choices[0].text)
+        reasons.append(chunk.choices[0].finish_reason)
+    return "".join(texts), reasons[-1]
+
+
+def test_32_concurrent_streams_all_correct(base_url, reference):
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
+
+    async def run():
+        async with async_client(base_url) as c:
+            return await asyncio.gather(*(_stream_text(c, p) for p in prompts))
+
+    results = asyncio.run(run())
+    for i, (prompt, (text, reason)) in enumerate(zip(prompts, results)):
+        assert (text, reason) == (reference[prompt], "length"), f"stream #{i} ({prompt!r})"
+    assert_all_blocks_free(base_url)
+
+
+def test_bounded_load_loses_nothing(base_url):
+    """48 requests, one every 25 ms (1.2 s of arrivals), half streamed, completions and chats mixed: every one is
+    answered in full within 60 s, and the server ends idle with every block free. 16 running requests of up to
+    ~70 tokens overflow the 64 GPU blocks of 8 tokens, so requests get swapped out and back in on the way."""
+    num_requests, interval_s, deadline_s, num_tokens = 48, 0.025, 60, 24
+    before = metrics(base_url)
+
+    async def one(c: openai.AsyncOpenAI, i: int) -> int:
+        await asyncio.sleep(i * interval_s)
+        stream = i % 2 == 1
+        if i % 4 < 2:
+            kw = dict(prompt=PROMPTS[i % len(PROMPTS)])
+            create = c.completions.create
+        else:
+            kw = dict(messages=[{"role": "user", "content": f"Count to {i}."}])
+            create = c.chat.completions.create
+        out = await create(model=MODEL, max_tokens=num_tokens, temperature=0.8, seed=i, extra_body=IGNORE_EOS,
+                           stream=stream, **({"stream_options": {"include_usage": True}} if stream else {}), **kw)
+        if stream:
+            chunks = [chunk async for chunk in out]
+            assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+            return chunks[-1].usage.completion_tokens
+        assert out.choices[0].finish_reason == "length"
+        return out.usage.completion_tokens
+
+    async def run():
+        async with async_client(base_url) as c:
+            return await asyncio.wait_for(asyncio.gather(*(one(c, i) for i in range(num_requests))), deadline_s)
+
+    assert asyncio.run(run()) == [num_tokens] * num_requests
+    after = metrics(base_url)
+    assert after["finished_requests_total"] - before["finished_requests_total"] == num_requests
+    assert after["aborted_requests_total"] == before["aborted_requests_total"]
+    assert after["preemptions_swap_total"] > before["preemptions_swap_total"], "the load never swapped"
+    assert_all_blocks_free(base_url)
+
+
+# ------------------------------------------------------------------------------------------------ disconnects
+
+def test_disconnected_streams_are_aborted_and_free_their_blocks(base_url):
+    """12 long streams overflow the GPU cache; once some are swapped out, every client disconnects. Each request is
+    aborted (running and swapped ones alike) and every GPU and host block comes back. The prompts (~40 tokens,
+    distinct from the first token so they share no cached block) fill most of the 64 blocks at admission already."""
+    num_streams, max_tokens = 12, 400
+    prompts = [f"Story {i}: " + "once upon a time there was a little fox. " * 4 for i in range(num_streams)]
+    before = metrics(base_url)
+
+    async def read(stream):
+        try:
+            async for _ in stream:
+                pass
+        finally:
+            await stream.close()
+
+    async def run():
+        async with async_client(base_url) as c:
+            streams = [await c.completions.create(model=MODEL, prompt=prompts[i], max_tokens=max_tokens,
+                                                  extra_body=IGNORE_EOS, stream=True) for i in range(num_streams)]
+            readers = [asyncio.create_task(read(s)) for s in streams]
+            await asyncio.to_thread(wait_for, lambda: metrics(base_url)["num_requests_swapped"] > 0,
+                                    "a request to be swapped out", 30)
+            for task in readers:
+                task.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+
+    asyncio.run(run())
+    wait_for(lambda: metrics(base_url)["aborted_requests_total"] - before["aborted_requests_total"] == num_streams,
+             f"{num_streams} aborts; /metrics: {metrics(base_url)}")
+    assert_all_blocks_free(base_url)
+    after = metrics(base_url)
+    assert after["finished_requests_total"] == before["finished_requests_total"]
+    assert after["decode_tokens_total"] - before["decode_tokens_total"] < num_streams * max_tokens / 2
+
+
+def test_disconnected_non_streaming_request_is_aborted(base_url):
+    before = metrics(base_url)
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1 s and closes its connection
+        httpx.post(f"{base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=1.0)
+    wait_for(lambda: metrics(base_url)["aborted_requests_total"] == before["aborted_requests_total"] + 1,
+             "the abort")
+    assert_all_blocks_free(base_url)
+
+
+# ------------------------------------------------------------------------------------------------ bad requests
+
+LONG_PROMPT = "hello " * 600  # > max_model_len=512 tokens
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(model="gpt-4"), "not served here"),
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=2.0), "top_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(prompt=LONG_PROMPT), "max_model_len"),
+    (dict(prompt=""), "empty prompt"),
+    (dict(prompt=[10**9]), "outside the vocabulary"),
+    (dict(prompt=["a", "b"]), "one prompt per request"),
+    (dict(n=2), "n=2"),
+    (dict(logprobs=2), "logprobs"),
+    (dict(stream=True, temperature=-1), "temperature"),  # a bad stream is refused before it starts
+])
+def test_bad_completion_requests_get_400(client, kw, message):
+    kw = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**kw)
+    error = e.value.response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert message in error["message"] and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body, message, param", [
+    (b'{"model": "smollm2", "prompt": ', "not valid JSON", None),
+    (b'{"model": "smollm2", "prompt": "Hi", "temperature": "hot"}', "valid number", "temperature"),
+    (b'{"prompt": "Hi"}', "Field required", "model"),
+    (b'[1, 2]', "valid dictionary", "body"),
+])
+def test_malformed_bodies_get_400(base_url, body, message, param):
+    r = httpx.post(f"{base_url}/v1/completions", content=body, timeout=10,
+                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["param"] == param
+
+
+def test_bad_chat_requests_get_400(client):
+    with pytest.raises(openai.BadRequestError, match="at least one message"):
+        client.chat.completions.create(model=MODEL, messages=[])
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": LONG_PROMPT}])
+
+
+def test_server_keeps_serving_after_bad_requests(base_url, client, reference):
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=NUM_TOKENS, temperature=0,
+                                    extra_body=IGNORE_EOS)
+    assert out.choices[0].text == reference[PROMPTS[2]]
+    assert metrics(base_url)["rejected_requests_total"] > 0
+    assert_all_blocks_free(base_url)
+
+
+# ------------------------------------------------------------------------------------------------ auth
+
+def test_wrong_or_missing_api_key_gets_401(base_url):
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0) as c:
+        with pytest.raises(openai.AuthenticationError) as e:
+            c.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert e.value.response.json()["error"]["code"] == "invalid_api_key"
+    for path in ("/v1/models", "/v1/completions", "/v1/chat/completions"):
+        r = httpx.request("GET" if path == "/v1/models" else "POST", f"{base_url}{path}", content=b"{not json")
+        assert r.status_code == 401, (path, r.text)  # checked before the body is even read
+    assert httpx.get(f"{base_url}/health").status_code == 200  # health and metrics stay open for probes
+    assert httpx.get(f"{base_url}/metrics").status_code == 200
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_serve_tiny_model_without_tokenizer(qwen3_dir):
+    """`nanovllm serve` in a subprocess, on a tiny random Qwen3 that has no tokenizer files: token-id prompts
+    work, text prompts and chat get a 400 that says why, it binds to loopback, and SIGTERM stops it cleanly."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "nanovllm.entrypoints.cli", "serve", qwen3_dir, "--port", str(port),
+           "--served-model-name", "tiny", "--device", "cpu", "--enforce-eager", "--max-model-len", "128",
+           "--kvcache-block-size", "4", "--num-kvcache-blocks", "64", "--log-level", "warning"]
+    env = {k: v for k, v in os.environ.items() if k != "NANOVLLM_API_KEY"}  # no key: /v1 is open
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            stdin=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: proc.poll() is not None or _is_up(port), "the server to come up", timeout_s=120)
+        assert proc.poll() is None, proc.stdout.read()
+        url = f"http://127.0.0.1:{port}/v1"
+        r = httpx.post(f"{url}/completions", json={"model": "tiny", "prompt": [5, 17, 42], "max_tokens": 5,
+                                                   "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+        for path, body in (("completions", {"prompt": "Hi"}), ("chat/completions", {"messages": [
+                {"role": "user", "content": "Hi"}]})):
+            r = httpx.post(f"{url}/{path}", json={"model": "tiny", **body})
+            assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"], r.text
+        r = httpx.post(f"{url}/completions", json={"model": "tiny", "prompt": [VOCAB]})
+        assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"], r.text
+    finally:
+        proc.terminate()
+        output = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0, output
+    assert f"on http://127.0.0.1:{port}/v1" in output
+
+
+def _is_up(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
