@@ -185,7 +185,9 @@ def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Triton compiles a variant per value class of each int argument (== 1, divisible by 16, other). num_seqs and the
+# block-table width change from step to step, so without this every new class would JIT-compile mid-run.
+@triton.jit(do_not_specialize=["num_seqs", "stride_btb"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
@@ -300,7 +302,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens_per_split", "num_splits", "stride_btb"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,
@@ -354,7 +356,7 @@ def _decode_kernel(
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_safe), mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens_per_split", "num_splits"])
 def _decode_reduce_kernel(
     part_o_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
     tokens_per_split, num_heads, num_splits,
