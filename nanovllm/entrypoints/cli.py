@@ -21,6 +21,8 @@ def add_engine_args(parser: argparse.ArgumentParser):
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV")
     g.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
+    g.add_argument("--host-cache-policy", default="write_back", choices=["write_back", "write_through", "off"],
+                   help="the host pool as a second-level prefix cache")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -31,7 +33,7 @@ def add_engine_args(parser: argparse.ArgumentParser):
 
 ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size",
                "num_kvcache_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "swap_space",
-               "preemption_mode", "enable_prefix_caching", "enforce_eager", "tensor_parallel_size",
+               "preemption_mode", "host_cache_policy", "enable_prefix_caching", "enforce_eager", "tensor_parallel_size",
                "attention_backend", "load_format", "seed")
 
 
