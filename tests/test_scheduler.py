@@ -145,3 +145,16 @@ def test_eos_and_stop_token_ids_finish_with_stop():
     s.add(a)
     _, finished = run_step(s, sampled_token=7)
     assert finished == [a] and a.finish_reason == "stop" and a.block_table == []
+
+
+def test_a_swapped_sequence_that_needs_every_block_still_resumes():
+    s = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8, mode="swap")
+    a = make_seq(14, max_tokens=2)  # 14 tokens + 1 sampled: 4 blocks, the whole pool
+    s.add(a)
+    run_step(s)
+    s.preempt(a, mode="swap")
+    out, _ = run_step(s)  # the copies go out, and with nothing running a takes all 4 blocks back
+    assert a.status.name == "RUNNING" and len(a.block_table) == 4
+    while not a.is_finished:
+        run_step(s)
+    assert s.stats.recomputed_tokens == 0

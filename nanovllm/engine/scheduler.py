@@ -140,7 +140,8 @@ class Scheduler:
         # swap-in: resume swapped sequences for the next step; the copies overlap this step's forward
         while self.swapped and not num_preempted and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
-            copies = self.block_manager.allocate_for_swap_in(seq, self.num_watermark_blocks)
+            reserve = self.num_watermark_blocks if self.running else 0  # alone, it may take every block
+            copies = self.block_manager.allocate_for_swap_in(seq, reserve)
             if copies is None:
                 break
             self.swapped.popleft()
