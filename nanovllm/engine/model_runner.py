@@ -75,7 +75,7 @@ class ModelRunner:
         self.model = self._build_model()
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> per-request generator (SamplingParams.seed)
-        self.backend = select_backend(config.attention_backend, self.device)
+        self.backend = select_backend(config.attention_backend, self.device, self.block_size)
         self.use_compile = self.device.type == "cuda" and not config.enforce_eager
         set_compile(self.use_compile)
         self.kv_cache = None

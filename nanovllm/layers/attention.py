@@ -91,9 +91,10 @@ class FlashBackend(TritonBackend):
         self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
 
     def prefill(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
-        return self.varlen(q, k_cache, v_cache, cu_seqlens_q=md.cu_seqlens_q, max_seqlen_q=md.max_query_len,
-                           seqused_k=md.seq_lens, max_seqlen_k=md.max_seq_len, softmax_scale=scale, causal=True,
-                           block_table=md.block_tables)
+        cu_seqlens_k = F.pad(md.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))  # [B + 1]
+        return self.varlen(q, k_cache, v_cache, cu_seqlens_q=md.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                           max_seqlen_q=md.max_query_len, max_seqlen_k=md.max_seq_len, softmax_scale=scale,
+                           causal=True, block_table=md.block_tables)
 
     def decode(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
         out = self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=md.seq_lens,
@@ -101,15 +102,20 @@ class FlashBackend(TritonBackend):
         return out.squeeze(1)
 
 
-def select_backend(name: str, device: torch.device):
-    """"auto": flash-attn when importable on CUDA, else Triton on CUDA, torch on CPU."""
+def select_backend(name: str, device: torch.device, block_size: int):
+    """"auto": flash-attn when importable on CUDA (its paged KV needs blocks of a multiple of 256 tokens), else
+    Triton on CUDA, torch on CPU."""
+    if name == "flash" and block_size % 256:
+        raise ValueError(f"attention_backend='flash' needs kvcache_block_size a multiple of 256, got {block_size}")
     if name == "auto":
         if device.type != "cuda":
             return TorchBackend()
         try:
-            return FlashBackend()
+            if block_size % 256 == 0:
+                return FlashBackend()
         except ImportError:
-            name = "triton"
+            pass
+        name = "triton"
     if name != "torch" and device.type != "cuda":
         raise ValueError(f"attention_backend={name!r} needs a CUDA device; use 'torch' on {device.type}")
     return {"torch": TorchBackend, "triton": TritonBackend, "flash": FlashBackend}[name]()
