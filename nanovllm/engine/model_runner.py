@@ -1,10 +1,12 @@
 """The model runner: the only owner of model weights, the GPU KV cache and (through the copy engine) the host KV
 cache. It turns a SchedulerOutput into tensors, issues the swap copies, runs the forward pass and samples."""
 import gc
+import itertools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -75,6 +77,7 @@ class ModelRunner:
         self.model = self._build_model()
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> per-request generator (SamplingParams.seed)
+        self._sampling_key, self._sampling = None, None  # the last batch's sampling tensors
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
         self.use_compile = self.device.type == "cuda" and not config.enforce_eager
         set_compile(self.use_compile)
@@ -175,20 +178,24 @@ class ModelRunner:
 
     # --- one step
     def prepare(self, plan: StepPlan, width: int | None = None) -> StepInputs:
-        """Tensors for one step, moved in one host-to-device copy; block tables are padded with -1 to `width`
-        columns (fixed under CUDA graphs)."""
+        """Tensors for one step, built in one numpy buffer and moved in one host-to-device copy; block tables are
+        padded with -1 to `width` columns (fixed under CUDA graphs)."""
         width = width or max(len(t) for t in plan.block_tables)
         cu_seqlens = [0]
         for n in plan.query_lens:
             cu_seqlens.append(cu_seqlens[-1] + n)
         parts = [plan.input_ids, plan.positions, plan.slot_mapping, plan.logits_indices, plan.seq_lens, cu_seqlens]
-        flat = [x for part in parts for x in part]
-        for table in plan.block_tables:
-            flat.extend(table)
-            flat.extend([-1] * (width - len(table)))
-        data = self._to_device(flat, torch.int64)
-        sizes = [len(p) for p in parts] + [len(plan.block_tables) * width]
-        input_ids, positions, slots, logits_indices, seq_lens, cu_seqlens_q, tables = data.split(sizes)
+        sizes = [len(p) for p in parts]
+        num_head = sum(sizes)
+        table_lens = [len(t) for t in plan.block_tables]
+        buf = np.full(num_head + len(table_lens) * width, -1, dtype=np.int64)
+        buf[:num_head] = np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int64, count=num_head)
+        filled = np.arange(width)[None, :] < np.array(table_lens)[:, None]  # [B, width]
+        buf[num_head:].reshape(-1, width)[filled] = np.fromiter(
+            itertools.chain.from_iterable(plan.block_tables), dtype=np.int64, count=sum(table_lens))
+        data = self._to_device(buf)
+        input_ids, positions, slots, logits_indices, seq_lens, cu_seqlens_q, tables = data.split(
+            sizes + [len(table_lens) * width])
         md = AttentionMetadata(
             is_decode_only=plan.is_decode_only, slot_mapping=slots, seq_lens=seq_lens.int(),
             block_tables=tables.view(-1, width).int(), cu_seqlens_q=cu_seqlens_q.int(),
@@ -196,12 +203,21 @@ class ModelRunner:
             query_lens_cpu=plan.query_lens, seq_lens_cpu=plan.seq_lens)
         return StepInputs(input_ids, positions, md, logits_indices)
 
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+    def _to_device(self, values, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """A list or numpy array on the device; through pinned memory on CUDA so the copy is asynchronous."""
+        t = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
         if self.device.type == "cpu":
-            return torch.tensor(values, dtype=dtype)
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        """Per-row sampling parameters; reused while the batch holds the same sequences in the same order."""
+        key = tuple(s.seq_id for s in seqs)
+        if key != self._sampling_key:
+            self._sampling_key, self._sampling = key, self._build_sampling_tensors(seqs)
+        return self._sampling
+
+    def _build_sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [s.sampling_params for s in seqs]
         temperatures = [p.temperature for p in params]
         all_greedy = all(p.is_greedy for p in params)
