@@ -1,9 +1,8 @@
 """The GPU block pool: ref counts, the free queue, and the prefix cache (plain Python; no torch)."""
-from collections import OrderedDict
-
 import numpy as np
 import xxhash
 
+from nanovllm.engine.block_pool import BlockPool
 from nanovllm.engine.sequence import Sequence
 
 
@@ -21,38 +20,27 @@ def content_hash(seq: Sequence, i: int) -> int:
     return seq.block_hashes[i]
 
 
-class BlockManager:
-    """Owns the GPU block ids.
+class BlockManager(BlockPool):
+    """Owns the GPU block ids: per-sequence allocation and the GPU prefix cache on top of the shared pool mechanics
+    (ref counts, LRU free queue, hash index: see BlockPool).
 
-    `free_block_ids` is an OrderedDict used as an LRU queue: allocation pops from the head. A freed block that holds a
-    cached full block keeps its hash and goes to the tail, so the prefix cache loses the least recently freed blocks
-    first; a freed block without a hash goes to the head. An OrderedDict (not a deque) so that a prefix-cache hit can
-    take a free block out of the middle in O(1).
-    NOTE: a block is in `free_block_ids` iff its ref_count is 0.
-    NOTE: `hash_to_block_id[h] == b` implies `block_hash[b] == h`; a block gets a hash only after its KV is computed
-          (`cache_full_blocks`), so a prefix hit never reads KV that is still being written.
+    NOTE: a block gets its hash only after its KV is computed (`cache_full_blocks`), so a prefix hit never reads
+          KV that is still being written.
     NOTE: `new_gpu_block_ids` lists the blocks handed out since `begin_step()`; only these can be written by this
           step's copies and forward, so only these can collide with a swap-out still reading them.
     NOTE: `offload_candidate_ids` collects hashed blocks the host tier may want a copy of: blocks that became
           evictable (write-back) or, with write-through, blocks that were just cached. The scheduler drains it.
     """
+    tier = "gpu block"
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  write_through: bool = False):
-        self.num_blocks = num_blocks
+        super().__init__(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.hash_to_block_id: dict[int, int] = {}
-        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.new_gpu_block_ids: list[int] = []
         self.write_through = write_through
         self.offload_candidate_ids: list[int] = []
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
 
     def begin_step(self):
         self.new_gpu_block_ids = []
@@ -77,10 +65,9 @@ class BlockManager:
             return
         num_full = seq.num_computed_tokens // self.block_size
         for i in range(seq.num_cached_blocks, num_full):
-            block_id, h = seq.block_table[i], content_hash(seq, i)
+            block_id = seq.block_table[i]
             if self.block_hash[block_id] is None:
-                self.block_hash[block_id] = h
-                self.hash_to_block_id.setdefault(h, block_id)
+                self.set_hash(block_id, content_hash(seq, i))
                 if self.write_through:
                     self.offload_candidate_ids.append(block_id)
         seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
@@ -95,16 +82,20 @@ class BlockManager:
         num_cached_tokens = len(cached_block_ids) * self.block_size
         num_tokens = seq.num_computed_tokens + num_cached_tokens + num_new_tokens
         num_new_blocks = seq.num_blocks_for(num_tokens) - len(seq.block_table) - len(cached_block_ids)
-        num_revived = sum(1 for b in cached_block_ids if self.ref_counts[b] == 0)
-        if num_new_blocks + num_revived + num_reserved_blocks > self.num_free_blocks:
+        if num_new_blocks + self.num_revived(cached_block_ids) + num_reserved_blocks > self.num_free_blocks:
             return False
         for block_id in cached_block_ids:
-            self._take(block_id)
+            self.take(block_id)
         seq.block_table.extend(cached_block_ids)
         seq.num_computed_tokens += num_cached_tokens
         seq.num_cached_blocks = len(seq.block_table) if cached_block_ids else seq.num_cached_blocks
-        seq.block_table.extend(self._pop_free() for _ in range(num_new_blocks))
+        seq.block_table.extend(self.pop_free() for _ in range(num_new_blocks))
         return True
+
+    def pop_free(self) -> int:
+        block_id = super().pop_free()
+        self.new_gpu_block_ids.append(block_id)
+        return block_id
 
     def take_offload_candidates(self) -> list[tuple[int, int]]:
         """(gpu_block_id, hash) of the candidates that still hold their hashed block."""
@@ -118,15 +109,9 @@ class BlockManager:
     def free(self, seq: Sequence):
         """Drop seq's references; its last blocks go to the free queue first so its prefix survives longest."""
         for block_id in reversed(seq.block_table):
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] < 0:
-                raise RuntimeError(f"BlockManager.free: block {block_id} of seq {seq.seq_id} freed twice")
-            if self.ref_counts[block_id] == 0:
-                self.free_block_ids[block_id] = None
-                if self.block_hash[block_id] is None:
-                    self.free_block_ids.move_to_end(block_id, last=False)
-                elif not self.write_through:
-                    self.offload_candidate_ids.append(block_id)
+            if self.release(block_id, seq.seq_id) and self.block_hash[block_id] is not None \
+                    and not self.write_through:
+                self.offload_candidate_ids.append(block_id)
         seq.block_table = []
         seq.num_cached_blocks = 0
 
@@ -142,49 +127,18 @@ class BlockManager:
                 block_id = self.hash_to_block_id.get(seq.block_hashes[i])
                 if block_id is not None and block_id not in cached.values():
                     cached[i] = block_id
-        num_revived = sum(1 for b in cached.values() if self.ref_counts[b] == 0)
-        if num_blocks - len(cached) + num_revived + num_reserved_blocks > self.num_free_blocks:
+        if num_blocks - len(cached) + self.num_revived(cached.values()) + num_reserved_blocks > self.num_free_blocks:
             return None
         copies = []
         for i in range(num_blocks):
             if i in cached:
-                self._take(cached[i])
+                self.take(cached[i])
                 seq.block_table.append(cached[i])
             else:
-                seq.block_table.append(self._pop_free())
+                seq.block_table.append(self.pop_free())
                 copies.append((seq.cpu_block_table[i], seq.block_table[-1]))
         return copies
 
-    # --- internals
-    def _take(self, block_id: int):
-        if self.ref_counts[block_id] == 0:
-            del self.free_block_ids[block_id]
-        self.ref_counts[block_id] += 1
-
-    def _pop_free(self) -> int:
-        block_id, _ = self.free_block_ids.popitem(last=False)
-        h = self.block_hash[block_id]
-        if h is not None:
-            if self.hash_to_block_id.get(h) == block_id:
-                del self.hash_to_block_id[h]
-            self.block_hash[block_id] = None
-        self.ref_counts[block_id] = 1
-        self.new_gpu_block_ids.append(block_id)
-        return block_id
-
     def check_invariants(self, seqs: list[Sequence] = ()):
-        """For tests: ref counts equal the number of block-table entries, and the free queue is exactly the
-        unreferenced blocks."""
-        owners = [0] * self.num_blocks
-        for seq in seqs:
-            for block_id in seq.block_table:
-                owners[block_id] += 1
-        if owners != self.ref_counts:
-            bad = [b for b in range(self.num_blocks) if owners[b] != self.ref_counts[b]]
-            raise RuntimeError(f"ref_counts disagree with block tables for gpu blocks {bad}")
-        free = {b for b in range(self.num_blocks) if self.ref_counts[b] == 0}
-        if free != set(self.free_block_ids):
-            raise RuntimeError(f"free queue {sorted(self.free_block_ids)} != unreferenced blocks {sorted(free)}")
-        for h, b in self.hash_to_block_id.items():
-            if self.block_hash[b] != h:
-                raise RuntimeError(f"hash index points at gpu block {b} whose hash is {self.block_hash[b]}")
+        """For tests: ref counts match the sequences' GPU block tables; see BlockPool.check_invariants."""
+        super().check_invariants([seq.block_table for seq in seqs])
