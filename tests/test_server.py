@@ -384,3 +384,28 @@ def _is_up(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_multi_turn_chat_history_comes_back_from_the_host_tier(base_url, client):
+    """Turn 2 of a chat repeats turn 1 as its prefix. Once unrelated requests have evicted that prefix from the 64
+    GPU blocks, it is served from the host tier, and the answer is the one the GPU prefix cache gave."""
+    system = "You are a helpful assistant. " + " ".join(f"Fact {i}: the number {i} is {i * 7}." for i in range(16))
+    turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "What is fact 3?"}]
+    answer = client.chat.completions.create(model=MODEL, messages=turn1, max_tokens=12, temperature=0)
+    turn2 = turn1 + [{"role": "assistant", "content": answer.choices[0].message.content},
+                     {"role": "user", "content": "And fact 5?"}]
+
+    def ask_turn2() -> str:
+        reply = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=12, temperature=0)
+        return reply.choices[0].message.content
+
+    from_gpu_cache = ask_turn2()
+    before = metrics(base_url)
+    for i in range(4):  # ~800 tokens of unrelated prompts: more than the 64 x 8-token GPU blocks
+        client.completions.create(model=MODEL, prompt=f"Story {i}: " + "once more " * 100, max_tokens=4,
+                                  temperature=0)
+    from_host_tier = ask_turn2()
+    after = metrics(base_url)
+    assert after["host_prefix_hit_tokens_total"] - before["host_prefix_hit_tokens_total"] >= 160
+    assert after["blocks_onloaded_total"] > before["blocks_onloaded_total"]
+    assert from_host_tier == from_gpu_cache

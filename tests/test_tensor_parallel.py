@@ -56,3 +56,26 @@ def test_bad_config_fails_before_any_worker_starts(qwen3_dir):
     with pytest.raises(ValueError):
         LLM(qwen3_dir, **tiny_llm_kwargs(tensor_parallel_size=2, num_kvcache_blocks=0))
     assert mp.active_children() == []
+
+
+def test_tp2_host_prefix_cache_hits_equal_tp1(qwen3_dir):
+    """Each rank keeps its shard of the same host blocks: history evicted from the GPU comes back from the host."""
+    from conftest import shared_prefix_prompts
+    prompts = shared_prefix_prompts(48, [5, 9])
+
+    def run_turns(tp: int):
+        llm = LLM(qwen3_dir, **tiny_llm_kwargs(tensor_parallel_size=tp, num_kvcache_blocks=20, swap_space=0.01))
+        try:
+            outs = []
+            for i, prompt in enumerate(prompts):
+                outs.append(llm.generate([prompt], greedy(12), use_tqdm=False)[0]["token_ids"])
+                llm.generate([[7 + i] * 75], greedy(4), use_tqdm=False)  # evicts everything on the GPU
+            return outs, llm.stats()
+        finally:
+            close_llm(llm)
+
+    ref, _ = run_turns(1)
+    got, stats = run_turns(2)
+    assert got == ref
+    assert stats["host_prefix_hit_tokens"] == 48 and stats["prefix_cache_hit_tokens"] == 0
+    assert mp.active_children() == []

@@ -614,6 +614,10 @@ METRICS = [
     ("bytes_swapped_in", "counter", "Bytes copied host -> GPU (all ranks)"),
     ("swap_seconds", "counter", "Seconds spent in swap copies"),
     ("swap_exposed_seconds", "counter", "Swap copy seconds not hidden behind compute"),
+    ("host_prefix_query_tokens", "counter", "Prompt tokens looked up in the host prefix cache"),
+    ("host_prefix_hit_tokens", "counter", "Prompt tokens served from the host prefix cache"),
+    ("blocks_offloaded", "counter", "Cached KV blocks copied to the host prefix cache"),
+    ("blocks_onloaded", "counter", "Host prefix-cache blocks copied back to the GPU"),
 ]
 
 
