@@ -113,8 +113,9 @@ class ModelRunner:
         return self.config.max_num_seqs * blocks_per_seq
 
     def num_kv_blocks_for_budget(self) -> int:
-        """GPU blocks from num_kvcache_blocks, kv_cache_memory_bytes or, on CUDA, a profiling run under
-        gpu_memory_utilization; on CPU, 25% of available memory capped at 4 GiB."""
+        """GPU blocks from kv_cache_memory_bytes or, on CUDA, a profiling run under gpu_memory_utilization (on CPU,
+        25% of available memory, at most 4 GiB); capped by num_kvcache_blocks and by what max_num_seqs
+        sequences of max_model_len tokens could use."""
         config = self.config
         if config.kv_cache_memory_bytes is not None:
             num_blocks = config.kv_cache_memory_bytes // self.block_bytes
@@ -124,9 +125,8 @@ class ModelRunner:
             import psutil
             num_blocks = min(4 * GiB, psutil.virtual_memory().available // 4) // self.block_bytes
         num_blocks = min(num_blocks, self.max_useful_blocks())
-        if config.num_kvcache_blocks is not None:
-            num_blocks = min(num_blocks, config.num_kvcache_blocks) if config.kv_cache_memory_bytes else \
-                config.num_kvcache_blocks
+        if config.num_kvcache_blocks is not None:  # an explicit cap
+            num_blocks = min(num_blocks, config.num_kvcache_blocks)
         if tp_size() > 1:  # every rank must hold the same block ids
             t = torch.tensor([int(num_blocks)], device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
