@@ -102,6 +102,11 @@ class Config:
             raise ValueError(f"rope_type={rope_type!r} is not supported (only the default rope)")
 
     @property
+    def host_prefix_cache(self) -> bool:
+        """The host pool also serves as a second-level prefix cache."""
+        return self.enable_prefix_caching and self.host_cache_policy != "off"
+
+    @property
     def head_dim(self) -> int:
         return getattr(self.hf_config, "head_dim", None) or self.hf_config.hidden_size // self.hf_config.num_attention_heads
 

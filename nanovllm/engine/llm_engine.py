@@ -32,12 +32,11 @@ class LLMEngine:
             raise
         self.block_bytes = self.runner.block_bytes
         self.policy = PreemptionPolicy(config.preemption_mode, self.block_bytes)
-        host_prefix_cache = config.enable_prefix_caching and config.host_cache_policy != "off"
         self.scheduler = Scheduler(
             BlockManager(self.num_gpu_blocks, config.kvcache_block_size, config.enable_prefix_caching,
                          write_through=config.host_cache_policy == "write_through"),
             config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-            _eos_token_ids(model, config.hf_config, self.tokenizer), host_pool, self.policy, host_prefix_cache)
+            _eos_token_ids(model, config.hf_config, self.tokenizer), host_pool, self.policy, config.host_prefix_cache)
         self.requests: dict[int, Sequence] = {}
         self._num_empty_steps = 0
         self._last_exposed = (0.0, 0.0)  # (exposed, copy) seconds at the last policy update
@@ -55,12 +54,11 @@ class LLMEngine:
         self.num_gpu_blocks = self._call("num_kv_blocks_for_budget")
         self._call("allocate_kv_cache", self.num_gpu_blocks)
         host_pool = None
-        wants_host_cache = config.enable_prefix_caching and config.host_cache_policy != "off"
-        if config.swap_space > 0 and (config.preemption_mode != "recompute" or wants_host_cache):
+        if config.swap_space > 0 and (config.preemption_mode != "recompute" or config.host_prefix_cache):
             # swapped sequences never hold more than max_num_seqs full-length tables (no admissions while anything
             # is swapped); without the prefix-cache role, more host blocks than that would sit idle
             num_cpu_blocks = self.runner.num_host_blocks()
-            if not wants_host_cache:
+            if not config.host_prefix_cache:
                 num_cpu_blocks = min(num_cpu_blocks, self.runner.max_useful_blocks())
             self._call("allocate_host_cache", num_cpu_blocks)
             host_pool = HostBlockPool(num_cpu_blocks)
