@@ -36,7 +36,8 @@ class LLMEngine:
             BlockManager(self.num_gpu_blocks, config.kvcache_block_size, config.enable_prefix_caching,
                          write_through=config.host_cache_policy == "write_through"),
             config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-            _eos_token_ids(model, config.hf_config, self.tokenizer), host_pool, self.policy, config.host_prefix_cache)
+            _eos_token_ids(model, config.hf_config, self.tokenizer), host_pool, self.policy,
+            config.host_prefix_cache)
         self.requests: dict[int, Sequence] = {}
         self._num_empty_steps = 0
         self._last_exposed = (0.0, 0.0)  # (exposed, copy) seconds at the last policy update
