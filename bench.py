@@ -94,7 +94,8 @@ def main():
     print(f"Total: {num_tokens} tok, Time: {seconds:.2f} s, Throughput: {num_tokens / seconds:.0f} tok/s, "
           f"host time per decode step: {1e3 * timer.seconds / max(timer.num_steps, 1):.3f} ms "
           f"over {timer.num_steps} steps")
-    print(f"wall time in decode steps {timer.decode_wall_seconds:.2f} s ({1e3 * timer.decode_wall_seconds / max(timer.num_steps, 1):.2f} ms/step), "
+    per_step_ms = 1e3 * timer.decode_wall_seconds / max(timer.num_steps, 1)
+    print(f"wall time in decode steps {timer.decode_wall_seconds:.2f} s ({per_step_ms:.2f} ms/step), "
           f"in prefill/mixed steps {timer.prefill_wall_seconds:.2f} s")
     llm.close()
 

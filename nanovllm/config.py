@@ -108,7 +108,8 @@ class Config:
 
     @property
     def head_dim(self) -> int:
-        return getattr(self.hf_config, "head_dim", None) or self.hf_config.hidden_size // self.hf_config.num_attention_heads
+        hf = self.hf_config
+        return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
 
     @property
     def num_kv_heads(self) -> int:

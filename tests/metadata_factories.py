@@ -47,7 +47,8 @@ def run_step(s: Scheduler, sampled_token: int = 7):
     """schedule + postprocess with a fixed sampled token, checking invariants on the way."""
     out = s.schedule()
     check(s)
-    num_sampled = sum(1 for seq, n in zip(out.seqs, out.num_new_tokens) if seq.num_computed_tokens + n == seq.num_tokens)
+    num_sampled = sum(1 for seq, n in zip(out.seqs, out.num_new_tokens)
+                      if seq.num_computed_tokens + n == seq.num_tokens)
     finished = s.postprocess(out, [sampled_token] * num_sampled)
     check(s)
     return out, finished
