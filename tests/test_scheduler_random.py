@@ -1,0 +1,68 @@
+"""Random workloads through the scheduler, the GPU block manager and the host pool, with every invariant checked
+after every step: random prompt lengths and shared prefixes, tight GPU and host pools, all three preemption
+modes, the host prefix cache on and off, forced preemptions and aborts at random moments. At the end every block
+on both tiers must be free again."""
+import random
+
+import pytest
+
+from metadata_factories import BLOCK_SIZE, check, make_scheduler, make_seq, run_step
+
+
+def run_random_workload(seed: int):
+    rng = random.Random(seed)
+    mode = ["swap", "recompute", "auto"][seed % 3]
+    s = make_scheduler(num_gpu_blocks=rng.randint(10, 16), num_cpu_blocks=rng.choice([0, 4, 16, 64]), mode=mode,
+                       max_num_seqs=rng.randint(2, 6), max_num_batched_tokens=rng.choice([8, 16, 64]),
+                       max_model_len=40)
+    s.host_prefix_cache = seed % 2 == 0
+    prefix = [rng.randrange(1, 500) for _ in range(12)]
+    pending = []
+    for i in range(rng.randint(10, 20)):
+        body = [rng.randrange(1, 500) for _ in range(rng.randint(1, 12))]
+        pending.append(make_seq(token_ids=(prefix if rng.random() < 0.5 else []) + body,
+                                max_tokens=rng.randint(1, 16)))
+    seqs = list(pending)
+    aborted = []
+    for step in range(2000):
+        if pending and rng.random() < 0.3:
+            s.add(pending.pop(0))
+        if s.running and rng.random() < 0.1:  # force a preemption of a random running sequence
+            s.preempt(rng.choice(s.running), mode=rng.choice(["swap", "recompute"]))
+            check(s)
+        unfinished = [q for q in seqs if q.status.name in ("WAITING", "RUNNING", "SWAPPED") and q not in pending]
+        if unfinished and rng.random() < 0.03:  # abort in any state
+            victim = rng.choice(unfinished)
+            s.finish(victim, "abort")
+            aborted.append(victim)
+            check(s, extra=[victim])
+        run_step(s, sampled_token=rng.randrange(1, 500))
+        if not pending and s.is_finished():
+            break
+    else:
+        raise AssertionError(f"seed {seed}: not finished after 2000 steps: {s.waiting} {s.running} {s.swapped}")
+    for q in seqs:
+        assert q.is_finished and not q.block_table and not q.cpu_block_table
+        if q not in aborted:
+            assert q.num_completion_tokens == min(q.sampling_params.max_tokens, 40 - q.num_prompt_tokens)
+    bm = s.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and all(r == 0 for r in bm.ref_counts)
+    if s.host_pool is not None:
+        assert s.host_pool.num_free_blocks == s.host_pool.num_blocks
+    return s.stats
+
+
+SEEDS = range(30)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_workload_keeps_every_invariant(seed):
+    run_random_workload(seed)
+
+
+def test_random_workloads_cover_every_path():
+    """The workloads above really reach the paths they are meant to stress."""
+    stats = [run_random_workload(seed) for seed in SEEDS]
+    for field in ("preemptions_swap", "preemptions_recompute", "blocks_swapped_in", "prefix_cache_hit_tokens",
+                  "host_prefix_hit_tokens", "blocks_offloaded", "recomputed_tokens"):
+        assert sum(getattr(st, field) for st in stats) > 0, field
