@@ -294,7 +294,19 @@ class ModelRunner:
                             query_lens=[query_len], seq_lens=[query_len], block_tables=[table],
                             logits_indices=[query_len - 1])
             self._forward(plan)
+        self._warmup_sampler()
         torch.cuda.synchronize()
+
+    def _warmup_sampler(self):
+        """Trace the compiled sampling ops (plain, and with top-k/top-p) for a few batch sizes."""
+        vocab = self.config.hf_config.vocab_size
+        for batch in (1, 3, 16):
+            logits = torch.randn(batch, vocab, device=self.device)
+            temps = torch.full((batch,), 0.7, device=self.device)
+            top_ks = torch.full((batch,), 50, dtype=torch.int64, device=self.device)
+            top_ps = torch.full((batch,), 0.9, device=self.device)
+            for ks, ps in ((None, None), (top_ks, top_ps)):
+                self.sampler(logits, SamplingTensors(temps, ks, ps, None, None, all_greedy=False))
 
     # --- CUDA graphs for decode steps
     def _graph_for(self, plan: StepPlan):

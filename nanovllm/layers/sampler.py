@@ -4,6 +4,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.utils.compile import compilable
+
 
 @dataclass
 class SamplingTensors:
@@ -24,26 +26,38 @@ class Sampler(nn.Module):
         greedy_ids = logits.argmax(-1)
         if st.all_greedy:
             return greedy_ids
-        logits = logits / st.temperatures.clamp(min=1e-5).unsqueeze(1)
         if st.top_ks is not None:
-            logits = self._top_k_top_p(logits, st.top_ks, st.top_ps)
-        probs = logits.softmax(-1)
+            logits = top_k_top_p(logits / st.temperatures.clamp(min=1e-5).unsqueeze(1), st.top_ks, st.top_ps)
+            probs = logits.softmax(-1)
+        else:
+            probs = tempered_probs(logits, st.temperatures)
         if st.min_ps is not None:
             probs = probs.masked_fill(probs < st.min_ps.unsqueeze(1) * probs.amax(-1, keepdim=True), 0.0)
         noise = torch.empty_like(probs).exponential_()
         for row, generator in enumerate(st.generators or ()):
             if generator is not None:
                 noise[row].exponential_(generator=generator)
-        sampled = probs.div(noise).argmax(-1)
-        return torch.where(st.temperatures == 0, greedy_ids, sampled)
+        return race(probs, noise, st.temperatures, greedy_ids)
 
-    @staticmethod
-    def _top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-        sorted_logits, order = logits.sort(-1, descending=True)  # [B, V]
-        ranks = torch.arange(logits.size(1), device=logits.device).unsqueeze(0)
-        remove = ranks >= top_ks.unsqueeze(1)
-        sorted_probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens ranked above it already reach top_p (the first token always stays)
-        remove |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_ps.unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+@compilable
+def tempered_probs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    return (logits / temperatures.clamp(min=1e-5).unsqueeze(1)).softmax(-1)  # [B, V]
+
+
+@compilable
+def race(probs: torch.Tensor, noise: torch.Tensor, temperatures: torch.Tensor, greedy_ids: torch.Tensor):
+    """argmax(p / E): a draw from p; greedy rows keep their argmax."""
+    return torch.where(temperatures == 0, greedy_ids, probs.div(noise).argmax(-1))
+
+
+@compilable
+def top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(-1, descending=True)  # [B, V]
+    ranks = torch.arange(logits.size(1), device=logits.device).unsqueeze(0)
+    remove = ranks >= top_ks.unsqueeze(1)
+    sorted_probs = sorted_logits.softmax(-1)
+    # drop a token when the tokens ranked above it already reach top_p (the first token always stays)
+    remove |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_ps.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
