@@ -257,10 +257,11 @@ class LLMEngine:
         return text[:len(text) - holdback] if holdback else text
 
     def _update_bar(self, bar, last):
-        now, stats = time.perf_counter(), self.stats()
+        now = time.perf_counter()
         seconds = now - last[0]
-        if seconds < 0.5:
+        if seconds < 0.5:  # refresh twice a second, not every step
             return last
+        stats = self.stats()
         prev = last[1]
         swap_bytes = stats["bytes_swapped_out"] + stats["bytes_swapped_in"] - prev["bytes_swapped_out"] \
             - prev["bytes_swapped_in"]
