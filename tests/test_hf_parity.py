@@ -128,7 +128,8 @@ def test_preemption_swap_matches_hf(kind, tiny_dirs):
     block = kv_block_bytes(model_dir, TINY_BLOCK)
     assert stats["bytes_swapped_out"] == stats["blocks_swapped_out"] * block, (block, stats)
     assert stats["bytes_swapped_in"] == stats["blocks_swapped_in"] * block, (block, stats)
-    assert stats["swap_seconds"] >= 0 and stats["swap_exposed_seconds"] >= 0, stats
+    # on a CPU-only machine copies are synchronous memcpys: all of their time is exposed
+    assert stats["swap_seconds"] > 0 and stats["swap_exposed_seconds"] == stats["swap_seconds"], stats
 
 
 def test_swap_space_too_small_falls_back_to_recompute(qwen3_dir):
