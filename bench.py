@@ -70,11 +70,12 @@ def main():
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels (torch.profiler)")
+    parser.add_argument("--async-scheduling", action="store_true", help="schedule step N+1 while step N runs")
     args = parser.parse_args()
     llm = LLM(preset_dir(args.shape), load_format="dummy", max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
               attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
-              preemption_mode="recompute")
+              preemption_mode="recompute", async_scheduling=args.async_scheduling)
     prompts, params = seed_workload(args.num_seqs)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     timer = HostTimer(llm)

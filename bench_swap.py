@@ -46,6 +46,7 @@ def run_chat(mode: str, num_convs: int, args) -> dict:
     s = SCENARIOS["chat"]
     options = dict(load_format="dummy", max_model_len=8192, max_num_seqs=args.max_num_seqs,
                    enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+                   async_scheduling=args.async_scheduling,
                    kv_cache_memory_bytes=int(s["kv_gib"] * GiB) // args.tensor_parallel_size)
     if mode == "no_host_tier":
         options.update(preemption_mode="recompute", swap_space=0, host_cache_policy="off")
@@ -98,7 +99,8 @@ def run_mode(scenario: str, mode: str, num_seqs: int, args) -> dict:
     from nanovllm.utils.presets import preset_dir
     s = SCENARIOS[scenario]
     options = dict(load_format="dummy", max_model_len=4096, max_num_seqs=args.max_num_seqs,
-                   enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
+                   enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+                   async_scheduling=args.async_scheduling)
     if mode in ("unpressured", "recompute"):
         options.update(preemption_mode="recompute", host_cache_policy="off", swap_space=0)
     else:
@@ -183,6 +185,7 @@ def main():
     parser.add_argument("--swap-space", type=float, default=None, help="GiB; default per scenario")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--async-scheduling", action="store_true", help="schedule step N+1 while step N runs")
     parser.add_argument("--plot", action="store_true", help="write bench_swap_<scenario>.png (needs matplotlib)")
     parser.add_argument("--out-dir", default=".")
     parser.add_argument("--no-tqdm", action="store_true")

@@ -26,6 +26,8 @@ class Config:
     seed: int = 0
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # True: no CUDA graphs, no torch.compile
+    # schedule step N+1 while step N runs on the GPU; a finished sequence may compute one extra, discarded token
+    async_scheduling: bool = False
     attention_backend: str = "auto"  # flash when importable, else triton on cuda, torch on cpu
     # --- batch limits
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -65,6 +67,9 @@ class Config:
             raise ValueError(f"num_kvcache_blocks={self.num_kvcache_blocks} must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling=True needs tensor_parallel_size=1 (the workers need each sampled "
+                             "token before the next step); turn one of them off")
         if self.swap_space < 0:
             raise ValueError(f"swap_space={self.swap_space} GiB must be >= 0")
         self.hf_config = load_hf_config(self.model)

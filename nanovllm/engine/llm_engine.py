@@ -41,6 +41,7 @@ class LLMEngine:
         self.requests: dict[int, Sequence] = {}
         self._num_empty_steps = 0
         self._last_exposed = (0.0, 0.0)  # (exposed, copy) seconds at the last policy update
+        self._in_flight = None  # (rows, SampledTokens) of the launched step not read back yet
 
     def _start_runners(self) -> HostBlockPool | None:
         """Rank 0 here, ranks 1..N-1 in worker processes; every rank sizes and allocates the same caches."""
@@ -120,41 +121,58 @@ class LLMEngine:
             self.runner.release([seq_id])
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and self._in_flight is None
 
     # --- the loop
     def step(self) -> list[Sequence]:
+        """Schedule and launch one step, read back the previous one (asynchronous scheduling) or this one, and
+        return the sequences that finished."""
         out = self.scheduler.schedule()
         self._check_progress(out)
         start = time.perf_counter()
         plan, sample_seqs = make_plan(out, self.config.kvcache_block_size)
         if self.workers is not None:
             self.workers.send("run", plan)
-        token_ids = self.runner.run(plan, sample_seqs)
+        sampled = self.runner.launch(plan, sample_seqs)
+        finished = self._read_back()  # the previous step, while this one runs
+        rows = self.scheduler.advance(out)
+        self._in_flight = (rows, sampled) if rows else None
+        if not self.config.async_scheduling:
+            finished += self._read_back()
         self._call_workers_wait()
-        finished = self.scheduler.postprocess(out, token_ids)
-        finished += self._apply_stop_strings(out)
         self._observe_speeds(out, time.perf_counter() - start)
         self.runner.release([seq.seq_id for seq in finished])
         return finished
 
+    def _read_back(self) -> list[Sequence]:
+        """Fill in the tokens of the step in flight; returns the sequences that finished."""
+        if self._in_flight is None:
+            return []
+        rows, sampled = self._in_flight
+        self._in_flight = None
+        updated, finished = self.scheduler.resolve(rows, sampled.tolist())
+        return finished + self._apply_stop_strings(updated)
+
     def _check_progress(self, out: SchedulerOutput):
-        self._num_empty_steps = 0 if not out.is_empty else self._num_empty_steps + 1
+        progress = not out.is_empty or self._in_flight is not None
+        self._num_empty_steps = 0 if progress else self._num_empty_steps + 1
         if self._num_empty_steps > 1:
             s = self.scheduler
             raise RuntimeError(f"LLMEngine.step: no progress; waiting={list(s.waiting)} running={s.running} "
                                f"swapped={list(s.swapped)} free_gpu_blocks={s.block_manager.num_free_blocks}")
 
-    def _apply_stop_strings(self, out: SchedulerOutput) -> list[Sequence]:
+    def _apply_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
         finished = []
-        for seq in out.seqs:
+        for seq in seqs:
             stops = seq.sampling_params.stop
-            if not stops or seq.is_finished or seq.num_uncomputed_tokens != 1 or self.tokenizer is None:
+            if not stops or seq.is_finished or self.tokenizer is None:
                 continue
             text = self._detokenize(seq.completion_token_ids)
             cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
             if cut >= 0:
                 seq.output_text = text[:cut]
+                del seq.token_ids[len(seq.token_ids) - seq.num_unresolved_tokens:]  # drop tokens after the stop
+                seq.num_unresolved_tokens = 0
                 self.scheduler.finish(seq, "stop")
                 finished.append(seq)
         return finished

@@ -54,6 +54,27 @@ class StepInputs:
     logits_indices: torch.Tensor  # [num_sampled]: rows of the hidden states whose next token is sampled
 
 
+class SampledTokens:
+    """Token ids sampled by a launched step, on their way to the host: a pinned copy and an event on CUDA."""
+
+    def __init__(self, sampled: torch.Tensor | None):
+        self.host = self.event = None
+        if sampled is None or not sampled.is_cuda:
+            self.host = sampled
+            return
+        self.host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+        self.host.copy_(sampled, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def tolist(self) -> list[int]:
+        if self.host is None:
+            return []
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
 class ModelRunner:
     def __init__(self, config: Config, rank: int = 0, init_method: str | None = None):
         self.config = config
@@ -78,6 +99,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> per-request generator (SamplingParams.seed)
         self._sampling_key, self._sampling = None, None  # the last batch's sampling tensors
+        self._last_sampled = None  # [num_sampled] device tensor of the last launched step (rank 0)
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
         self.use_compile = self.device.type == "cuda" and not config.enforce_eager
         set_compile(self.use_compile)
@@ -184,7 +206,8 @@ class ModelRunner:
         cu_seqlens = [0]
         for n in plan.query_lens:
             cu_seqlens.append(cu_seqlens[-1] + n)
-        parts = [plan.input_ids, plan.positions, plan.slot_mapping, plan.logits_indices, plan.seq_lens, cu_seqlens]
+        parts = [plan.input_ids, plan.positions, plan.slot_mapping, plan.logits_indices, plan.seq_lens, cu_seqlens,
+                 plan.placeholder_rows, plan.placeholder_sources]
         sizes = [len(p) for p in parts]
         num_head = sum(sizes)
         table_lens = [len(t) for t in plan.block_tables]
@@ -194,8 +217,10 @@ class ModelRunner:
         buf[num_head:].reshape(-1, width)[filled] = np.fromiter(
             itertools.chain.from_iterable(plan.block_tables), dtype=np.int64, count=sum(table_lens))
         data = self._to_device(buf)
-        input_ids, positions, slots, logits_indices, seq_lens, cu_seqlens_q, tables = data.split(
+        input_ids, positions, slots, logits_indices, seq_lens, cu_seqlens_q, rows, sources, tables = data.split(
             sizes + [len(table_lens) * width])
+        if plan.placeholder_rows:  # tokens the previous step sampled, never read back to the host
+            input_ids[rows] = self._last_sampled[sources]
         md = AttentionMetadata(
             is_decode_only=plan.is_decode_only, slot_mapping=slots, seq_lens=seq_lens.int(),
             block_tables=tables.view(-1, width).int(), cu_seqlens_q=cu_seqlens_q.int(),
@@ -250,17 +275,24 @@ class ModelRunner:
     def run(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None) -> list[int]:
         """Issue this step's copies, run the forward, sample (rank 0). Returns one token per sequence that completed
         its prompt (or its recompute) this step, in batch order."""
+        return self.launch(plan, sample_seqs).tolist()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None) -> "SampledTokens":
+        """Like run, without waiting: the sampled tokens come back through the returned handle, so the host can
+        schedule the next step while this one runs on the GPU."""
         if self.copy_engine is not None:
             self.copy_engine.poll()
             self.copy_engine.swap_out(plan.swap_out)
             self.copy_engine.wait_before_forward(plan.new_gpu_block_ids)
             self.copy_engine.swap_in(plan.swap_in)
         if not plan.num_tokens:
-            return []
+            return SampledTokens(None)
         logits = self._forward(plan)
         if logits is None or self.rank != 0:
-            return []
-        return self.sampler(logits, self.sampling_tensors(sample_seqs)).tolist()
+            return SampledTokens(None)
+        self._last_sampled = self.sampler(logits, self.sampling_tensors(sample_seqs))
+        return SampledTokens(self._last_sampled)
 
     def _forward(self, plan: StepPlan) -> torch.Tensor | None:
         """Logits of the sampled rows (rank 0; None elsewhere or when nothing is sampled)."""

@@ -4,7 +4,7 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from nanovllm_offload.host_block_pool import HostBlockPool
 from nanovllm_offload.policy import PreemptionPolicy
 
@@ -14,6 +14,7 @@ class SchedulerOutput:
     """One step, as ids and counts. The runner turns it into tensors and copies."""
     seqs: list[Sequence] = field(default_factory=list)  # sequences that compute tokens this step, in batch order
     num_new_tokens: list[int] = field(default_factory=list)  # per seq: 1 for a decode, a chunk for a prefill
+    samples: list[bool] = field(default_factory=list)  # per seq: this step completes its input, so it samples
     # (gpu_block_id, cpu_block_id): KV of swapped-out victims; copied before any new owner writes the gpu block
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     # (cpu_block_id, gpu_block_id): KV of resumed sequences; they join the batch from the next step, so the copy
@@ -100,6 +101,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_unresolved_tokens and self._is_done_sampling(seq):
+                i += 1  # its last token is still being read back; resolve() finishes it
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.allocate(seq, num_new):
                 victim = self.running.pop()
@@ -189,6 +193,7 @@ class Scheduler:
     def _add_to_batch(self, out: SchedulerOutput, seq: Sequence, num_new: int):
         out.seqs.append(seq)
         out.num_new_tokens.append(num_new)
+        out.samples.append(seq.num_computed_tokens + num_new == seq.num_tokens)
         if seq.num_recompute_pending:
             start = seq.num_computed_tokens
             self.stats.recomputed_tokens += max(0, min(start + num_new, seq.num_recompute_pending) - start)
@@ -227,12 +232,20 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def postprocess(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Sequence]:
-        """Advance the sequences of a finished step. `sampled_token_ids` has one token per sequence whose prompt
-        (or recompute) is now complete, in batch order. Returns the sequences that finished."""
-        finished = []
-        sampled = iter(sampled_token_ids)
+        """advance + resolve for a step whose tokens are already known. Returns the sequences that finished."""
+        return self.resolve(self.advance(out), sampled_token_ids)[1]
+
+    def advance(self, out: SchedulerOutput) -> list[tuple[Sequence, int] | None]:
+        """Account for a launched step: computed tokens move forward, and each sequence that samples gets a
+        placeholder token until `resolve` fills it in. Returns, per sampled row of the step, (seq, token index),
+        or None for a row whose sequence finished in the meantime (its token will be dropped)."""
+        rows = []
         stats = self.stats
-        for seq, num_new in zip(out.seqs, out.num_new_tokens):
+        for seq, num_new, samples in zip(out.seqs, out.num_new_tokens, out.samples):
+            if seq.is_finished:  # finished by the resolve of the step before (asynchronous scheduling)
+                if samples:
+                    rows.append(None)
+                continue
             num_tokens = len(seq.token_ids)
             if num_new == 1 and num_tokens > seq.num_prompt_tokens and seq.num_computed_tokens == num_tokens - 1:
                 stats.decode_tokens += 1
@@ -241,23 +254,46 @@ class Scheduler:
             seq.num_computed_tokens += num_new
             if seq.num_computed_tokens % self.block_manager.block_size == 0 or num_new > 1:
                 self.block_manager.cache_full_blocks(seq)  # a block just filled up
-            if seq.num_computed_tokens < num_tokens:
+            if not samples:
                 continue  # a prompt chunk: nothing sampled yet
-            token_id = next(sampled)
-            seq.token_ids.append(token_id)
-            reason = self._finish_reason(seq, token_id)
+            seq.sample_row = len(rows)
+            rows.append((seq, len(seq.token_ids)))
+            seq.token_ids.append(PLACEHOLDER_TOKEN)
+            seq.num_unresolved_tokens += 1
+        return rows
+
+    def resolve(self, rows: list[tuple[Sequence, int] | None], token_ids: list[int]):
+        """Fill in the tokens of a finished step (rows from `advance`) and finish sequences on EOS, stop tokens or
+        length. Returns (sequences that got a token and go on, sequences that finished)."""
+        updated, finished = [], []
+        for row, token_id in zip(rows, token_ids):
+            if row is None or row[0].is_finished:
+                continue
+            seq, index = row
+            seq.token_ids[index] = token_id
+            seq.num_unresolved_tokens -= 1
+            reason = self._finish_reason(seq, token_id, index + 1)
             if reason:
+                del seq.token_ids[index + 1:]  # tokens sampled after the end are dropped
+                seq.num_unresolved_tokens = 0
                 self.finish(seq, reason)
                 finished.append(seq)
-        return finished
+            else:
+                updated.append(seq)
+        return updated, finished
 
-    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token_id: int, num_tokens: int) -> str | None:
+        """Why seq ends with token_id as its num_tokens-th token, or None."""
         params = seq.sampling_params
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
             return "stop"
-        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def _is_done_sampling(self, seq: Sequence) -> bool:
+        """All its tokens are sampled, the last ones not read back yet: nothing more to compute."""
+        return seq.num_completion_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_model_len
 
     def finish(self, seq: Sequence, reason: str):
         """Remove seq from its queue and release its blocks on both tiers (also used for aborts)."""

@@ -4,6 +4,8 @@ from itertools import count
 
 from nanovllm.sampling_params import SamplingParams
 
+PLACEHOLDER_TOKEN = -1  # a sampled token that the host has not read back yet (asynchronous scheduling)
+
 
 class SequenceStatus(Enum):
     WAITING = auto()  # in the waiting queue: nothing computed, or preempted by recompute
@@ -36,6 +38,10 @@ class Sequence:
         self.block_hashes: list[int] = []  # content hashes of leading full blocks (memo, see content_hash)
         self.num_cached_blocks = 0  # leading blocks of block_table already registered in the GPU prefix cache
         self.num_recompute_pending = 0  # tokens computed before a recompute preemption, not yet computed again
+        # with asynchronous scheduling, the last tokens may be placeholders until the step that samples them is
+        # read back; the runner then takes them from that step's sampled tensor, at row `sample_row`
+        self.num_unresolved_tokens = 0
+        self.sample_row = -1
         self.finish_reason: str | None = None
         self.output_text: str | None = None  # set when a stop string cut the text
 
@@ -52,7 +58,8 @@ class Sequence:
 
     @property
     def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """The generated tokens the host knows (placeholders excluded)."""
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_unresolved_tokens]
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -2,7 +2,7 @@
 from dataclasses import dataclass, field
 
 from nanovllm.engine.scheduler import SchedulerOutput
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence
 
 
 @dataclass
@@ -18,6 +18,10 @@ class StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block_id, cpu_block_id)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block_id, gpu_block_id)
     new_gpu_block_ids: list[int] = field(default_factory=list)
+    # asynchronous scheduling: input_ids[placeholder_rows[i]] is the token sampled by the previous step at row
+    # placeholder_sources[i]; the runner copies it over on the device
+    placeholder_rows: list[int] = field(default_factory=list)
+    placeholder_sources: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -33,9 +37,12 @@ def make_plan(out: SchedulerOutput, block_size: int) -> tuple[StepPlan, list[Seq
     plan = StepPlan(swap_out=out.swap_out, swap_in=out.swap_in, new_gpu_block_ids=out.new_gpu_block_ids)
     sample_seqs = []
     bs = block_size
-    for seq, n in zip(out.seqs, out.num_new_tokens):
+    for seq, n, samples in zip(out.seqs, out.num_new_tokens, out.samples):
         start, end, table = seq.num_computed_tokens, seq.num_computed_tokens + n, seq.block_table
         if n == 1:
+            if seq.token_ids[start] == PLACEHOLDER_TOKEN:
+                plan.placeholder_rows.append(len(plan.input_ids))
+                plan.placeholder_sources.append(seq.sample_row)
             plan.input_ids.append(seq.token_ids[start])
             plan.positions.append(start)
             plan.slot_mapping.append(table[start // bs] * bs + start % bs)
@@ -46,7 +53,7 @@ def make_plan(out: SchedulerOutput, block_size: int) -> tuple[StepPlan, list[Seq
         plan.query_lens.append(n)
         plan.seq_lens.append(end)
         plan.block_tables.append(table)
-        if end == seq.num_tokens:
+        if samples:
             plan.logits_indices.append(len(plan.input_ids) - 1)
             sample_seqs.append(seq)
     return plan, sample_seqs

@@ -1,0 +1,79 @@
+"""async_scheduling=True: step N+1 is scheduled while step N runs, sampled tokens come back one step late. The
+outputs must be exactly those of the synchronous engine, under every path that touches the pending tokens."""
+import pytest
+
+from conftest import close_llm, greedy, random_prompts, smollm2_llm_kwargs, tiny_llm_kwargs
+from nanovllm import LLM, SamplingParams
+
+PROMPTS = random_prompts([3, 17, 40, 9, 33, 21])
+
+
+def generate(model_dir, prompts, params, **kwargs):
+    llm = LLM(model_dir, **kwargs)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o["token_ids"], o["finish_reason"], o["text"]) for o in outs], llm.stats()
+    finally:
+        close_llm(llm)
+
+
+@pytest.mark.parametrize("pressure", [{}, dict(num_kvcache_blocks=24, preemption_mode="recompute"),
+                                      dict(num_kvcache_blocks=24, preemption_mode="swap"),
+                                      dict(max_num_batched_tokens=16)])
+def test_async_equals_sync(tiny_dirs, pressure):
+    for family in ("qwen3", "llama"):
+        sync, _ = generate(tiny_dirs[family], PROMPTS, greedy(20), **tiny_llm_kwargs(**pressure))
+        got, stats = generate(tiny_dirs[family], PROMPTS, greedy(20),
+                              **tiny_llm_kwargs(async_scheduling=True, **pressure))
+        assert got == sync, family
+        if pressure.get("preemption_mode") == "swap":
+            assert stats["preemptions_swap"] > 0 and stats["recomputed_tokens"] == 0
+
+
+def test_async_stops_on_tokens_and_mixed_lengths_like_sync(qwen3_dir):
+    sync_params = [greedy(20), greedy(3), greedy(12), greedy(1), greedy(20), greedy(7)]
+    sync, _ = generate(qwen3_dir, PROMPTS, sync_params, **tiny_llm_kwargs())
+    # stop on a token the synchronous run produced mid-way: the asynchronous run has already sampled past it
+    stop_token = sync[0][0][5]
+    params = [greedy(20, stop_token_ids=[stop_token])] + sync_params[1:]
+    sync, _ = generate(qwen3_dir, PROMPTS, params, **tiny_llm_kwargs())
+    got, _ = generate(qwen3_dir, PROMPTS, params, **tiny_llm_kwargs(async_scheduling=True))
+    assert got == sync
+    assert got[0][1] == "stop" and got[0][0][-1] == stop_token and len(got[0][0]) <= 6
+
+
+def test_async_seeded_sampling_equals_sync(qwen3_dir):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    sync, _ = generate(qwen3_dir, PROMPTS, params, **tiny_llm_kwargs())
+    got, _ = generate(qwen3_dir, PROMPTS, params, **tiny_llm_kwargs(async_scheduling=True))
+    assert got == sync
+
+
+def test_async_stop_strings_and_eos_on_smollm2(smollm2_dir):
+    prompts = ["The capital of France is", "Once upon a time", "List three colors:"]
+    base, _ = generate(smollm2_dir, prompts, SamplingParams(temperature=0, max_tokens=24),
+                       **smollm2_llm_kwargs())
+    stop = base[1][2].split()[3]  # a word from the middle of the second answer
+    params = SamplingParams(temperature=0, max_tokens=24, stop=[stop])
+    sync, _ = generate(smollm2_dir, prompts, params, **smollm2_llm_kwargs())
+    got, _ = generate(smollm2_dir, prompts, params, **smollm2_llm_kwargs(async_scheduling=True))
+    assert got == sync and got[1][1] == "stop" and stop not in got[1][2]
+
+
+def test_async_stream_joins_to_generate(qwen3_dir):
+    llm = LLM(qwen3_dir, **tiny_llm_kwargs(async_scheduling=True))
+    try:
+        full = llm.generate(PROMPTS, greedy(12), use_tqdm=False)
+        chunks = {}
+        for chunk in llm.generate_stream(PROMPTS, greedy(12)):
+            assert -1 not in chunk["token_ids"]  # placeholders never reach the caller
+            chunks.setdefault(chunk["index"], []).extend(chunk["token_ids"])
+        assert [chunks[i] for i in range(len(PROMPTS))] == [o["token_ids"] for o in full]
+        assert llm.is_finished()
+    finally:
+        close_llm(llm)
+
+
+def test_async_needs_tp1(qwen3_dir):
+    with pytest.raises(ValueError, match="async_scheduling=True needs tensor_parallel_size=1"):
+        LLM(qwen3_dir, **tiny_llm_kwargs(async_scheduling=True, tensor_parallel_size=2))
