@@ -34,8 +34,8 @@ def add_engine_args(parser: argparse.ArgumentParser):
 
 ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size",
                "num_kvcache_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "swap_space",
-               "preemption_mode", "host_cache_policy", "enable_prefix_caching", "enforce_eager", "async_scheduling", "tensor_parallel_size",
-               "attention_backend", "load_format", "seed")
+               "preemption_mode", "host_cache_policy", "enable_prefix_caching", "enforce_eager", "async_scheduling",
+               "tensor_parallel_size", "attention_backend", "load_format", "seed")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
