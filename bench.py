@@ -22,7 +22,7 @@ def seed_workload(num_seqs: int, max_input_len: int = 1024, max_output_len: int 
 
 class HostTimer:
     """Wall time of the host-side work of decode-only steps: schedule, step plan, input tensors, sampling
-    parameters, postprocess."""
+    parameters, advance and resolve (what postprocess was)."""
 
     def __init__(self, llm):
         self.seconds, self.num_steps = 0.0, 0
@@ -42,7 +42,8 @@ class HostTimer:
         self._wrap(llm_engine, "make_plan")
         self._wrap(llm.runner, "prepare")
         self._wrap(llm.runner, "sampling_tensors")
-        self._wrap(llm.scheduler, "postprocess")
+        self._wrap(llm.scheduler, "advance")
+        self._wrap(llm.scheduler, "resolve")
 
     def _wrap(self, obj, name):
         fn = getattr(obj, name)
