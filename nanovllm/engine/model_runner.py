@@ -319,7 +319,7 @@ class ModelRunner:
             return
         bs, num_blocks = self.block_size, self.kv_cache.size(0)
         limit = min(self.config.max_model_len, self.config.max_num_batched_tokens, num_blocks * bs)
-        for query_len in sorted({min(n, limit) for n in (2, 12, 24, 48, 100, 300, 1000)}):
+        for query_len in sorted({min(n, limit) for n in (1, 2, 12, 24, 48, 100, 300, 1000)}):
             table = list(range((query_len + bs - 1) // bs))
             plan = StepPlan(input_ids=[0] * query_len, positions=list(range(query_len)),
                             slot_mapping=[table[p // bs] * bs + p % bs for p in range(query_len)],
