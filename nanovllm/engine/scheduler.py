@@ -132,7 +132,7 @@ class Scheduler:
             if not self.block_manager.allocate(seq, num_new, cached_block_ids, reserve):
                 break
             self.waiting.popleft()
-            self.stats.prefix_cache_hit_tokens += num_cached
+            self._count_prefix_lookup(seq, len(cached_block_ids))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if host_block_ids:
@@ -166,8 +166,15 @@ class Scheduler:
         num_candidates = (seq.num_tokens - 1) // self.block_manager.block_size - num_gpu_hits
         if num_candidates <= 0:
             return []
-        self.stats.host_prefix_query_tokens += num_candidates * self.block_manager.block_size
         return self.host_pool.find_cached_prefix(seq, num_gpu_hits, num_candidates)
+
+    def _count_prefix_lookup(self, seq: Sequence, num_gpu_hits: int):
+        """Counted once per admission (a lookup whose allocation failed is repeated, not counted twice)."""
+        block_size = self.block_manager.block_size
+        self.stats.prefix_cache_hit_tokens += num_gpu_hits * block_size
+        if self.host_prefix_cache:
+            num_candidates = max(0, (seq.num_tokens - 1) // block_size - num_gpu_hits)
+            self.stats.host_prefix_query_tokens += num_candidates * block_size
 
     def _onload(self, out: SchedulerOutput, seq: Sequence, cpu_block_ids: list[int]):
         """Copy host hits into the GPU blocks just allocated for them; they count as computed from now on
