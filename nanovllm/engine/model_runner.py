@@ -101,8 +101,7 @@ class ModelRunner:
         self._sampling_key, self._sampling = None, None  # the last batch's sampling tensors
         self._last_sampled = None  # [num_sampled] device tensor of the last launched step (rank 0)
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
-        self.use_compile = self.device.type == "cuda" and not config.enforce_eager
-        set_compile(self.use_compile)
+        set_compile(self.device.type == "cuda" and not config.enforce_eager)
         self.kv_cache = None
         self.host_cache = self.copy_engine = None
         self.graphs = {}

@@ -122,8 +122,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and not num_preempted and not self.swapped
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            cached_block_ids = self.block_manager.find_cached_prefix(seq) if not seq.block_table else []
-            host_block_ids = self._find_host_prefix(seq, len(cached_block_ids)) if not seq.block_table else []
+            cached_block_ids = self.block_manager.find_cached_prefix(seq)  # a waiting seq holds no blocks
+            host_block_ids = self._find_host_prefix(seq, len(cached_block_ids))
             num_cached = len(cached_block_ids) * self.block_manager.block_size
             num_new = min(seq.num_uncomputed_tokens - num_cached, budget)
             if host_block_ids:  # blocks for the host hits only; prefill starts next step, after their copies
