@@ -4,6 +4,7 @@
     python bench.py --shape qwen3-8b --num-seqs 1024  # the H800 workload
 """
 import argparse
+import json
 import random
 import time
 
@@ -27,15 +28,18 @@ class HostTimer:
     def __init__(self, llm):
         self.seconds, self.num_steps = 0.0, 0
         self.decode_wall_seconds = self.prefill_wall_seconds = 0.0
+        self.trace = []  # per step: (is_decode, num_seqs, num_tokens, wall seconds)
         step = llm.step
 
         def timed_step():
             start = time.perf_counter()
             finished = step()
+            wall_seconds = time.perf_counter() - start
             if self.is_decode:
-                self.decode_wall_seconds += time.perf_counter() - start
+                self.decode_wall_seconds += wall_seconds
             else:
-                self.prefill_wall_seconds += time.perf_counter() - start
+                self.prefill_wall_seconds += wall_seconds
+            self.trace.append((self.is_decode, self.num_seqs, self.num_tokens, wall_seconds))
             return finished
         llm.step = timed_step
         self._wrap(llm.scheduler, "schedule")
@@ -53,11 +57,12 @@ class HostTimer:
             result = fn(*args, **kwargs)
             if name == "schedule":
                 self.is_decode = result.is_decode_only and bool(result.seqs)
+                self.num_seqs, self.num_tokens = len(result.seqs), sum(result.num_new_tokens)
                 self.num_steps += self.is_decode
             if self.is_decode:
                 self.seconds += time.perf_counter() - start
             return result
-        self.is_decode = False
+        self.is_decode, self.num_seqs, self.num_tokens = False, 0, 0
         setattr(obj, name, timed)
 
 
@@ -72,6 +77,7 @@ def main():
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels (torch.profiler)")
     parser.add_argument("--async-scheduling", action="store_true", help="schedule step N+1 while step N runs")
+    parser.add_argument("--trace", default=None, help="write per-step (is_decode, seqs, tokens, seconds) JSON here")
     args = parser.parse_args()
     llm = LLM(preset_dir(args.shape), load_format="dummy", max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
@@ -99,6 +105,9 @@ def main():
     per_step_ms = 1e3 * timer.decode_wall_seconds / max(timer.num_steps, 1)
     print(f"wall time in decode steps {timer.decode_wall_seconds:.2f} s ({per_step_ms:.2f} ms/step), "
           f"in prefill/mixed steps {timer.prefill_wall_seconds:.2f} s")
+    if args.trace:
+        with open(args.trace, "w") as f:
+            json.dump(timer.trace, f)
     llm.close()
 
 
