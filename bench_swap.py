@@ -71,6 +71,7 @@ def run_chat(mode: str, num_convs: int, args) -> dict:
                           prompt_tokens=sum(map(len, prompts)), output_tokens=sum(p.max_tokens for p in params),
                           **{k: after[k] - before[k] for k in keys}))
         total_tokens += turns[-1]["output_tokens"]
+        print(f"chat/{mode}: {turns[-1]}", flush=True)
     seconds = time.perf_counter() - start
     stats = llm.stats()
     llm.close()
