@@ -76,7 +76,8 @@ def main():
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels (torch.profiler)")
-    parser.add_argument("--async-scheduling", action="store_true", help="schedule step N+1 while step N runs")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="schedule step N+1 while step N runs (default: on at TP 1)")
     parser.add_argument("--trace", default=None, help="write per-step (is_decode, seqs, tokens, seconds) JSON here")
     args = parser.parse_args()
     llm = LLM(preset_dir(args.shape), load_format="dummy", max_model_len=args.max_model_len,

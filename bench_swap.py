@@ -186,7 +186,8 @@ def main():
     parser.add_argument("--swap-space", type=float, default=None, help="GiB; default per scenario")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--async-scheduling", action="store_true", help="schedule step N+1 while step N runs")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="schedule step N+1 while step N runs (default: on at TP 1)")
     parser.add_argument("--plot", action="store_true", help="write bench_swap_<scenario>.png (needs matplotlib)")
     parser.add_argument("--out-dir", default=".")
     parser.add_argument("--no-tqdm", action="store_true")

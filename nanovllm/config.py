@@ -26,15 +26,18 @@ class Config:
     seed: int = 0
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # True: no CUDA graphs, no torch.compile
-    # schedule step N+1 while step N runs on the GPU; a finished sequence may compute one extra, discarded token
-    async_scheduling: bool = False
+    # schedule step N+1 while step N runs on the GPU; a finished sequence may compute one extra, discarded token.
+    # None: on when tensor_parallel_size == 1 (the workers need each sampled token before the next step)
+    async_scheduling: bool | None = None
     attention_backend: str = "auto"  # flash when importable, else triton on cuda, torch on cpu
     # --- batch limits
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384  # token budget per step; longer prompts are prefilled in chunks
     # --- GPU KV cache
-    kvcache_block_size: int = 256
+    # tokens per KV block; None: 64, or 256 when flash-attn will run (its paged KV needs multiples of 256).
+    # 64 keeps a block one DMA of several MB (0.6B: 7 MB) while wasting little in each sequence's last block
+    kvcache_block_size: int | None = None
     num_kvcache_blocks: int | None = None  # explicit cap on GPU blocks
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; overrides gpu_memory_utilization
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may fill (weights + activations + KV)
@@ -57,6 +60,8 @@ class Config:
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("host_cache_policy", self.host_cache_policy, HOST_CACHE_POLICIES)
+        if self.kvcache_block_size is None:
+            self.kvcache_block_size = 256 if _flash_backend_expected(self.attention_backend, self.device) else 64
         bs = self.kvcache_block_size
         if bs < 1 or bs & (bs - 1):
             raise ValueError(f"kvcache_block_size={bs} must be a power of two")
@@ -67,6 +72,8 @@ class Config:
             raise ValueError(f"num_kvcache_blocks={self.num_kvcache_blocks} must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.async_scheduling is None:
+            self.async_scheduling = self.tensor_parallel_size == 1
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling=True needs tensor_parallel_size=1 (the workers need each sampled "
                              "token before the next step); turn one of them off")
@@ -119,6 +126,14 @@ class Config:
     @property
     def num_kv_heads(self) -> int:
         return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+
+
+def _flash_backend_expected(attention_backend: str, device: str) -> bool:
+    """Whether "auto" or "flash" will pick flash-attn (checked without importing it or torch)."""
+    import importlib.util
+    if attention_backend == "flash":
+        return True
+    return attention_backend == "auto" and device != "cpu" and importlib.util.find_spec("flash_attn") is not None
 
 
 def _check_choice(name: str, value, choices):

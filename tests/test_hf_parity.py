@@ -45,8 +45,11 @@ def test_prefix_cache_hits_match_hf(qwen2_dir):
     prompts = shared_prefix_prompts(24, (3, 7, 12, 1), seed=20)
     with LLM(qwen2_dir, **tiny_llm_kwargs()) as llm:
         first = llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
+        first_hits = llm.stats()["prefix_cache_hit_tokens"]
         second = llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
         stats = llm.stats()
+    # all four are admitted in one step: the first one's prefix blocks are shared as soon as they are scheduled
+    assert first_hits == 24 * (len(prompts) - 1), first_hits
     assert_matches_hf(qwen2_dir, prompts, first, MAX_NEW, what="prefix cache, first run")
     assert_matches_hf(qwen2_dir, prompts, second, MAX_NEW, what="prefix cache, second run")
     # the second run alone must reuse at least the shared prefix of every prompt

@@ -158,3 +158,29 @@ def test_a_swapped_sequence_that_needs_every_block_still_resumes():
     while not a.is_finished:
         run_step(s)
     assert s.stats.recomputed_tokens == 0
+
+
+def test_requests_admitted_in_one_step_share_a_prefix_that_step_computes():
+    """Prompt blocks are cached when scheduled: the second request of the same step hits the first one's two
+    full blocks (the forward stores them before any attention reads them) and computes only its own tokens."""
+    s = make_scheduler(num_gpu_blocks=8)
+    system = list(range(100, 108))  # two full blocks
+    a, b = make_seq(token_ids=system + [1, 2]), make_seq(token_ids=system + [3])
+    s.add(a)
+    s.add(b)
+    out, _ = run_step(s)
+    assert a.block_table == [0, 1, 2] and b.block_table == [0, 1, 3]
+    assert out.num_new_tokens == [10, 1]
+    assert s.stats.prefix_cache_hit_tokens == 8 and s.stats.prefill_tokens == 11
+
+
+def test_a_chunk_caches_only_the_blocks_it_completes():
+    s = make_scheduler(num_gpu_blocks=8, max_num_batched_tokens=6)
+    a = make_seq(token_ids=list(range(100, 110)))
+    s.add(a)
+    run_step(s)  # tokens 0-5: block 0 is full, block 1 is not
+    assert a.num_cached_blocks == 1 and s.block_manager.block_hash[1] is None
+    b = make_seq(token_ids=list(range(100, 110)))
+    s.add(b)
+    out, _ = run_step(s)  # a's last 4 tokens complete block 1; b, admitted after a, hits blocks 0 and 1
+    assert out.num_new_tokens == [4, 2] and b.block_table[:2] == a.block_table[:2] == [0, 1]

@@ -24,8 +24,11 @@ class BlockManager(BlockPool):
     """Owns the GPU block ids: per-sequence allocation and the GPU prefix cache on top of the shared pool mechanics
     (ref counts, LRU free queue, hash index: see BlockPool).
 
-    NOTE: a block gets its hash only after its KV is computed (`cache_full_blocks`), so a prefix hit never reads
-          KV that is still being written.
+    NOTE: a full block of known tokens gets its hash when the step that computes its KV is scheduled, so a
+          sequence admitted later in the same step shares it (a forward stores every token's KV of a layer before
+          that layer's attention reads any). A block that a decode token completes is hashed after that step was
+          launched (`Scheduler.advance`), since under asynchronous scheduling its last token may not be known
+          while it is scheduled.
     NOTE: `new_gpu_block_ids` lists the blocks handed out since `begin_step()`; only these can be written by this
           step's copies and forward, so only these can collide with a swap-out still reading them.
     NOTE: `offload_candidate_ids` collects hashed blocks the host tier may want a copy of: blocks that became
@@ -59,11 +62,12 @@ class BlockManager(BlockPool):
             block_ids.append(block_id)
         return block_ids
 
-    def cache_full_blocks(self, seq: Sequence):
-        """Register seq's newly computed full blocks in the prefix cache."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int | None = None):
+        """Register seq's full blocks among its first `num_tokens` (default: the computed ones) in the prefix
+        cache; the caller guarantees that their KV is computed, or is computed by the step being scheduled."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = (seq.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
         for i in range(seq.num_cached_blocks, num_full):
             block_id = seq.block_table[i]
             if self.block_hash[block_id] is None:

@@ -15,7 +15,7 @@ def add_engine_args(parser: argparse.ArgumentParser):
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=512)
     g.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    g.add_argument("--kvcache-block-size", type=int, default=256)
+    g.add_argument("--kvcache-block-size", type=int, default=None, help="default 64 (256 with flash-attn)")
     g.add_argument("--num-kvcache-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -25,7 +25,8 @@ def add_engine_args(parser: argparse.ArgumentParser):
                    help="the host pool as a second-level prefix cache")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--async-scheduling", action="store_true", help="schedule step N+1 while step N runs")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step N+1 while step N runs (default: on at tensor_parallel_size 1)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash"])
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
