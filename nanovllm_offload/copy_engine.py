@@ -3,6 +3,8 @@
 Ordering rules (each enforced by an event wait, never by a device-wide sync):
 1. A swap-out starts after all compute issued before it: it reads KV the previous forward wrote.
 2. Compute that writes a GPU block waits for any swap-out still reading that block (`wait_before_forward`).
+   Each run of a swap-out records its own event, and the scheduler orders a victim's blocks the way they are
+   handed out again, so the next owner usually waits for one block's copy, not for the victim's whole KV.
 3. Compute waits for the swap-ins issued in earlier steps before it reads their blocks. A resumed sequence joins
    the batch one step after its swap-in is issued, so the copy overlaps a whole forward.
 4. The two directions are ordered against each other: a host block released by a swap-in can be the next
@@ -49,9 +51,7 @@ class CopyEngine:
         if not pairs:
             return
         self.bytes_out += len(pairs) * self.block_bytes
-        event = self._copy(pairs, self.gpu_kv, self.host_kv, "out")
-        for gpu_block_id, _ in pairs:
-            self.reading_gpu_blocks[gpu_block_id] = event
+        self._copy(pairs, self.gpu_kv, self.host_kv, "out")
 
     def swap_in(self, pairs: list[tuple[int, int]]):
         """pairs: (cpu_block_id, gpu_block_id)."""
@@ -80,7 +80,13 @@ class CopyEngine:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             start.record()
-            self._copy_runs(pairs, src, dst)
+            for run in contiguous_runs(pairs):
+                self._copy_run(run, src, dst)
+                if direction == "out":  # rule 2 waits for the runs holding the blocks it reuses, not the batch
+                    read = torch.cuda.Event()
+                    read.record()
+                    for gpu_block_id in range(run[0], run[0] + run[2]):
+                        self.reading_gpu_blocks[gpu_block_id] = read
             end.record()
         self.pending_copies.append((start, end, num_bytes))
         if direction == "out":
@@ -91,8 +97,13 @@ class CopyEngine:
 
     @staticmethod
     def _copy_runs(pairs, src: torch.Tensor, dst: torch.Tensor):
-        for s, d, n in contiguous_runs(pairs):
-            dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+        for run in contiguous_runs(pairs):
+            CopyEngine._copy_run(run, src, dst)
+
+    @staticmethod
+    def _copy_run(run: tuple[int, int, int], src: torch.Tensor, dst: torch.Tensor):
+        s, d, n = run
+        dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
 
     # --- ordering against compute
     def wait_before_forward(self, new_gpu_block_ids: list[int]):

@@ -49,7 +49,7 @@ def test_preemption_swaps_out_the_newest_and_resumes_it_without_recompute():
     out, _ = run_step(s)  # a takes block 4; b cannot grow: b is swapped out
     assert a.block_table == [0, 1, 4]
     assert b.status.name == "SWAPPED" and b.cpu_block_table == [0, 1]
-    assert out.swap_out == [(2, 0), (3, 1)] and out.swap_in == []
+    assert out.swap_out == [(3, 1), (2, 0)] and out.swap_in == []  # in the order they are handed out again
     assert s.stats.preemptions_swap == 1 and b.num_computed_tokens == 8
     # while b is swapped, a new prefill is not admitted
     c = make_seq(2, start=900)
@@ -103,7 +103,7 @@ def test_sequence_in_chunked_prefill_swaps_only_its_computed_blocks():
     check(s)
     assert a.cpu_block_table == [0, 1] and a.num_computed_tokens == 6
     out, _ = run_step(s)  # the copies go out with the next step; a comes straight back (room is plenty)
-    assert out.swap_out == [(0, 0), (1, 1)]
+    assert out.swap_out == [(1, 1), (0, 0)]  # the unhashed partial block first: it is handed out first
     assert a.status.name == "RUNNING"
     while not a.is_finished:
         run_step(s)
@@ -124,7 +124,7 @@ def test_shared_blocks_stay_on_the_gpu_and_cross_once():
     assert s.block_manager.ref_counts[0] == 1 and s.block_manager.ref_counts[1] == 1  # a still owns them
     out, _ = run_step(s)
     # the shared blocks are copied (b must own its KV on the host), each once, plus b's own partial block
-    assert out.swap_out == [(0, 0), (1, 1), (3, 2)]
+    assert out.swap_out == [(3, 2), (1, 1), (0, 0)]  # in the order they are handed out again (see reuse_rank)
     assert a.block_table == [0, 1, 2] and s.block_manager.ref_counts[:3] == [2, 2, 1]  # b is back already
 
 
@@ -184,3 +184,20 @@ def test_a_chunk_caches_only_the_blocks_it_completes():
     s.add(b)
     out, _ = run_step(s)  # a's last 4 tokens complete block 1; b, admitted after a, hits blocks 0 and 1
     assert out.num_new_tokens == [4, 2] and b.block_table[:2] == a.block_table[:2] == [0, 1]
+
+
+def test_a_swap_out_copies_first_the_block_its_next_owner_gets():
+    """No free block: a grows into a block of the victim b. That block is copied first, so a's forward waits
+    for one block's copy, not for all of b's."""
+    for prefix_caching, expected_swap_out, expected_table in (
+            (True, [(4, 2), (3, 1), (2, 0)], [0, 1, 4]),  # unhashed block 4 first, then the hashed, last first
+            (False, [(2, 0), (3, 1), (4, 2)], [0, 1, 2])):  # no hashes: table order
+        s = make_scheduler(num_gpu_blocks=5, num_cpu_blocks=8, mode="swap", prefix_caching=prefix_caching)
+        a, b = make_seq(7), make_seq(8, start=200)
+        s.add(a)
+        s.add(b)
+        run_step(s)  # a [0, 1], b [2, 3]
+        run_step(s)  # b's 9th token takes block 4: no block is free now
+        out, _ = run_step(s)  # a's 9th token needs a block: b is swapped out
+        assert b.status.name == "SWAPPED" and b.cpu_block_table == [0, 1, 2]
+        assert out.swap_out == expected_swap_out and a.block_table == expected_table

@@ -110,6 +110,14 @@ class BlockManager(BlockPool):
         """The blocks that hold seq's computed KV (the ones a swap-out must copy)."""
         return seq.block_table[:seq.num_blocks_for(seq.num_computed_tokens)]
 
+    def reuse_rank(self, block_table: list[int]) -> dict[int, int]:
+        """For each block of a table about to be freed: its place in the order `free` hands them out again. Blocks
+        without a hash go to the head of the free queue in table order; hashed ones to the tail, last block
+        first (so the prefix survives longest)."""
+        unhashed = [b for b in block_table if self.block_hash[b] is None]
+        hashed = [b for b in reversed(block_table) if self.block_hash[b] is not None]
+        return {b: i for i, b in enumerate(unhashed + hashed)}
+
     def free(self, seq: Sequence):
         """Drop seq's references; its last blocks go to the free queue first so its prefix survives longest."""
         for block_id in reversed(seq.block_table):

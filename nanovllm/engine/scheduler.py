@@ -229,6 +229,10 @@ class Scheduler:
         if self.host_pool is not None and seq.num_computed_tokens and wants_swap:
             copies = self.host_pool.swap_out(seq, self.block_manager.computed_block_ids(seq))
             if copies is not None:
+                # copy first the blocks that are handed out first, so the next owner's forward waits for one
+                # block's copy rather than for the victim's whole KV
+                rank = self.block_manager.reuse_rank(seq.block_table)
+                copies.sort(key=lambda c: rank[c[0]])
                 self.block_manager.free(seq)
                 seq.status = SequenceStatus.SWAPPED
                 self.swapped.append(seq)
