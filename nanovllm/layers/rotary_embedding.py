@@ -1,6 +1,7 @@
 import torch
 from torch import nn
 
+from nanovllm.layers.layernorm import rms_norm
 from nanovllm.utils.compile import compilable
 
 
@@ -13,6 +14,15 @@ def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_si
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
     return rotate(q), rotate(k)
+
+
+@compilable
+def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor):
+    """Qwen3's per-head RMSNorm of q and k, then rope: one compiled function, so the four elementwise passes
+    become one or two kernels."""
+    q, k = rms_norm.fn(q, q_weight, eps), rms_norm.fn(k, k_weight, eps)
+    return apply_rope.fn(positions, q, k, cos_sin_cache)
 
 
 class RotaryEmbedding(nn.Module):

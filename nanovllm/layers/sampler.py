@@ -22,10 +22,12 @@ class Sampler(nn.Module):
     A seeded row draws its E from its own generator, so its tokens do not depend on the rest of the batch."""
 
     def forward(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        if st.all_greedy:
+            return logits.argmax(-1)
+        if st.top_ks is None and st.min_ps is None and not st.generators:
+            return gumbel_sample(logits, st.temperatures)  # the common case, in one fused pass over the logits
         logits = logits.float()  # [B, V]
         greedy_ids = logits.argmax(-1)
-        if st.all_greedy:
-            return greedy_ids
         if st.top_ks is not None:
             logits = top_k_top_p(logits / st.temperatures.clamp(min=1e-5).unsqueeze(1), st.top_ks, st.top_ps)
             probs = logits.softmax(-1)
@@ -41,6 +43,16 @@ class Sampler(nn.Module):
 
 
 @compilable
+def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """The same race without softmax or a noise tensor: argmax(p / E) = argmax(logits / T - log E), and
+    -log E = -log(-log U) is Gumbel noise drawn inside the fused kernel. Greedy rows (T = 0) keep their argmax."""
+    logits = logits.float()
+    gumbel = -torch.log(-torch.log(torch.rand_like(logits).clamp_(min=1e-10)))
+    sampled = (logits / temperatures.clamp(min=1e-5).unsqueeze(1) + gumbel).argmax(-1)
+    return torch.where(temperatures == 0, logits.argmax(-1), sampled)
+
+
+@compilable
 def tempered_probs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     return (logits / temperatures.clamp(min=1e-5).unsqueeze(1)).softmax(-1)  # [B, V]
 
@@ -51,7 +63,7 @@ def race(probs: torch.Tensor, noise: torch.Tensor, temperatures: torch.Tensor, g
     return torch.where(temperatures == 0, greedy_ids, probs.div(noise).argmax(-1))
 
 
-@compilable
+# not compiled: torch 2.11's inductor fails on this cumsum (dynamic shapes), and the sort dominates anyway
 def top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = logits.sort(-1, descending=True)  # [B, V]
     ranks = torch.arange(logits.size(1), device=logits.device).unsqueeze(0)

@@ -12,7 +12,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, qk_norm_rope
 from nanovllm.utils.distributed import tp_size
 
 
@@ -42,8 +42,10 @@ class DecoderAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, nkv, hd]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = qk_norm_rope(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                self.rotary_emb.cos_sin_cache)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v)  # [T, nh, hd]
         return self.o_proj(out.flatten(1))
 

@@ -1,0 +1,58 @@
+"""The sampler's draws follow softmax(logits / T), in each of its paths: eager on CPU, compiled on CUDA."""
+import pytest
+import torch
+
+from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.utils.compile import set_compile
+
+NUM_DRAWS = 40000
+
+
+@pytest.fixture(autouse=True, params=["cpu", "cuda"])
+def device(request):
+    """Runs each test eagerly on CPU, and with torch.compile on CUDA when there is a GPU."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    set_compile(request.param == "cuda")
+    with torch.device(request.param):
+        yield request.param
+    set_compile(False)
+
+
+def frequencies(logits: torch.Tensor, temperature: float, **filters) -> torch.Tensor:
+    """Draw NUM_DRAWS tokens from one row of logits; returns how often each token came up."""
+    torch.manual_seed(0)
+    batch = logits.expand(NUM_DRAWS, -1).contiguous()
+    temps = torch.full((NUM_DRAWS,), temperature)
+    st = SamplingTensors(temps, filters.get("top_ks"), filters.get("top_ps"), filters.get("min_ps"), None,
+                         all_greedy=False)
+    ids = Sampler()(batch, st)
+    return (torch.bincount(ids, minlength=logits.numel()).float() / NUM_DRAWS).cpu()
+
+
+def test_plain_temperature_draws_follow_the_tempered_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0])
+    for temperature in (0.6, 1.0, 2.0):
+        expected = (logits / temperature).softmax(-1).cpu()
+        assert torch.allclose(frequencies(logits, temperature), expected, atol=0.01), temperature
+
+
+def test_greedy_rows_keep_their_argmax_next_to_sampled_rows():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 4.9]]).repeat(500, 1)
+    temps = torch.tensor([0.0, 1.0]).repeat(500)
+    ids = Sampler()(logits, SamplingTensors(temps, None, None, None, None, all_greedy=False))
+    assert (ids[0::2] == 1).all()  # greedy
+    sampled = ids[1::2]
+    assert set(sampled.tolist()) <= {0, 1, 2} and (sampled == 2).any() and (sampled == 0).any()
+
+
+def test_top_k_and_min_p_paths_cut_the_tail():
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.0, -3.0])
+    freq = frequencies(logits, 1.0, top_ks=torch.full((NUM_DRAWS,), 2), top_ps=torch.ones(NUM_DRAWS))
+    expected = torch.zeros(5)
+    expected[:2] = logits[:2].softmax(-1).cpu()
+    assert torch.allclose(freq, expected, atol=0.01)
+    freq = frequencies(logits, 1.0, min_ps=torch.full((NUM_DRAWS,), 0.5))  # keeps p >= 0.5 * max p
+    probs = logits.softmax(-1).cpu()
+    kept = probs >= 0.5 * probs.max()
+    assert torch.allclose(freq, torch.where(kept, probs / probs[kept].sum(), 0.0), atol=0.01)
