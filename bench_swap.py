@@ -217,6 +217,8 @@ def main():
             os.unlink(path)
             r = results[-1]
             print(f"{scenario}/{mode}: {r['output_tokens'] / r['seconds']:.0f} tok/s", flush=True)
+            if scenario != "chat":
+                print_table(scenario, [r])  # each row as soon as its mode finishes
         if scenario == "chat":
             print_chat_table(results)
             continue
