@@ -73,6 +73,7 @@ def main():
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--kvcache-block-size", type=int, default=None, help="default: the engine's (64)")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels (torch.profiler)")
@@ -83,7 +84,8 @@ def main():
     llm = LLM(preset_dir(args.shape), load_format="dummy", max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
               attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
-              preemption_mode="recompute", async_scheduling=args.async_scheduling)
+              preemption_mode="recompute", async_scheduling=args.async_scheduling,
+              kvcache_block_size=args.kvcache_block_size)
     prompts, params = seed_workload(args.num_seqs)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     timer = HostTimer(llm)

@@ -46,7 +46,7 @@ def run_chat(mode: str, num_convs: int, args) -> dict:
     s = SCENARIOS["chat"]
     options = dict(load_format="dummy", max_model_len=8192, max_num_seqs=args.max_num_seqs,
                    enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-                   async_scheduling=args.async_scheduling,
+                   async_scheduling=args.async_scheduling, kvcache_block_size=args.kvcache_block_size,
                    kv_cache_memory_bytes=int(s["kv_gib"] * GiB) // args.tensor_parallel_size)
     if mode == "no_host_tier":
         options.update(preemption_mode="recompute", swap_space=0, host_cache_policy="off")
@@ -101,7 +101,7 @@ def run_mode(scenario: str, mode: str, num_seqs: int, args) -> dict:
     s = SCENARIOS[scenario]
     options = dict(load_format="dummy", max_model_len=4096, max_num_seqs=args.max_num_seqs,
                    enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-                   async_scheduling=args.async_scheduling)
+                   async_scheduling=args.async_scheduling, kvcache_block_size=args.kvcache_block_size)
     if mode in ("unpressured", "recompute"):
         options.update(preemption_mode="recompute", host_cache_policy="off", swap_space=0)
     else:
@@ -186,6 +186,7 @@ def main():
     parser.add_argument("--swap-space", type=float, default=None, help="GiB; default per scenario")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--kvcache-block-size", type=int, default=None, help="default: the engine's (64)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="schedule step N+1 while step N runs (default: on at TP 1)")
     parser.add_argument("--plot", action="store_true", help="write bench_swap_<scenario>.png (needs matplotlib)")

@@ -49,10 +49,11 @@ def test_greedy_rows_keep_their_argmax_next_to_sampled_rows():
 def test_top_k_and_min_p_paths_cut_the_tail():
     logits = torch.tensor([2.0, 1.5, 1.0, 0.0, -3.0])
     freq = frequencies(logits, 1.0, top_ks=torch.full((NUM_DRAWS,), 2), top_ps=torch.ones(NUM_DRAWS))
-    expected = torch.zeros(5)
+    expected = torch.zeros(5, device="cpu")
     expected[:2] = logits[:2].softmax(-1).cpu()
     assert torch.allclose(freq, expected, atol=0.01)
     freq = frequencies(logits, 1.0, min_ps=torch.full((NUM_DRAWS,), 0.5))  # keeps p >= 0.5 * max p
     probs = logits.softmax(-1).cpu()
     kept = probs >= 0.5 * probs.max()
-    assert torch.allclose(freq, torch.where(kept, probs / probs[kept].sum(), 0.0), atol=0.01)
+    assert torch.allclose(freq, torch.where(kept, probs / probs[kept].sum(), torch.zeros((), device="cpu")),
+                          atol=0.01)
