@@ -124,20 +124,28 @@ def run_mode(scenario: str, mode: str, num_seqs: int, args) -> dict:
 
 
 class Timeline:
-    """Per step: seconds since start, GPU blocks in use, host blocks in use, bytes swapped so far."""
+    """Per step: seconds since start, GPU blocks in use, host blocks in use, bytes swapped so far, and what the step
+    computed: sequences, tokens."""
 
     def __init__(self, llm):
         self.points, self.start, step = [], time.perf_counter(), llm.step
         bm, host = llm.scheduler.block_manager, llm.scheduler.host_pool
         sched = llm.scheduler
+        schedule, last = sched.schedule, {}
+
+        def recorded_schedule():
+            out = schedule()
+            last["num_seqs"], last["num_tokens"] = len(out.seqs), sum(out.num_new_tokens)
+            return out
 
         def timed_step():
             finished = step()
             host_used = sum(len(s.cpu_block_table) for s in sched.swapped) if host else 0
             swapped = (sched.stats.blocks_swapped_out + sched.stats.blocks_swapped_in) * llm.block_bytes
             self.points.append((time.perf_counter() - self.start, bm.num_blocks - bm.num_free_blocks,
-                                host_used, swapped))
+                                host_used, swapped, last.get("num_seqs", 0), last.get("num_tokens", 0)))
             return finished
+        sched.schedule = recorded_schedule
         llm.step = timed_step
 
 
@@ -191,6 +199,7 @@ def main():
                         help="schedule step N+1 while step N runs (default: on at TP 1)")
     parser.add_argument("--plot", action="store_true", help="write bench_swap_<scenario>.png (needs matplotlib)")
     parser.add_argument("--out-dir", default=".")
+    parser.add_argument("--save-timeline", action="store_true", help="write each mode's per-step timeline JSON")
     parser.add_argument("--no-tqdm", action="store_true")
     parser.add_argument("--run-mode", nargs=3, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -216,6 +225,9 @@ def main():
             with open(path) as f:
                 results.append(json.load(f))
             os.unlink(path)
+            if args.save_timeline:
+                with open(os.path.join(args.out_dir, f"timeline_{scenario}_{mode}.json"), "w") as f:
+                    json.dump(results[-1]["timeline"], f)
             r = results[-1]
             print(f"{scenario}/{mode}: {r['output_tokens'] / r['seconds']:.0f} tok/s", flush=True)
             if scenario != "chat":
