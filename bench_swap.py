@@ -4,6 +4,7 @@
     python bench_swap.py --scenario h800                 # Qwen3-8B shape, 1024 seqs, 55 GiB of GPU KV
     python bench_swap.py --scenario rtx4070 --scale 0.25 --plot
     python bench_swap.py --scenario chat                 # multi-turn chat: the host tier as a prefix cache
+    python bench_swap.py --scenario rtx4070 chat --simulate   # the scheduler alone, on CPU, in seconds
 
 Modes: unpressured (no KV cap), recompute, swap, auto (all three capped). The workload is nano-vllm's bench.py:
 random.seed(0), prompt and output lengths uniform in [100, 1024], prompt ids uniform in [0, 10000]. The host prefix
@@ -123,6 +124,69 @@ def run_mode(scenario: str, mode: str, num_seqs: int, args) -> dict:
                 timeline=timeline.points)
 
 
+def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
+    """--simulate: the scenario's scheduling without a model or a GPU. The engine's own Scheduler, BlockManager and
+    HostBlockPool run the workload with random sampled tokens, so steps, batch sizes, preemptions and prompt tokens
+    computed are what a GPU run of the mode decides, as long as the decisions do not depend on measured speeds:
+    "auto" is simulated as "swap" (what it chose in every H200 run so far), and the asynchronous loop's one-step lag
+    is not modelled. "unpressured" is skipped: its KV size comes from the GPU's memory."""
+    from nanovllm.engine.block_manager import BlockManager
+    from nanovllm.engine.scheduler import Scheduler
+    from nanovllm.engine.sequence import Sequence
+    from nanovllm.utils.presets import PRESETS
+    from nanovllm_offload.host_block_pool import HostBlockPool
+    from nanovllm_offload.policy import PreemptionPolicy
+    s, shape = SCENARIOS[scenario], PRESETS[SCENARIOS[scenario]["shape"]]
+    block_size = args.kvcache_block_size or 64
+    block_bytes = block_size * shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2
+    swaps = mode in ("swap", "auto", "host_tier")
+    host_pool = HostBlockPool(int((args.swap_space or s["swap_space"]) * GiB) // block_bytes) if swaps else None
+    scheduler = Scheduler(BlockManager(int(s["kv_gib"] * GiB) // block_bytes, block_size), args.max_num_seqs,
+                          16384, 8192 if scenario == "chat" else 4096, set(), host_pool,
+                          PreemptionPolicy("swap" if swaps else "recompute", block_bytes),
+                          host_prefix_cache=scenario == "chat" and swaps)
+    rng = random.Random(0)
+    counts = dict(steps=0, decode_steps=0, batch_rows=0)
+
+    def run(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        seqs = [Sequence(p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m), block_size)
+                for p, m in zip(prompts, max_tokens)]
+        for seq in seqs:
+            scheduler.add(seq)
+        while not scheduler.is_finished():
+            out = scheduler.schedule()
+            counts["steps"] += 1
+            counts["decode_steps"] += out.is_decode_only
+            counts["batch_rows"] += len(out.seqs)
+            scheduler.postprocess(out, [rng.randint(0, 10000) for sample in out.samples if sample])
+        return [seq.token_ids for seq in seqs]
+
+    from nanovllm import SamplingParams
+    if scenario == "chat":
+        system, users, max_tokens = chat_workload(num_seqs, s["num_turns"])
+        histories = [list(system) for _ in range(num_seqs)]
+        for t in range(s["num_turns"]):
+            histories = run([h + users[c][t] for c, h in enumerate(histories)], [m[t] for m in max_tokens])
+    else:
+        from bench import seed_workload
+        prompts, params = seed_workload(num_seqs)
+        run(prompts, [p.max_tokens for p in params])
+    return dict(mode=mode, block_size=block_size, num_gpu_blocks=scheduler.block_manager.num_blocks, **counts,
+                **scheduler.stats.as_dict())
+
+
+def print_simulation(scenario: str, results: list[dict]):
+    print(f"\n## {scenario} (simulated scheduling, no model): {SCENARIOS[scenario]}")
+    head = ("mode", "block", "GPU blocks", "steps", "decode steps", "avg batch", "preempt swap/recomp", "recomputed",
+            "prompt tok computed", "GPU hits", "host hits")
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in results:
+        print(f"| {r['mode']} | {r['block_size']} | {r['num_gpu_blocks']} | {r['steps']} | {r['decode_steps']} | "
+              f"{r['batch_rows'] / max(r['steps'], 1):.1f} | {r['preemptions_swap']}/{r['preemptions_recompute']} | "
+              f"{r['recomputed_tokens']} | {r['prefill_tokens']} | {r['prefix_cache_hit_tokens']} | "
+              f"{r['host_prefix_hit_tokens']} |")
+
+
 class Timeline:
     """Per step: seconds since start, GPU blocks in use, host blocks in use, bytes swapped so far, and what the step
     computed: sequences, tokens."""
@@ -201,6 +265,8 @@ def main():
     parser.add_argument("--out-dir", default=".")
     parser.add_argument("--save-timeline", action="store_true", help="write each mode's per-step timeline JSON")
     parser.add_argument("--no-tqdm", action="store_true")
+    parser.add_argument("--simulate", action="store_true",
+                        help="no model, no GPU: run only the scheduler on the workload and print what it decides")
     parser.add_argument("--run-mode", nargs=3, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_mode:
@@ -213,6 +279,11 @@ def main():
     for scenario in args.scenario:
         results = []
         scenario_modes = CHAT_MODES if scenario == "chat" else MODES
+        if args.simulate:
+            num_seqs = max(1, round(SCENARIOS[scenario]["num_seqs"] * args.scale))
+            modes = [m for m in (args.modes or scenario_modes) if m in scenario_modes and m != "unpressured"]
+            print_simulation(scenario, [simulate(scenario, m, num_seqs, args) for m in modes])
+            continue
         for mode in [m for m in (args.modes or scenario_modes) if m in scenario_modes]:
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
                 path = f.name

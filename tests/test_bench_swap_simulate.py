@@ -1,0 +1,31 @@
+"""bench_swap.py --simulate: the scenarios' scheduling on CPU, with the engine's own scheduler (no model)."""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench_swap  # noqa: E402
+
+
+def simulated(scenario: str, mode: str, scale: float, block_size: int = 64) -> dict:
+    args = argparse.Namespace(kvcache_block_size=block_size, swap_space=None, max_num_seqs=512)
+    num_seqs = max(1, round(bench_swap.SCENARIOS[scenario]["num_seqs"] * scale))
+    return bench_swap.simulate(scenario, mode, num_seqs, args)
+
+
+def test_rtx4070_swap_recomputes_nothing_and_recompute_does():
+    swap, recompute = simulated("rtx4070", "swap", 1.0), simulated("rtx4070", "recompute", 1.0)
+    assert swap["num_gpu_blocks"] == recompute["num_gpu_blocks"] == (4 << 30) // (64 * 28 * 2 * 8 * 128 * 2)
+    assert swap["preemptions_swap"] > 50 and swap["recomputed_tokens"] == 0 and swap["preemptions_recompute"] == 0
+    assert recompute["preemptions_recompute"] > 50 and recompute["recomputed_tokens"] > 0
+    from bench import seed_workload
+    prompts, _ = seed_workload(256)
+    assert swap["prefill_tokens"] == sum(map(len, prompts))  # swap computes each prompt token once, nothing else
+
+
+def test_chat_host_tier_serves_history_from_the_host():
+    no_tier, tier = simulated("chat", "no_host_tier", 1.0), simulated("chat", "host_tier", 1.0)
+    assert tier["host_prefix_hit_tokens"] > 0 and no_tier["host_prefix_hit_tokens"] == 0
+    assert tier["prefill_tokens"] < no_tier["prefill_tokens"]
+    # the 2,048-token system prompt is computed once: turn 1's requests share it within their first step
+    assert no_tier["prefix_cache_hit_tokens"] >= (128 - 1) * 2048
