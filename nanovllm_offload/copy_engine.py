@@ -5,12 +5,15 @@ Ordering rules (each enforced by an event wait, never by a device-wide sync):
 2. Compute that writes a GPU block waits for any swap-out still reading that block (`wait_before_forward`).
    Each run of a swap-out records its own event, and the scheduler orders a victim's blocks the way they are
    handed out again, so the next owner usually waits for one block's copy, not for the victim's whole KV.
-3. Compute waits for the swap-ins issued in earlier steps before it reads their blocks. A resumed sequence joins
-   the batch one step after its swap-in is issued, so the copy overlaps a whole forward.
+3. Compute waits for any swap-in still filling a block that the step reads or writes. A resumed sequence (or one
+   whose prefix comes from the host) joins the batch at the earliest one step after its copies were issued, and
+   while other sequences can run, only once `blocks_ready` says its copies have landed (the scheduler's
+   `kv_ready`), so the copy overlaps forwards instead of stalling one.
 4. The two directions are ordered against each other: a host block released by a swap-in can be the next
    swap-out's destination, and a GPU block released by a swap-out can be the next swap-in's destination.
 On a CPU-only machine the copies are plain synchronous memcpys and all of their time counts as exposed.
 """
+import itertools
 import time
 
 import torch
@@ -37,7 +40,7 @@ class CopyEngine:
         if self.is_cuda:
             self.out_stream, self.in_stream = torch.cuda.Stream(), torch.cuda.Stream()
         self.reading_gpu_blocks: dict[int, torch.cuda.Event] = {}  # swap-out sources still being read
-        self.incoming: list[torch.cuda.Event] = []  # swap-in batches that compute has not waited for yet
+        self.arriving_gpu_blocks: dict[int, torch.cuda.Event] = {}  # swap-in destinations still being filled
         self.last_out_event = self.last_in_event = None
         self.pending_copies: list[tuple[object, object, int]] = []  # (start, end, bytes): copies not yet timed
         self.pending_waits: list[tuple[object, object]] = []  # compute-stream stalls not yet timed
@@ -60,7 +63,13 @@ class CopyEngine:
         self.bytes_in += len(pairs) * self.block_bytes
         event = self._copy(pairs, self.host_kv, self.gpu_kv, "in")
         if event is not None:
-            self.incoming.append(event)
+            for _, gpu_block_id in pairs:
+                self.arriving_gpu_blocks[gpu_block_id] = event
+
+    def blocks_ready(self, gpu_block_ids: list[int]) -> bool:
+        """True when no swap-in is still filling any of these blocks (never blocks the host)."""
+        arriving = self.arriving_gpu_blocks
+        return not arriving or all(b not in arriving or arriving[b].query() for b in gpu_block_ids)
 
     def _copy(self, pairs, src: torch.Tensor, dst: torch.Tensor, direction: str):
         num_bytes = len(pairs) * self.block_bytes
@@ -106,17 +115,24 @@ class CopyEngine:
         dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
 
     # --- ordering against compute
-    def wait_before_forward(self, new_gpu_block_ids: list[int]):
-        """Make the compute stream wait for earlier swap-ins (rule 3) and for swap-outs still reading blocks that
-        this step hands out (rule 2). Call before issuing this step's swap-ins."""
+    def wait_before_forward(self, new_gpu_block_ids: list[int], block_tables: list[list[int]]):
+        """Make the compute stream wait for swap-ins still filling blocks of this step's block tables (rule 3) and
+        for swap-outs still reading blocks that this step hands out to the forward (rule 2). Call before issuing
+        this step's swap-ins."""
         if not self.is_cuda:
             return
-        events = {id(e): e for e in self.incoming}
+        events = {}
         for block_id in new_gpu_block_ids:
             event = self.reading_gpu_blocks.get(block_id)
             if event is not None:
                 events[id(event)] = event
-        self.incoming = []
+        if self.arriving_gpu_blocks:
+            self.arriving_gpu_blocks = {b: e for b, e in self.arriving_gpu_blocks.items() if not e.query()}
+            if self.arriving_gpu_blocks:
+                used = set(itertools.chain.from_iterable(block_tables))
+                for block_id, event in self.arriving_gpu_blocks.items():
+                    if block_id in used:
+                        events[id(event)] = event
         pending = [e for e in events.values() if not e.query()]
         if not pending:
             return

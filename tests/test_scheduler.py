@@ -201,3 +201,33 @@ def test_a_swap_out_copies_first_the_block_its_next_owner_gets():
         out, _ = run_step(s)  # a's 9th token needs a block: b is swapped out
         assert b.status.name == "SWAPPED" and b.cpu_block_table == [0, 1, 2]
         assert out.swap_out == expected_swap_out and a.block_table == expected_table
+
+
+def test_a_resumed_sequence_stays_out_of_the_batch_until_its_kv_has_landed():
+    s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=8, mode="swap")
+    a, b = make_seq(6), make_seq(6, start=200)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    s.preempt(b, mode="swap")
+    out, _ = run_step(s)  # b's swap-out goes out, and b is swapped straight back in: its copies are in flight
+    assert out.swap_in and b.status.name == "RUNNING" and b.seq_id in s.kv_arriving
+    landed = False
+    s.kv_ready = lambda seq: seq is not b or landed
+    out, _ = run_step(s)
+    assert out.seqs == [a]  # a runs; b waits for its KV instead of stalling the forward
+    landed = True
+    out, _ = run_step(s)
+    assert out.seqs == [a, b] and not s.kv_arriving
+
+
+def test_a_sequence_waiting_for_its_kv_runs_when_nothing_else_can():
+    s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=8, mode="swap")
+    b = make_seq(6, start=200)
+    s.add(b)
+    run_step(s)
+    s.preempt(b, mode="swap")
+    run_step(s)  # swapped out and straight back in
+    s.kv_ready = lambda seq: False
+    out, _ = run_step(s)
+    assert out.seqs == [b]  # alone: the forward waits for the copies (rule 3) rather than stepping empty

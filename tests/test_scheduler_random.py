@@ -1,7 +1,7 @@
 """Random workloads through the scheduler, the GPU block manager and the host pool, with every invariant checked
 after every step: random prompt lengths and shared prefixes, tight GPU and host pools, all three preemption
-modes, the host prefix cache on and off, forced preemptions and aborts at random moments. At the end every block
-on both tiers must be free again."""
+modes, the host prefix cache on and off, swap-ins that land late, forced preemptions and aborts at random
+moments. At the end every block on both tiers must be free again."""
 import random
 
 import pytest
@@ -16,6 +16,15 @@ def run_random_workload(seed: int):
                        max_num_seqs=rng.randint(2, 6), max_num_batched_tokens=rng.choice([8, 16, 64]),
                        max_model_len=40)
     s.host_prefix_cache = seed % 2 == 0
+    num_held = 0
+    if seed % 4 == 1:  # copies that take a random number of steps to land: arriving sequences are held back
+
+        def kv_ready(seq):
+            nonlocal num_held
+            landed = rng.random() < 0.4
+            num_held += not landed
+            return landed
+        s.kv_ready = kv_ready
     prefix = [rng.randrange(1, 500) for _ in range(12)]
     pending = []
     for i in range(rng.randint(10, 20)):
@@ -49,7 +58,7 @@ def run_random_workload(seed: int):
     assert bm.num_free_blocks == bm.num_blocks and all(r == 0 for r in bm.ref_counts)
     if s.host_pool is not None:
         assert s.host_pool.num_free_blocks == s.host_pool.num_blocks
-    return s.stats
+    return s.stats, num_held
 
 
 SEEDS = range(30)
@@ -62,7 +71,9 @@ def test_random_workload_keeps_every_invariant(seed):
 
 def test_random_workloads_cover_every_path():
     """The workloads above really reach the paths they are meant to stress."""
-    stats = [run_random_workload(seed) for seed in SEEDS]
+    runs = [run_random_workload(seed) for seed in SEEDS]
+    stats = [st for st, _ in runs]
+    assert sum(num_held for _, num_held in runs) > 0  # sequences did wait for late copies
     for field in ("preemptions_swap", "preemptions_recompute", "blocks_swapped_in", "prefix_cache_hit_tokens",
                   "host_prefix_hit_tokens", "blocks_offloaded", "recomputed_tokens"):
         assert sum(getattr(st, field) for st in stats) > 0, field

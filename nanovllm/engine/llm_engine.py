@@ -38,6 +38,9 @@ class LLMEngine:
             config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
             _eos_token_ids(model, config.hf_config, self.tokenizer), host_pool, self.policy,
             config.host_prefix_cache)
+        copy_engine = self.runner.copy_engine
+        if copy_engine is not None:
+            self.scheduler.kv_ready = lambda seq: copy_engine.blocks_ready(seq.block_table)
         self.requests: dict[int, Sequence] = {}
         self._num_empty_steps = 0
         self._last_exposed = (0.0, 0.0)  # (exposed, copy) seconds at the last policy update

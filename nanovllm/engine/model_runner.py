@@ -286,7 +286,8 @@ class ModelRunner:
             # rule 2 applies to the blocks this forward writes: a swap-in's destinations are written by the copy,
             # which the copy engine orders after the swap-outs itself (rule 4)
             swap_in_dst = {gpu_block_id for _, gpu_block_id in plan.swap_in}
-            self.copy_engine.wait_before_forward([b for b in plan.new_gpu_block_ids if b not in swap_in_dst])
+            self.copy_engine.wait_before_forward([b for b in plan.new_gpu_block_ids if b not in swap_in_dst],
+                                                 plan.block_tables)
             self.copy_engine.swap_in(plan.swap_in)
         if not plan.num_tokens:
             return SampledTokens(None)

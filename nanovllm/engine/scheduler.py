@@ -1,6 +1,7 @@
 """The scheduler: decides what each step computes, preempts, swaps. It owns the queues and nothing else
 (plain Python; no torch)."""
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from nanovllm.engine.block_manager import BlockManager
@@ -77,6 +78,10 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.stats = SchedulerStats()
         self._forced_swap_out: list[tuple[int, int]] = []  # copies of preempt() calls, issued with the next step
+        # sequences whose KV is being copied in (swap-in, host prefix hits) and `kv_ready`, which the engine points
+        # at the copy engine: while others can run, such a sequence waits out of the batch instead of stalling it
+        self.kv_arriving: dict[int, Sequence] = {}
+        self.kv_ready: Callable[[Sequence], bool] = lambda seq: True
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
@@ -98,11 +103,15 @@ class Scheduler:
 
         # running: one decode token, or the next prompt chunk, per sequence, oldest first;
         # when blocks run out, preempt from the back (the newest) until this one fits
+        hold_arriving = self._hold_arriving()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.num_unresolved_tokens and self._is_done_sampling(seq):
                 i += 1  # its last token is still being read back; resolve() finishes it
+                continue
+            if seq.seq_id in hold_arriving:
+                i += 1  # its KV is still being copied in; the others run meanwhile
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.allocate(seq, num_new):
@@ -151,12 +160,25 @@ class Scheduler:
             self.swapped.popleft()
             self.host_pool.free(seq)
             out.swap_in.extend(copies)
+            if copies:
+                self.kv_arriving[seq.seq_id] = seq
             self.stats.blocks_swapped_in += len(copies)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
 
         out.new_gpu_block_ids = self.block_manager.new_gpu_block_ids
         return out
+
+    def _hold_arriving(self) -> set[int]:
+        """Ids of the running sequences to leave out of this step because their KV copies have not landed; none
+        when nothing else could run (then the forward waits for the copies instead)."""
+        if not self.kv_arriving:
+            return set()
+        self.kv_arriving = {i: seq for i, seq in self.kv_arriving.items()
+                            if seq.status == SequenceStatus.RUNNING and not self.kv_ready(seq)}
+        if len(self.kv_arriving) == len(self.running):  # every running sequence is waiting for its KV
+            return set()
+        return set(self.kv_arriving)
 
     # --- the host prefix cache
     def _find_host_prefix(self, seq: Sequence, num_gpu_hits: int) -> list[int]:
@@ -182,6 +204,7 @@ class Scheduler:
         first = seq.num_computed_tokens // self.block_manager.block_size
         gpu_block_ids = seq.block_table[first:first + len(cpu_block_ids)]
         out.swap_in.extend(zip(cpu_block_ids, gpu_block_ids))
+        self.kv_arriving[seq.seq_id] = seq
         seq.num_computed_tokens += len(cpu_block_ids) * self.block_manager.block_size
         self.stats.host_prefix_hit_tokens += len(cpu_block_ids) * self.block_manager.block_size
         self.stats.blocks_onloaded += len(cpu_block_ids)
