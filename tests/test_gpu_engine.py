@@ -1,6 +1,7 @@
 """The engine on a CUDA GPU: Triton attention, CUDA graphs, torch.compile and the copy streams against HF and
 against the unpressured run. Skipped without CUDA; each engine runs in its own subprocess."""
 import json
+import os
 import subprocess
 import sys
 
@@ -56,10 +57,10 @@ else:
 """ % (PROMPT_LENS, MAX_TOKENS, MAX_TOKENS)
 
 
-def run(model: str, reference: bool = False, **kwargs) -> dict:
+def run(model: str, reference: bool = False, env: dict | None = None, **kwargs) -> dict:
     kwargs = dict(device="cuda", dtype="float32", kvcache_block_size=16, max_model_len=1024, **kwargs)
     proc = subprocess.run([sys.executable, "-c", RUN, model, json.dumps(kwargs), "hf" if reference else "engine"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -73,6 +74,15 @@ def test_triton_graphs_compile_match_hf_in_float32(gpu_models, family):
     ref = run(gpu_models[family], reference=True)["token_ids"]
     got = run(gpu_models[family])
     assert got["backend"] == "triton" and got["graphs"] > 0
+    assert num_same(got["token_ids"], ref) == len(ref), (got["token_ids"], ref)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_fused_rope_store_matches_hf_in_float32(gpu_models, family):
+    """NANOVLLM_FUSED_ROPE_STORE=1: q/k norm, rope and the KV store in one kernel (qwen3 with the norm, llama
+    without)."""
+    ref = run(gpu_models[family], reference=True)["token_ids"]
+    got = run(gpu_models[family], env={"NANOVLLM_FUSED_ROPE_STORE": "1"})
     assert num_same(got["token_ids"], ref) == len(ref), (got["token_ids"], ref)
 
 

@@ -185,9 +185,12 @@ class ModelRunner:
         shape = (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # experimental, off until measured on a GPU: norm + rope + KV store in one Triton kernel per layer
+        fused = self.backend.name in ("triton", "flash") and os.environ.get("NANOVLLM_FUSED_ROPE_STORE") == "1"
         for i, attn in enumerate(layers):
             attn.k_cache, attn.v_cache = self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]
             attn.backend = self.backend
+            attn.fused_rope_store = fused
 
     def allocate_host_cache(self, num_blocks: int):
         self.host_cache = HostKVCache(num_blocks, tuple(self.kv_cache.shape[1:]), self.dtype,

@@ -129,6 +129,7 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend = None
+        self.fused_rope_store = False  # the runner turns it on with the cache (Triton or flash backend)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = get_context()
@@ -136,6 +137,19 @@ class Attention(nn.Module):
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, md)
         else:
             return self._profile_attention(q, k, v, md.max_seq_len)
+        return self._attend(q, md)
+
+    def rope_store_attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                          q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """The fused path: (q/k norm,) rope and the KV store in one kernel, then attention. qkv is the qkv
+        projection's output [T, (num_heads + 2 * num_kv_heads) * head_dim]."""
+        from nanovllm.kernels.rope_store import rope_store_kvcache
+        md = get_context()
+        q = rope_store_kvcache(qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
+                               self.k_cache, self.v_cache, md.slot_mapping, q_weight, k_weight, eps)
+        return self._attend(q, md)
+
+    def _attend(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         if md.is_decode_only:
             return self.backend.decode(q, self.k_cache, self.v_cache, md, self.scale)
         return self.backend.prefill(q, self.k_cache, self.v_cache, md, self.scale)

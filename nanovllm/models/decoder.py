@@ -37,7 +37,12 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if self.attn.fused_rope_store:
+            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+            out = self.attn.rope_store_attend(qkv, positions, self.rotary_emb.cos_sin_cache, *norm)
+            return self.o_proj(out.flatten(1))
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, nh, hd]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, nkv, hd]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
