@@ -30,6 +30,21 @@ def contiguous_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def events_to_wait(new_gpu_block_ids: list[int], block_tables: list[list[int]], reading: dict, arriving: dict) -> list:
+    """The copy events a forward must wait for: swap-outs still reading a block it is handed to write (rule 2) and
+    swap-ins still filling a block of its block tables (rule 3). Each event once, unfinished ones only."""
+    events = {}
+    for block_id in new_gpu_block_ids:
+        if block_id in reading:
+            events[id(reading[block_id])] = reading[block_id]
+    if arriving:
+        used = set(itertools.chain.from_iterable(block_tables))
+        for block_id, event in arriving.items():
+            if block_id in used:
+                events[id(event)] = event
+    return [e for e in events.values() if not e.query()]
+
+
 class CopyEngine:
     """Owns the copy streams and the transfers in flight; drained once per step by `poll`."""
 
@@ -121,19 +136,8 @@ class CopyEngine:
         this step's swap-ins."""
         if not self.is_cuda:
             return
-        events = {}
-        for block_id in new_gpu_block_ids:
-            event = self.reading_gpu_blocks.get(block_id)
-            if event is not None:
-                events[id(event)] = event
-        if self.arriving_gpu_blocks:
-            self.arriving_gpu_blocks = {b: e for b, e in self.arriving_gpu_blocks.items() if not e.query()}
-            if self.arriving_gpu_blocks:
-                used = set(itertools.chain.from_iterable(block_tables))
-                for block_id, event in self.arriving_gpu_blocks.items():
-                    if block_id in used:
-                        events[id(event)] = event
-        pending = [e for e in events.values() if not e.query()]
+        self.arriving_gpu_blocks = {b: e for b, e in self.arriving_gpu_blocks.items() if not e.query()}
+        pending = events_to_wait(new_gpu_block_ids, block_tables, self.reading_gpu_blocks, self.arriving_gpu_blocks)
         if not pending:
             return
         compute = torch.cuda.current_stream()
