@@ -27,5 +27,6 @@ def test_chat_host_tier_serves_history_from_the_host():
     no_tier, tier = simulated("chat", "no_host_tier", 1.0), simulated("chat", "host_tier", 1.0)
     assert tier["host_prefix_hit_tokens"] > 0 and no_tier["host_prefix_hit_tokens"] == 0
     assert tier["prefill_tokens"] < no_tier["prefill_tokens"]
-    # the 2,048-token system prompt is computed once: turn 1's requests share it within their first step
+    # every request after the first finds the 2,048-token system prompt cached (turn 1's same-step sharing is
+    # checked exactly in test_scheduler.py and test_hf_parity.py)
     assert no_tier["prefix_cache_hit_tokens"] >= (128 - 1) * 2048

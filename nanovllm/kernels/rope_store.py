@@ -28,6 +28,20 @@ def _norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, NORM: tl.c
 
 
 @triton.jit
+def _load_norm_rope(src, mask, weight_ptr, cos, sin, eps, offs, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    NORM: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """Load head rows [BLOCK, HEAD_DIM] at src as two fp32 halves, (norm with weight_ptr,) rope them."""
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    w1 = cos  # placeholders, unused without NORM
+    w2 = sin
+    if NORM:
+        w1 = tl.load(weight_ptr + offs).to(tl.float32)
+        w2 = tl.load(weight_ptr + HALF + offs).to(tl.float32)
+    return _norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, NORM, OUT_DTYPE)
+
+
+@triton.jit
 def _rope_store_kernel(
     qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, slot_mapping_ptr,
     q_out_ptr, k_cache_ptr, v_cache_ptr, eps,
@@ -42,20 +56,13 @@ def _rope_store_kernel(
     cos = tl.load(cos_sin_ptr + pos * stride_cs + offs)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs)
     out_dtype = q_out_ptr.dtype.element_ty
-    w1 = cos  # placeholders, unused without NORM
-    w2 = sin
     row = qkv_ptr + t * stride_qkv_t
 
     # q: heads [0, NUM_HEADS) of the row
     offs_h = tl.arange(0, BLOCK_H)
     mask = (offs_h < NUM_HEADS)[:, None]
-    src = row + offs_h[:, None] * HEAD_DIM + offs[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    if NORM:
-        w1 = tl.load(q_weight_ptr + offs).to(tl.float32)
-        w2 = tl.load(q_weight_ptr + HALF + offs).to(tl.float32)
-    y1, y2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, NORM, out_dtype)
+    y1, y2 = _load_norm_rope(row + offs_h[:, None] * HEAD_DIM + offs[None, :], mask, q_weight_ptr, cos, sin, eps,
+                             offs, HALF, HEAD_DIM, NORM, out_dtype)
     dst = q_out_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs[None, :]
     tl.store(dst, y1.to(out_dtype), mask=mask)
     tl.store(dst + HALF, y2.to(out_dtype), mask=mask)
@@ -67,13 +74,8 @@ def _rope_store_kernel(
         off = slot % BLOCK_SIZE
         offs_kh = tl.arange(0, BLOCK_KH)
         kmask = (offs_kh < NUM_KV_HEADS)[:, None]
-        src = row + (NUM_HEADS + offs_kh[:, None]) * HEAD_DIM + offs[None, :]
-        x1 = tl.load(src, mask=kmask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=kmask, other=0.0).to(tl.float32)
-        if NORM:
-            w1 = tl.load(k_weight_ptr + offs).to(tl.float32)
-            w2 = tl.load(k_weight_ptr + HALF + offs).to(tl.float32)
-        y1, y2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, NORM, out_dtype)
+        y1, y2 = _load_norm_rope(row + (NUM_HEADS + offs_kh[:, None]) * HEAD_DIM + offs[None, :], kmask,
+                                 k_weight_ptr, cos, sin, eps, offs, HALF, HEAD_DIM, NORM, out_dtype)
         cache_dtype = k_cache_ptr.dtype.element_ty
         dst = k_cache_ptr + blk * stride_kcb + off * stride_kct + offs_kh[:, None] * stride_kch + offs[None, :]
         tl.store(dst, y1.to(cache_dtype), mask=kmask)
