@@ -2,6 +2,7 @@
 
     python bench.py                                   # Qwen3-0.6B shape, 256 seqs
     python bench.py --shape qwen3-8b --num-seqs 1024  # the H800 workload
+    python bench.py --profile-decode 32 256           # also: decode-step time and kernels at these batch sizes
 """
 import argparse
 import json
@@ -10,6 +11,7 @@ import time
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import llm_engine
+from nanovllm.engine.step_plan import StepPlan
 from nanovllm.utils.presets import preset_dir
 
 
@@ -66,6 +68,61 @@ class HostTimer:
         setattr(obj, name, timed)
 
 
+def decode_plan(batch: int, context_len: int, block_size: int) -> StepPlan:
+    """One decode step of `batch` sequences with `context_len` tokens each, in consecutive blocks."""
+    plan, blocks_per_seq = StepPlan(), -(-context_len // block_size)
+    for i in range(batch):
+        table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+        pos = context_len - 1
+        plan.input_ids.append(0)
+        plan.positions.append(pos)
+        plan.slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
+        plan.query_lens.append(1)
+        plan.seq_lens.append(context_len)
+        plan.block_tables.append(table)
+        plan.logits_indices.append(i)
+    return plan
+
+
+def profile_decode(runner, batch: int, context_len: int = 1000, num_iters: int = 50):
+    """Time the decode step the engine runs (prepare, graph replay, LM head, sampler) back to back, as async
+    scheduling issues them, then list its kernels. Writes into the (now free) KV blocks."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanovllm.layers.sampler import SamplingTensors
+    plan = decode_plan(batch, context_len, runner.block_size)
+    if batch * len(plan.block_tables[0]) > runner.kv_cache.size(0):
+        print(f"profile-decode: batch {batch} x {context_len} tokens does not fit in the KV cache; skipped")
+        return
+    temps = torch.full((batch,), 0.6, device=runner.device)
+    sampling = SamplingTensors(temps, None, None, None, None, all_greedy=False)
+
+    def step():
+        with torch.inference_mode():
+            runner.sampler(runner._forward(plan), sampling)
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    for _ in range(5):
+        step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(num_iters):
+        step()
+    sync()
+    ms = 1e3 * (time.perf_counter() - start) / num_iters
+    activity = ProfilerActivity.CUDA if runner.device.type == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for _ in range(10):
+            step()
+        sync()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernel_ms = sum(e.self_device_time_total for e in events) / 1e3 / 10
+    launches = sum(e.count for e in events) / 10
+    print(f"decode step, batch {batch}, context {context_len}: {ms:.3f} ms per step back to back; "
+          f"kernels {kernel_ms:.3f} ms in {launches:.0f} launches per step")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=70))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3-0.6b")
@@ -76,7 +133,9 @@ def main():
     parser.add_argument("--kvcache-block-size", type=int, default=None, help="default: the engine's (64)")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels (torch.profiler)")
+    parser.add_argument("--profile-decode", type=int, nargs="*", default=None, metavar="BATCH",
+                        help="after the run, time decode steps (forward + sampling) at these batch sizes with a "
+                             "1,000-token context and print their top CUDA kernels (torch.profiler)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="schedule step N+1 while step N runs (default: on at TP 1)")
     parser.add_argument("--trace", default=None, help="write per-step (is_decode, seqs, tokens, seconds) JSON here")
@@ -90,13 +149,7 @@ def main():
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     timer = HostTimer(llm)
     start = time.perf_counter()
-    if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            llm.generate(prompts, params, use_tqdm=False)
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-    else:
-        llm.generate(prompts, params, use_tqdm=False)
+    llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     num_tokens = sum(p.max_tokens for p in params)
     stats = llm.stats()
@@ -111,6 +164,8 @@ def main():
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(timer.trace, f)
+    for batch in args.profile_decode or ():
+        profile_decode(llm.runner, batch)
     llm.close()
 
 
