@@ -3,6 +3,7 @@
     python bench.py                                   # Qwen3-0.6B shape, 256 seqs
     python bench.py --shape qwen3-8b --num-seqs 1024  # the H800 workload
     python bench.py --profile-decode 32 256           # also: decode-step time and kernels at these batch sizes
+    python bench.py --profile-mixed 32:1024 0:16384   # ... and of steps with 32 decode rows + a 1,024-token prompt
 """
 import argparse
 import json
@@ -68,41 +69,44 @@ class HostTimer:
         setattr(obj, name, timed)
 
 
-def decode_plan(batch: int, context_len: int, block_size: int) -> StepPlan:
-    """One decode step of `batch` sequences with `context_len` tokens each, in consecutive blocks."""
-    plan, blocks_per_seq = StepPlan(), -(-context_len // block_size)
-    for i in range(batch):
-        table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-        pos = context_len - 1
-        plan.input_ids.append(0)
-        plan.positions.append(pos)
-        plan.slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
-        plan.query_lens.append(1)
-        plan.seq_lens.append(context_len)
+def step_plan(num_decode: int, context_len: int, prefill_len: int, block_size: int) -> StepPlan:
+    """`num_decode` decode rows with `context_len` tokens each, then (prefill_len > 0) one prompt of prefill_len
+    new tokens; every sequence in its own consecutive blocks."""
+    plan, next_block = StepPlan(), 0
+    rows = [(context_len - 1, 1)] * num_decode + ([(0, prefill_len)] if prefill_len else [])
+    for start, n in rows:
+        table = list(range(next_block, next_block - (-(start + n) // block_size)))
+        next_block += len(table)
+        plan.input_ids += [0] * n
+        plan.positions += list(range(start, start + n))
+        plan.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+        plan.query_lens.append(n)
+        plan.seq_lens.append(start + n)
         plan.block_tables.append(table)
-        plan.logits_indices.append(i)
+        plan.logits_indices.append(len(plan.input_ids) - 1)
     return plan
 
 
-def profile_decode(runner, batch: int, context_len: int = 1000, num_iters: int = 50):
-    """Time the decode step the engine runs (prepare, graph replay, LM head, sampler) back to back, as async
-    scheduling issues them, then list its kernels. Writes into the (now free) KV blocks."""
+def profile_step(runner, num_decode: int, prefill_len: int = 0, context_len: int = 1000, num_iters: int = 30):
+    """Time the step the engine runs (prepare, forward -- a graph replay when decode-only --, LM head, sampler) back
+    to back, as async scheduling issues them, then list its top kernels. Writes into the (now free) KV blocks."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from nanovllm.layers.sampler import SamplingTensors
-    plan = decode_plan(batch, context_len, runner.block_size)
-    if batch * len(plan.block_tables[0]) > runner.kv_cache.size(0):
-        print(f"profile-decode: batch {batch} x {context_len} tokens does not fit in the KV cache; skipped")
+    plan = step_plan(num_decode, context_len, prefill_len, runner.block_size)
+    name = f"step: {num_decode} decode rows (context {context_len}) + a {prefill_len}-token prompt"
+    if sum(len(t) for t in plan.block_tables) > runner.kv_cache.size(0):
+        print(f"{name}: does not fit in the KV cache; skipped")
         return
-    temps = torch.full((batch,), 0.6, device=runner.device)
-    sampling = SamplingTensors(temps, None, None, None, None, all_greedy=False)
+    num_rows = len(plan.logits_indices)
+    sampling = SamplingTensors(torch.full((num_rows,), 0.6, device=runner.device), None, None, None, None, False)
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
 
     def step():
         with torch.inference_mode():
             runner.sampler(runner._forward(plan), sampling)
-    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
-    for _ in range(5):
+    for _ in range(3):
         step()
     sync()
     start = time.perf_counter()
@@ -110,43 +114,23 @@ def profile_decode(runner, batch: int, context_len: int = 1000, num_iters: int =
         step()
     sync()
     ms = 1e3 * (time.perf_counter() - start) / num_iters
-    activity = ProfilerActivity.CUDA if runner.device.type == "cuda" else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
-        for _ in range(10):
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(5):
             step()
         sync()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    kernel_ms = sum(e.self_device_time_total for e in events) / 1e3 / 10
-    launches = sum(e.count for e in events) / 10
-    print(f"decode step, batch {batch}, context {context_len}: {ms:.3f} ms per step back to back; "
-          f"kernels {kernel_ms:.3f} ms in {launches:.0f} launches per step")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=70))
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernel_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / 5
+    launches = sum(e.count for e in kernels) / 5
+    print(f"{name}: {ms:.3f} ms per step back to back; kernels {kernel_ms:.3f} ms in {launches:.0f} launches")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=70))
+    if prefill_len:  # where the host time goes
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="qwen3-0.6b")
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--max-num-seqs", type=int, default=512)
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--kvcache-block-size", type=int, default=None, help="default: the engine's (64)")
-    parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--profile-decode", type=int, nargs="*", default=None, metavar="BATCH",
-                        help="after the run, time decode steps (forward + sampling) at these batch sizes with a "
-                             "1,000-token context and print their top CUDA kernels (torch.profiler)")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                        help="schedule step N+1 while step N runs (default: on at TP 1)")
-    parser.add_argument("--trace", default=None, help="write per-step (is_decode, seqs, tokens, seconds) JSON here")
-    args = parser.parse_args()
-    llm = LLM(preset_dir(args.shape), load_format="dummy", max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
-              attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
-              preemption_mode="recompute", async_scheduling=args.async_scheduling,
-              kvcache_block_size=args.kvcache_block_size)
+def run(llm, args):
+    """The timed seed workload: prints throughput and host time per decode step."""
     prompts, params = seed_workload(args.num_seqs)
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     timer = HostTimer(llm)
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
@@ -164,8 +148,41 @@ def main():
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(timer.trace, f)
-    for batch in args.profile_decode or ():
-        profile_decode(llm.runner, batch)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3-0.6b")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--kvcache-block-size", type=int, default=None, help="default: the engine's (64)")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--profile-decode", type=int, nargs="*", default=(), metavar="BATCH",
+                        help="after the run, time decode steps (forward + sampling) at these batch sizes with a "
+                             "1,000-token context and print their top CUDA kernels (torch.profiler)")
+    parser.add_argument("--profile-mixed", nargs="*", default=(), metavar="ROWS:TOKENS",
+                        help="likewise for steps of ROWS decode rows plus one prompt of TOKENS new tokens")
+    parser.add_argument("--skip-run", action="store_true", help="only the profiles")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="schedule step N+1 while step N runs (default: on at TP 1)")
+    parser.add_argument("--trace", default=None, help="write per-step (is_decode, seqs, tokens, seconds) JSON here")
+    args = parser.parse_args()
+    llm = LLM(preset_dir(args.shape), load_format="dummy", max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+              attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
+              preemption_mode="recompute", async_scheduling=args.async_scheduling,
+              kvcache_block_size=args.kvcache_block_size)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    if not args.skip_run:
+        run(llm, args)
+    for batch in args.profile_decode:
+        profile_step(llm.runner, batch)
+    for spec in args.profile_mixed:
+        num_decode, prefill_len = map(int, spec.split(":"))
+        profile_step(llm.runner, num_decode, prefill_len)
     llm.close()
 
 

@@ -57,3 +57,17 @@ def test_top_k_and_min_p_paths_cut_the_tail():
     kept = probs >= 0.5 * probs.max()
     assert torch.allclose(freq, torch.where(kept, probs / probs[kept].sum(), torch.zeros((), device="cpu")),
                           atol=0.01)
+
+
+def test_draws_span_the_vocabulary_chunks_of_the_two_stage_argmax():
+    # 2,500 entries: three 1,024-entry chunks, the last one padded; the mass sits in all three
+    logits = torch.full((2500,), -30.0)
+    logits[[5, 1500, 2499]] = torch.tensor([1.0, 0.0, 0.5])
+    freq = frequencies(logits, 1.0)
+    expected = logits.softmax(-1).cpu()
+    assert torch.allclose(freq, expected, atol=0.01)
+    greedy = Sampler()(logits.expand(4, -1), SamplingTensors(torch.zeros(4), None, None, None, None, False))
+    assert greedy.tolist() == [5] * 4
+    logits[2499] = 2.0  # the maximum in the padded last chunk
+    greedy = Sampler()(logits.expand(4, -1), SamplingTensors(torch.zeros(4), None, None, None, None, False))
+    assert greedy.tolist() == [2499] * 4

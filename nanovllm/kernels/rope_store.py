@@ -74,17 +74,17 @@ def _rope_store_kernel(
         off = slot % BLOCK_SIZE
         offs_kh = tl.arange(0, BLOCK_KH)
         kmask = (offs_kh < NUM_KV_HEADS)[:, None]
-        y1, y2 = _load_norm_rope(row + (NUM_HEADS + offs_kh[:, None]) * HEAD_DIM + offs[None, :], kmask,
+        # names differ from q's above: Triton wants a value's shape to stay the same across an `if`
+        k1, k2 = _load_norm_rope(row + (NUM_HEADS + offs_kh[:, None]) * HEAD_DIM + offs[None, :], kmask,
                                  k_weight_ptr, cos, sin, eps, offs, HALF, HEAD_DIM, NORM, out_dtype)
         cache_dtype = k_cache_ptr.dtype.element_ty
-        dst = k_cache_ptr + blk * stride_kcb + off * stride_kct + offs_kh[:, None] * stride_kch + offs[None, :]
-        tl.store(dst, y1.to(cache_dtype), mask=kmask)
-        tl.store(dst + HALF, y2.to(cache_dtype), mask=kmask)
-        src = row + (NUM_HEADS + NUM_KV_HEADS + offs_kh[:, None]) * HEAD_DIM + offs[None, :]
-        dst = v_cache_ptr + blk * stride_vcb + off * stride_vct + offs_kh[:, None] * stride_vch + offs[None, :]
-        tl.store(dst, tl.load(src, mask=kmask, other=0.0).to(cache_dtype), mask=kmask)
-        tl.store(dst + HALF, tl.load(src + HALF, mask=kmask, other=0.0).to(cache_dtype), mask=kmask)
-
+        k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kct + offs_kh[:, None] * stride_kch + offs[None, :]
+        tl.store(k_dst, k1.to(cache_dtype), mask=kmask)
+        tl.store(k_dst + HALF, k2.to(cache_dtype), mask=kmask)
+        v_src = row + (NUM_HEADS + NUM_KV_HEADS + offs_kh[:, None]) * HEAD_DIM + offs[None, :]
+        v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vct + offs_kh[:, None] * stride_vch + offs[None, :]
+        tl.store(v_dst, tl.load(v_src, mask=kmask, other=0.0).to(cache_dtype), mask=kmask)
+        tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kmask, other=0.0).to(cache_dtype), mask=kmask)
 
 def rope_store_kvcache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                        num_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor,

@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.utils.compile import compilable
@@ -42,14 +43,24 @@ class Sampler(nn.Module):
         return race(probs, noise, st.temperatures, greedy_ids)
 
 
+ARGMAX_CHUNK = 1024  # vocabulary entries per partial argmax
+
+
 @compilable
 def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """The same race without softmax or a noise tensor: argmax(p / E) = argmax(logits / T - log E), and
-    -log E = -log(-log U) is Gumbel noise drawn inside the fused kernel. Greedy rows (T = 0) keep their argmax."""
-    logits = logits.float()
-    gumbel = -torch.log(-torch.log(torch.rand_like(logits).clamp_(min=1e-10)))
-    sampled = (logits / temperatures.clamp(min=1e-5).unsqueeze(1) + gumbel).argmax(-1)
-    return torch.where(temperatures == 0, logits.argmax(-1), sampled)
+    -log E = -log(-log U) is Gumbel noise drawn inside the fused kernel. Greedy rows (T = 0) take the plain argmax.
+
+    The argmax runs in two stages, over chunks of the vocabulary and then over the chunks' maxima: one row's
+    reduction over a 150k vocabulary would otherwise run on one SM (110-140 us at batch 1-32 on an H200)."""
+    batch, vocab = logits.shape
+    x = F.pad(logits.float(), (0, (-vocab) % ARGMAX_CHUNK), value=float("-inf")).view(batch, -1, ARGMAX_CHUNK)
+    t = temperatures.view(batch, 1, 1)
+    gumbel = -torch.log(-torch.log(torch.rand_like(x).clamp_(min=1e-10)))
+    scores = torch.where(t == 0, x, x / t.clamp(min=1e-5) + gumbel)  # [B, num_chunks, CHUNK]
+    chunk_max, chunk_ids = scores.max(-1)  # [B, num_chunks]
+    best = chunk_max.argmax(-1, keepdim=True)  # [B, 1]
+    return (best * ARGMAX_CHUNK + chunk_ids.gather(1, best)).squeeze(1)
 
 
 @compilable
