@@ -1,0 +1,91 @@
+"""Every Triton kernel of the project compiles for an H100/H200 (sm_90) on a machine without a GPU.
+
+Triton's interpreter, which the CPU tests run the kernels in, does not type-check: a kernel it runs correctly can
+still fail to compile (session 2's fused rope kernel did, for a value that changed shape across an `if`). Here the
+kernels' own Python wrappers are called on CPU tensors under a stand-in CUDA driver that names sm_90 as the
+target, and each launch is turned into a compile without a launch. Runs in a subprocess: the stand-in driver is
+process-wide."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernels")
+
+COMPILE_ALL = r"""
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+
+class Sm90Driver:
+    '''Enough of Triton's CUDA driver for a compile: device 0, stream 0, target sm_90.'''
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+compiled = set()
+launch = JITFunction.run
+
+
+def compile_only(self, *args, grid, warmup, **kwargs):
+    kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+    assert kernel is not None and kernel.asm.get("cubin"), self.fn.__name__
+    compiled.add(self.fn.__name__)
+    return kernel
+
+
+JITFunction.run = compile_only
+driver.set_active(Sm90Driver())
+
+from nanovllm.kernels import rope_store, triton_attention as ta
+
+T = 5
+CASES = [  # dtype, head_dim, block_size, (num_heads, num_kv_heads): the engine's shapes, then the edge cases
+    (torch.bfloat16, 128, 64, (16, 8)),  # Qwen3 at the default block size
+    (torch.bfloat16, 128, 256, (32, 8)),
+    (torch.float16, 64, 16, (8, 1)),  # small heads, multi-query
+    (torch.bfloat16, 96, 64, (12, 4)),  # a head_dim that is not a power of two (padded tiles)
+    (torch.float32, 64, 16, (4, 2)),  # the float32 parity tests
+]
+for dtype, head_dim, block_size, (num_heads, num_kv_heads) in CASES:
+    kv = torch.zeros(4, 2, 2, block_size, num_kv_heads, head_dim, dtype=dtype)
+    k_cache, v_cache = kv[:, 1, 0], kv[:, 1, 1]
+    k, v = (torch.randn(T, num_kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    slots = torch.arange(T, dtype=torch.int64)
+    ta.store_kvcache(k, v, k_cache, v_cache, slots)
+    q = torch.randn(T, num_heads, head_dim, dtype=dtype)
+    seq_lens, block_tables = torch.tensor([2, 3], dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32)
+    for max_query_len in (1, 3, 300):  # the tile-size classes
+        ta.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, 2, 5], dtype=torch.int32), seq_lens,
+                                   block_tables, max_query_len, 0.1)
+    for num_splits in (1, 3):
+        ta.paged_decode_attention(q[:2], k_cache, v_cache, seq_lens, block_tables, 0.1, num_splits=num_splits)
+    if head_dim != 96:  # the fused kernel needs head_dim / 2 a power of two (the runner checks)
+        qkv = torch.randn(T, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+        cos_sin = torch.randn(64, head_dim)
+        for weight in (None, torch.ones(head_dim, dtype=dtype)):
+            rope_store.rope_store_kvcache(qkv, slots, cos_sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
+                                          slots, weight, weight)
+print(" ".join(sorted(compiled)))
+"""
+
+
+def test_every_triton_kernel_compiles_for_sm90():
+    proc = subprocess.run([sys.executable, "-c", COMPILE_ALL], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["_decode_kernel", "_decode_reduce_kernel", "_prefill_kernel",
+                                   "_rope_store_kernel", "_store_kvcache_kernel"]
