@@ -106,3 +106,86 @@ def test_double_free_is_a_bug_naming_the_block():
     a.block_table = table
     with pytest.raises(RuntimeError, match="block 0 of seq"):
         bm.free(a)
+
+
+def _finished_with_tail(bm: BlockManager):
+    """A finished 7-token sequence (6 prompt tokens computed, 1 sampled): block 0 full and cached, block 1 its
+    tail holding the KV of tokens 104 and 105."""
+    a = make_seq(6)
+    assert bm.allocate(a, 6)
+    a.num_computed_tokens = 6
+    a.token_ids.append(106)  # the last sampled token never gets KV
+    bm.cache_full_blocks(a)
+    bm.free(a, keep_tail=True)
+    return a
+
+
+def test_a_finished_sequence_keeps_its_partial_block_for_the_next_turn():
+    bm = BlockManager(8, BLOCK_SIZE)
+    a = _finished_with_tail(bm)
+    # the tail waits behind the free blocks, and ahead of the full block before it (evicted after it)
+    assert list(bm.free_block_ids) == [2, 3, 4, 5, 6, 7, 1, 0]
+    assert bm.tail_by_parent == {a.block_hashes[0]: 1} and bm.tail_tokens == {1: (a.block_hashes[0], [104, 105])}
+    bm.check_invariants([])
+    b = make_seq(token_ids=[100, 101, 102, 103, 104, 105, 106, 300, 301])  # the next turn continues a
+    hits = bm.find_cached_prefix(b)
+    assert hits == [0]
+    tail = bm.find_cached_tail(b, len(hits))
+    assert tail == (1, 2)
+    assert bm.allocate(b, 3, hits, tail=tail)
+    assert b.block_table == [0, 1, 2] and b.num_computed_tokens == 6
+    assert bm.tail_by_parent == {} and bm.tail_tokens == {}  # taken over, not shared
+    assert bm.ref_counts[:3] == [1, 1, 1]
+    bm.check_invariants([b])
+
+
+def test_a_tail_matches_up_to_the_first_different_token_and_never_the_last_prompt_token():
+    bm = BlockManager(8, BLOCK_SIZE)
+    _finished_with_tail(bm)
+    diverging = make_seq(token_ids=[100, 101, 102, 103, 104, 999, 7, 8])
+    assert bm.find_cached_tail(diverging, 1) == (1, 1)
+    assert bm.allocate(diverging, 3, bm.find_cached_prefix(diverging), tail=(1, 1))
+    assert diverging.block_table == [0, 1] and diverging.num_computed_tokens == 5
+    bm.check_invariants([diverging])
+
+    bm = BlockManager(8, BLOCK_SIZE)
+    _finished_with_tail(bm)
+    assert bm.find_cached_tail(make_seq(token_ids=[100, 101, 102, 103, 104, 105]), 1) == (1, 1)  # 105 is last
+    assert bm.find_cached_tail(make_seq(token_ids=[100, 101, 102, 103, 104]), 1) is None  # only the last token
+    assert bm.find_cached_tail(make_seq(token_ids=[100, 101, 102, 103, 555, 105, 1]), 1) is None
+    assert bm.find_cached_tail(make_seq(token_ids=[100, 101, 102, 103, 104, 105, 1]), 0) is None  # other parent
+    assert bm.find_cached_tail(make_seq(token_ids=[100, 101, 102, 9, 104, 105, 1]), 0) is None
+    bm.check_invariants([])
+
+
+def test_handing_out_a_tail_block_forgets_the_tail_and_a_newer_tail_replaces_an_older_one():
+    bm = BlockManager(8, BLOCK_SIZE)
+    _finished_with_tail(bm)
+    c = make_seq(28, start=500)  # 7 blocks: the six free ones, then the tail block 1
+    assert bm.allocate(c, 28)
+    assert c.block_table == [2, 3, 4, 5, 6, 7, 1]
+    assert bm.tail_by_parent == {} and bm.tail_tokens == {}
+    assert bm.find_cached_tail(make_seq(token_ids=[100, 101, 102, 103, 104, 105, 106]), 1) is None
+    bm.check_invariants([c])
+
+    bm = BlockManager(8, BLOCK_SIZE)
+    _finished_with_tail(bm)
+    d = make_seq(token_ids=[100, 101, 102, 103, 104, 77, 78])  # same parent, other tail
+    assert bm.allocate(d, 3, bm.find_cached_prefix(d))  # (no tail taken) blocks 0 and 2
+    d.num_computed_tokens = 6
+    bm.free(d, keep_tail=True)
+    parent = d.block_hashes[0]
+    assert bm.tail_by_parent == {parent: 2} and bm.tail_tokens == {2: (parent, [104, 77])}
+    bm.check_invariants([])
+
+
+def test_free_without_keep_tail_and_with_prefix_caching_off_keeps_no_tail():
+    bm = BlockManager(8, BLOCK_SIZE)
+    a = make_seq(6)
+    assert bm.allocate(a, 6)
+    a.num_computed_tokens = 6
+    bm.free(a)  # preemption or swap-out: the block table goes elsewhere
+    assert bm.tail_tokens == {}
+    bm = BlockManager(8, BLOCK_SIZE, False)
+    _finished_with_tail(bm)
+    assert bm.tail_tokens == {} and bm.find_cached_tail(make_seq(token_ids=list(range(100, 108))), 0) is None

@@ -56,6 +56,24 @@ def test_prefix_cache_hits_match_hf(qwen2_dir):
     assert stats["prefix_cache_hit_tokens"] >= 24 * len(prompts), stats
 
 
+def test_next_turn_reuses_the_partial_last_block_of_the_previous_turn(qwen3_dir):
+    """A chat's next prompt is the previous prompt + reply + a new user turn: the previous sequence's partial last
+    block (a tail) is taken over, so every token with KV is served from the cache, not only whole blocks."""
+    first = random_prompts((21,), seed=23)[0]
+    with LLM(qwen3_dir, **tiny_llm_kwargs()) as llm:
+        reply = llm.generate([first], greedy(10), use_tqdm=False)[0]["token_ids"]
+        second = first + reply + random_prompts((5,), seed=24)[0]  # 36 tokens
+        hits_before = llm.stats()["prefix_cache_hit_tokens"]
+        out = llm.generate([second], greedy(MAX_NEW), use_tqdm=False)
+        hits = llm.stats()["prefix_cache_hit_tokens"] - hits_before
+    # 30 tokens have KV (the last reply token has none): 7 full blocks of 4 and a tail of 2
+    assert hits == 30, hits
+    with LLM(qwen3_dir, **tiny_llm_kwargs(enable_prefix_caching=False)) as llm:
+        uncached = llm.generate([second], greedy(MAX_NEW), use_tqdm=False)
+    assert out[0]["token_ids"] == uncached[0]["token_ids"]
+    assert_matches_hf(qwen3_dir, [second], out, MAX_NEW, what="tail of the previous turn")
+
+
 def test_prefix_cache_hit_in_later_batch_with_new_prompts(llama_dir):
     """A cached prefix serves prompts that were never seen whole (hit then divergent suffix)."""
     base = shared_prefix_prompts(32, (5,), seed=21)[0]

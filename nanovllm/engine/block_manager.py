@@ -3,7 +3,7 @@ import numpy as np
 import xxhash
 
 from nanovllm.engine.block_pool import BlockPool
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence
 
 
 def hash_block(prev_hash: int, token_ids: list[int]) -> int:
@@ -33,6 +33,12 @@ class BlockManager(BlockPool):
           step's copies and forward, so only these can collide with a swap-out still reading them.
     NOTE: `offload_candidate_ids` collects hashed blocks the host tier may want a copy of: blocks that became
           evictable (write-back) or, with write-through, blocks that were just cached. The scheduler drains it.
+    NOTE: tails. Prefix caching by full blocks recomputes the partial last block of every conversation turn (the
+          next turn's prompt starts with the whole previous turn). So when a sequence finishes, its partial last
+          block stays findable by the hash of the full block before it (`tail_by_parent`), with the tokens whose
+          KV it holds (`tail_tokens`), and waits in the free queue like a cached block. A new sequence whose
+          prompt continues that prefix takes the block over (it is not shared: it writes its own tokens after
+          the matching ones). A tail entry exists only while its block is free; handing the block out drops it.
     """
     tier = "gpu block"
 
@@ -44,6 +50,8 @@ class BlockManager(BlockPool):
         self.new_gpu_block_ids: list[int] = []
         self.write_through = write_through
         self.offload_candidate_ids: list[int] = []
+        self.tail_by_parent: dict[int, int] = {}  # hash of the full block before a tail -> gpu_block_id
+        self.tail_tokens: dict[int, tuple[int, list[int]]] = {}  # gpu_block_id -> (parent hash, token ids)
 
     def begin_step(self):
         self.new_gpu_block_ids = []
@@ -62,6 +70,51 @@ class BlockManager(BlockPool):
             block_ids.append(block_id)
         return block_ids
 
+    def find_cached_tail(self, seq: Sequence, num_hit_blocks: int) -> tuple[int, int] | None:
+        """A finished sequence's partial block that continues seq's first `num_hit_blocks` (cached) blocks:
+        (gpu_block_id, how many of seq's next tokens it holds), or None. Leaves the last prompt token out."""
+        if not self.enable_prefix_caching:
+            return None
+        parent = content_hash(seq, num_hit_blocks - 1) if num_hit_blocks else 0
+        block_id = self.tail_by_parent.get(parent)
+        if block_id is None:
+            return None
+        start = num_hit_blocks * self.block_size
+        limit = seq.num_tokens - 1 - start
+        num_matching = 0
+        for a, b in zip(self.tail_tokens[block_id][1][:limit], seq.token_ids[start:start + limit]):
+            if a != b:
+                break
+            num_matching += 1
+        return (block_id, num_matching) if num_matching else None
+
+    def _tail_of(self, seq: Sequence) -> tuple[int, int, list[int]] | None:
+        """(gpu_block_id, parent hash, token ids) of seq's partial last block with computed KV, if it has one."""
+        num_valid = min(seq.num_computed_tokens, seq.num_tokens)
+        num_full = num_valid // self.block_size
+        tokens = seq.token_ids[num_full * self.block_size:num_valid]
+        if PLACEHOLDER_TOKEN in tokens:  # an aborted sequence's unresolved tokens
+            tokens = tokens[:tokens.index(PLACEHOLDER_TOKEN)]
+        if not tokens or num_full >= len(seq.block_table):
+            return None
+        parent = content_hash(seq, num_full - 1) if num_full else 0
+        return seq.block_table[num_full], parent, tokens
+
+    def _keep_tail(self, block_id: int, parent: int, tokens: list[int]):
+        """Index a just-freed partial block (the newest tail under a parent replaces an older one) and queue it
+        where cached blocks wait, ahead of the blocks before it, which its owner frees next."""
+        old = self.tail_by_parent.get(parent)
+        if old is not None:
+            del self.tail_tokens[old]
+        self.tail_by_parent[parent] = block_id
+        self.tail_tokens[block_id] = (parent, tokens)
+        self.free_block_ids.move_to_end(block_id)
+
+    def _drop_tail(self, block_id: int):
+        if block_id in self.tail_tokens:
+            parent, _ = self.tail_tokens.pop(block_id)
+            del self.tail_by_parent[parent]
+
     def cache_full_blocks(self, seq: Sequence, num_tokens: int | None = None):
         """Register seq's full blocks among its first `num_tokens` (default: the computed ones) in the prefix
         cache; the caller guarantees that their KV is computed, or is computed by the step being scheduled."""
@@ -78,26 +131,36 @@ class BlockManager(BlockPool):
 
     # --- allocation
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_block_ids: list[int] = (),
-                 num_reserved_blocks: int = 0) -> bool:
-        """Give seq the cached blocks, then enough new blocks for `num_new_tokens` more tokens.
-        All or nothing: returns False (and changes nothing) when fewer than `num_reserved_blocks` would stay free."""
-        if not cached_block_ids and seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size:
+                 num_reserved_blocks: int = 0, tail: tuple[int, int] | None = None) -> bool:
+        """Give seq the cached blocks (and a cached tail from find_cached_tail), then enough new blocks for
+        `num_new_tokens` more tokens. All or nothing: returns False (and changes nothing) when fewer than
+        `num_reserved_blocks` would stay free."""
+        if not cached_block_ids and tail is None and \
+                seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size:
             return True  # the common decode step: the last block still has room
-        num_cached_tokens = len(cached_block_ids) * self.block_size
+        tail_block_ids = [tail[0]] if tail else []
+        num_cached_tokens = len(cached_block_ids) * self.block_size + (tail[1] if tail else 0)
         num_tokens = seq.num_computed_tokens + num_cached_tokens + num_new_tokens
-        num_new_blocks = seq.num_blocks_for(num_tokens) - len(seq.block_table) - len(cached_block_ids)
-        if num_new_blocks + self.num_revived(cached_block_ids) + num_reserved_blocks > self.num_free_blocks:
+        num_new_blocks = (seq.num_blocks_for(num_tokens) - len(seq.block_table) - len(cached_block_ids)
+                          - len(tail_block_ids))
+        num_revived = self.num_revived(cached_block_ids) + len(tail_block_ids)
+        if num_new_blocks + num_revived + num_reserved_blocks > self.num_free_blocks:
             return False
         for block_id in cached_block_ids:
             self.take(block_id)
         seq.block_table.extend(cached_block_ids)
-        seq.num_computed_tokens += num_cached_tokens
         seq.num_cached_blocks = len(seq.block_table) if cached_block_ids else seq.num_cached_blocks
+        for block_id in tail_block_ids:  # taken over, not shared: seq writes its own tokens after the matching ones
+            self._drop_tail(block_id)
+            self.take(block_id)
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens += num_cached_tokens
         seq.block_table.extend(self.pop_free() for _ in range(num_new_blocks))
         return True
 
     def pop_free(self) -> int:
         block_id = super().pop_free()
+        self._drop_tail(block_id)
         self.new_gpu_block_ids.append(block_id)
         return block_id
 
@@ -118,12 +181,17 @@ class BlockManager(BlockPool):
         hashed = [b for b in reversed(block_table) if self.block_hash[b] is not None]
         return {b: i for i, b in enumerate(unhashed + hashed)}
 
-    def free(self, seq: Sequence):
-        """Drop seq's references; its last blocks go to the free queue first so its prefix survives longest."""
+    def free(self, seq: Sequence, keep_tail: bool = False):
+        """Drop seq's references; its last blocks go to the free queue first so its prefix survives longest.
+        keep_tail (a finished seq): its partial last block stays findable, see the class NOTE on tails."""
+        tail = self._tail_of(seq) if keep_tail and self.enable_prefix_caching else None
         for block_id in reversed(seq.block_table):
-            if self.release(block_id, seq.seq_id) and self.block_hash[block_id] is not None \
-                    and not self.write_through:
+            if not self.release(block_id, seq.seq_id):
+                continue
+            if self.block_hash[block_id] is not None and not self.write_through:
                 self.offload_candidate_ids.append(block_id)
+            if tail and block_id == tail[0] and self.block_hash[block_id] is None:
+                self._keep_tail(*tail)
         seq.block_table = []
         seq.num_cached_blocks = 0
 
@@ -152,5 +220,13 @@ class BlockManager(BlockPool):
         return copies
 
     def check_invariants(self, seqs: list[Sequence] = ()):
-        """For tests: ref counts match the sequences' GPU block tables; see BlockPool.check_invariants."""
+        """For tests: ref counts match the sequences' GPU block tables; see BlockPool.check_invariants. A tail
+        entry names a free, unhashed block, and the two tail maps agree."""
         super().check_invariants([seq.block_table for seq in seqs])
+        for block_id, (parent, tokens) in self.tail_tokens.items():
+            if self.ref_counts[block_id] or self.block_hash[block_id] is not None or not tokens:
+                raise RuntimeError(f"tail gpu block {block_id} is in use, hashed or empty")
+            if self.tail_by_parent.get(parent) != block_id:
+                raise RuntimeError(f"tail gpu block {block_id} is not indexed under its parent hash {parent}")
+        if len(self.tail_by_parent) != len(self.tail_tokens):
+            raise RuntimeError(f"tail index {self.tail_by_parent} disagrees with tail blocks {list(self.tail_tokens)}")

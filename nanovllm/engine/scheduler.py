@@ -133,15 +133,17 @@ class Scheduler:
             seq = self.waiting[0]
             cached_block_ids = self.block_manager.find_cached_prefix(seq)  # a waiting seq holds no blocks
             host_block_ids = self._find_host_prefix(seq, len(cached_block_ids))
-            num_cached = len(cached_block_ids) * self.block_manager.block_size
+            # a finished sequence's partial block that continues the GPU hits (not after host hits)
+            tail = None if host_block_ids else self.block_manager.find_cached_tail(seq, len(cached_block_ids))
+            num_cached = len(cached_block_ids) * self.block_manager.block_size + (tail[1] if tail else 0)
             num_new = min(seq.num_uncomputed_tokens - num_cached, budget)
             if host_block_ids:  # blocks for the host hits only; prefill starts next step, after their copies
                 num_new = len(host_block_ids) * self.block_manager.block_size
             reserve = self.num_watermark_blocks if self.running else 0
-            if not self.block_manager.allocate(seq, num_new, cached_block_ids, reserve):
+            if not self.block_manager.allocate(seq, num_new, cached_block_ids, reserve, tail):
                 break
             self.waiting.popleft()
-            self._count_prefix_lookup(seq, len(cached_block_ids))
+            self._count_prefix_lookup(seq, len(cached_block_ids), tail[1] if tail else 0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if host_block_ids:
@@ -190,10 +192,10 @@ class Scheduler:
             return []
         return self.host_pool.find_cached_prefix(seq, num_gpu_hits, num_candidates)
 
-    def _count_prefix_lookup(self, seq: Sequence, num_gpu_hits: int):
+    def _count_prefix_lookup(self, seq: Sequence, num_gpu_hits: int, num_tail_hits: int = 0):
         """Counted once per admission (a lookup whose allocation failed is repeated, not counted twice)."""
         block_size = self.block_manager.block_size
-        self.stats.prefix_cache_hit_tokens += num_gpu_hits * block_size
+        self.stats.prefix_cache_hit_tokens += num_gpu_hits * block_size + num_tail_hits
         if self.host_prefix_cache:
             num_candidates = max(0, (seq.num_tokens - 1) // block_size - num_gpu_hits)
             self.stats.host_prefix_query_tokens += num_candidates * block_size
@@ -342,7 +344,7 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status == SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
-        self.block_manager.free(seq)
+        self.block_manager.free(seq, keep_tail=True)
         if self.host_pool is not None:
             self.host_pool.free(seq)
         seq.status = SequenceStatus.FINISHED
