@@ -86,14 +86,23 @@ def test_prefix_cache_hit_in_later_batch_with_new_prompts(llama_dir):
     assert_matches_hf(llama_dir, later, outs, MAX_NEW, what="prefix cache, new suffixes")
 
 
-def test_chunked_prefill_matches_hf(llama_dir):
-    # 40-token prompts with a 16-token budget per step: each prefill takes 3 steps
+@pytest.mark.parametrize("split_mixed", [True, False])
+def test_chunked_prefill_matches_hf(llama_dir, monkeypatch, split_mixed):
+    # 40-token prompts with a 16-token budget per step: each prefill takes 3 steps, beside the others' decodes.
+    # Split, a mixed step's decode rows run through the decode path and its prompt chunks through prefill.
+    from nanovllm.engine.model_runner import ModelRunner
+    num_decode_rows = []
+    split = ModelRunner._split_mixed
+    monkeypatch.setattr(ModelRunner, "_split_mixed", staticmethod(
+        lambda md, d, *tensors: (num_decode_rows.append(d), split(md, d, *tensors))))
+    monkeypatch.setenv("NANOVLLM_SPLIT_MIXED", "1" if split_mixed else "0")
     prompts = random_prompts((40, 37, 33, 5), seed=30)
     with LLM(llama_dir, **tiny_llm_kwargs(max_num_batched_tokens=16)) as llm:
         outs = llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
         stats = llm.stats()
     assert_matches_hf(llama_dir, prompts, outs, MAX_NEW, what="chunked prefill")
     assert stats["decode_tokens"] > 0 and stats["prefill_tokens"] > 0, stats
+    assert (max(num_decode_rows, default=0) >= 2) == split_mixed, num_decode_rows
 
 
 # 4 sequences of up to 14 + 24 = 38 tokens need 10 blocks each (40 in all);

@@ -60,6 +60,28 @@ def test_a_hit_covering_the_whole_prompt_still_computes_the_last_token():
     assert out.num_new_tokens == [4]
 
 
+def test_a_prompt_resuming_after_host_hits_runs_behind_the_decode_rows():
+    s = host_cached_scheduler(num_gpu_blocks=8, num_cpu_blocks=16)
+    a = make_seq(9, max_tokens=1)
+    s.add(a)
+    finish(s, a)
+    run_step(s)  # a's two full blocks are written back
+    s.add(b := make_seq(32, start=500, max_tokens=1))  # takes all 8 GPU blocks: a's GPU cache is gone
+    finish(s, b)
+    c = make_seq(14, max_tokens=2, token_ids=list(range(100, 108)) + list(range(600, 606)))  # a's 8 + 6 new
+    d = make_seq(3, start=700, max_tokens=2)
+    s.add(c)
+    s.add(d)
+    out, _ = run_step(s)  # c's two blocks are copied in; d is admitted behind it and prefills
+    assert out.seqs == [d] and len(out.swap_in) == 2 and [x.seq_id for x in s.running] == [c.seq_id, d.seq_id]
+    out = s.schedule()  # running order is c (6 prompt tokens), d (a decode): the decode row goes first
+    check(s)
+    assert out.seqs == [d, c] and out.num_new_tokens == [1, 6] and out.samples == [True, True]
+    s.postprocess(out, [71, 72])  # sampled rows follow the batch order
+    assert d.completion_token_ids == [7, 71] and c.completion_token_ids == [72]
+    check(s)
+
+
 def test_host_lru_order_and_eviction_when_full():
     host = HostBlockPool(3)
     seqs = [make_seq(4, start=100 * i) for i in range(4)]

@@ -170,7 +170,7 @@ def test_requests_admitted_in_one_step_share_a_prefix_that_step_computes():
     s.add(b)
     out, _ = run_step(s)
     assert a.block_table == [0, 1, 2] and b.block_table == [0, 1, 3]
-    assert out.num_new_tokens == [10, 1]
+    assert out.seqs == [b, a] and out.num_new_tokens == [1, 10]  # one-token rows first in the batch
     assert s.stats.prefix_cache_hit_tokens == 8 and s.stats.prefill_tokens == 11
 
 

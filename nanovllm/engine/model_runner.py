@@ -101,6 +101,9 @@ class ModelRunner:
         self._sampling_key, self._sampling = None, None  # the last batch's sampling tensors
         self._last_sampled = None  # [num_sampled] device tensor of the last launched step (rank 0)
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
+        # mixed steps: NANOVLLM_SPLIT_MIXED=1 sends one-token rows through the decode kernel, the rest through
+        # prefill; off by default until it is faster on the GPU (docs/benchmarks.md, run G)
+        self.split_mixed_steps = self.backend.splits_mixed_steps and os.environ.get("NANOVLLM_SPLIT_MIXED") == "1"
         set_compile(self.device.type == "cuda" and not config.enforce_eager)
         self.kv_cache = None
         self.host_cache = self.copy_engine = None
@@ -216,8 +219,10 @@ class ModelRunner:
         cu_seqlens = [0]
         for n in plan.query_lens:
             cu_seqlens.append(cu_seqlens[-1] + n)
+        num_decode_rows = self._num_decode_rows(plan)
+        prefill_cu_seqlens = [n - num_decode_rows for n in cu_seqlens[num_decode_rows:]] if num_decode_rows else []
         parts = [plan.input_ids, plan.positions, plan.slot_mapping, plan.logits_indices, plan.seq_lens, cu_seqlens,
-                 plan.placeholder_rows, plan.placeholder_sources]
+                 plan.placeholder_rows, plan.placeholder_sources, prefill_cu_seqlens]
         sizes = [len(p) for p in parts]
         num_head = sum(sizes)
         table_lens = [len(t) for t in plan.block_tables]
@@ -227,8 +232,8 @@ class ModelRunner:
         buf[num_head:].reshape(-1, width)[filled] = np.fromiter(
             itertools.chain.from_iterable(plan.block_tables), dtype=np.int64, count=sum(table_lens))
         data = self._to_device(buf)
-        input_ids, positions, slots, logits_indices, seq_lens, cu_seqlens_q, rows, sources, tables = data.split(
-            sizes + [len(table_lens) * width])
+        (input_ids, positions, slots, logits_indices, seq_lens, cu_seqlens_q, rows, sources, prefill_cu_seqlens_q,
+         tables) = data.split(sizes + [len(table_lens) * width])
         if plan.placeholder_rows:  # tokens the previous step sampled, never read back to the host
             input_ids[rows] = self._last_sampled[sources]
         md = AttentionMetadata(
@@ -236,7 +241,35 @@ class ModelRunner:
             block_tables=tables.view(-1, width).int(), cu_seqlens_q=cu_seqlens_q.int(),
             max_query_len=max(plan.query_lens), max_seq_len=max(plan.seq_lens),
             query_lens_cpu=plan.query_lens, seq_lens_cpu=plan.seq_lens)
+        if num_decode_rows:
+            self._split_mixed(md, num_decode_rows, prefill_cu_seqlens_q.int(), seq_lens, tables.view(-1, width))
         return StepInputs(input_ids, positions, md, logits_indices)
+
+    def _num_decode_rows(self, plan: StepPlan) -> int:
+        """How many leading rows of a mixed step compute one token (the scheduler puts them first); 0 when the
+        step is not split: decode-only, prefill-only, or a backend that takes mixed batches whole."""
+        if not self.split_mixed_steps or plan.is_decode_only:
+            return 0
+        num_rows = len(plan.query_lens)
+        return next((i for i, n in enumerate(plan.query_lens) if n != 1), num_rows) % num_rows
+
+    @staticmethod
+    def _split_mixed(md: AttentionMetadata, num_decode_rows: int, prefill_cu_seqlens_q: torch.Tensor,
+                     seq_lens: torch.Tensor, block_tables: torch.Tensor):
+        """The prefill part gets its own int32 copies of seq_lens and block_tables: a slice at row d would start
+        at an address Triton specializes on (16-byte alignment), so each new d % 4 would compile kernel variants
+        mid-run."""
+        d = num_decode_rows
+        md.num_decode_rows = d
+        md.decode_part = AttentionMetadata(
+            is_decode_only=True, slot_mapping=md.slot_mapping[:d], seq_lens=md.seq_lens[:d],
+            block_tables=md.block_tables[:d], max_seq_len=max(md.seq_lens_cpu[:d]),
+            query_lens_cpu=md.query_lens_cpu[:d], seq_lens_cpu=md.seq_lens_cpu[:d])
+        md.prefill_part = AttentionMetadata(
+            is_decode_only=False, slot_mapping=md.slot_mapping[d:], seq_lens=seq_lens[d:].int(),
+            block_tables=block_tables[d:].int(), cu_seqlens_q=prefill_cu_seqlens_q,
+            max_query_len=max(md.query_lens_cpu[d:]), max_seq_len=max(md.seq_lens_cpu[d:]),
+            query_lens_cpu=md.query_lens_cpu[d:], seq_lens_cpu=md.seq_lens_cpu[d:])
 
     def _to_device(self, values, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """A list or numpy array on the device; through pinned memory on CUDA so the copy is asynchronous."""

@@ -169,7 +169,21 @@ class Scheduler:
             self.running.append(seq)
 
         out.new_gpu_block_ids = self.block_manager.new_gpu_block_ids
+        self._one_token_rows_first(out)
         return out
+
+    @staticmethod
+    def _one_token_rows_first(out: SchedulerOutput):
+        """Batch order of a mixed step: rows computing one token (decodes) first, prompt chunks after, each in
+        scheduling order. The runner then sends the leading rows through the decode kernel and only the rest
+        through the prefill kernel, whose query tiles would be almost empty for one-token rows."""
+        num_one = out.num_new_tokens.count(1)
+        if out.num_new_tokens[:num_one].count(1) == num_one:
+            return  # already in order (every decode-only step)
+        order = sorted(range(len(out.seqs)), key=lambda i: out.num_new_tokens[i] != 1)  # stable
+        out.seqs = [out.seqs[i] for i in order]
+        out.num_new_tokens = [out.num_new_tokens[i] for i in order]
+        out.samples = [out.samples[i] for i in order]
 
     def _hold_arriving(self) -> set[int]:
         """Ids of the running sequences to leave out of this step because their KV copies have not landed; none

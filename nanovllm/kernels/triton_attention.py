@@ -266,15 +266,19 @@ def _prefill_config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                            max_query_len: int, scale: float, config: KernelConfig | None = None) -> torch.Tensor:
-    """Causal attention of new queries over their whole (paged) context. Returns [num_tokens, H, D]."""
+                            max_query_len: int, scale: float, config: KernelConfig | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of new queries over their whole (paged) context. Returns [num_tokens, H, D] (`out` when
+    given)."""
     num_tokens, num_heads, head_dim = q.shape  # [T, H, D]
     num_kv_heads = k_cache.shape[2]
     _check_cache(k_cache, v_cache, num_kv_heads, head_dim)
     assert num_heads % num_kv_heads == 0
     group = num_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)  # [T, H, D]
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)  # [T, H, D]
+    assert out.shape == (num_tokens, num_heads, head_dim)
     if num_tokens == 0 or num_seqs == 0:
         return out
 

@@ -6,6 +6,9 @@ Every backend does three things on one layer's cache views `k_cache`, `v_cache` 
 - prefill: varlen causal attention where each sequence's queries are the last tokens of its context and every
   key/value (cached prefix and new tokens alike) is read from the cache through the block table;
 - decode: one query per sequence.
+prefill and decode write into `out` when given. In a mixed step (some rows decode, some prefill), backends with
+`splits_mixed_steps` get the one-token rows through decode and the rest through prefill (the runner splits the
+metadata); flash-attn's varlen kernel takes the whole mixed batch, as in vLLM.
 `TorchBackend` is the reference: plain torch, CPU and GPU; the Triton and flash-attn backends are tested against it.
 """
 import torch
@@ -17,6 +20,7 @@ from nanovllm.utils.context import AttentionMetadata, get_context
 
 class TorchBackend:
     name = "torch"
+    splits_mixed_steps = True  # on CPU only to exercise the split; its prefill loops over sequences anyway
 
     def store_kv(self, k, v, k_cache, v_cache, md: AttentionMetadata):
         valid = md.slot_mapping >= 0
@@ -30,8 +34,8 @@ class TorchBackend:
     def _gather(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
         return cache[block_ids].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
 
-    def prefill(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
+    def prefill(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
+        out = torch.empty_like(q) if out is None else out
         block_size = k_cache.size(1)
         start = 0
         for i, (query_len, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
@@ -49,7 +53,7 @@ class TorchBackend:
             start += query_len
         return out
 
-    def decode(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.size(2)
         block_tables = md.block_tables.clamp(min=0)
@@ -59,12 +63,13 @@ class TorchBackend:
         scores = torch.einsum("bngd,bsnd->bngs", qg.float(), k.float()) * scale
         mask = torch.arange(k.size(1), device=q.device)[None, :] >= md.seq_lens[:, None]  # [B, S]
         probs = scores.masked_fill(mask[:, None, None, :], float("-inf")).softmax(-1)
-        out = torch.einsum("bngs,bsnd->bngd", probs, v.float())
-        return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+        result = torch.einsum("bngs,bsnd->bngd", probs, v.float()).reshape(num_seqs, num_heads, head_dim)
+        return result.to(q.dtype) if out is None else out.copy_(result)
 
 
 class TritonBackend:
     name = "triton"
+    splits_mixed_steps = True
 
     def __init__(self):
         from nanovllm.kernels import triton_attention
@@ -73,33 +78,35 @@ class TritonBackend:
     def store_kv(self, k, v, k_cache, v_cache, md: AttentionMetadata):
         self.ops.store_kvcache(k, v, k_cache, v_cache, md.slot_mapping)
 
-    def prefill(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    def prefill(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
         return self.ops.paged_prefill_attention(q, k_cache, v_cache, md.cu_seqlens_q, md.seq_lens, md.block_tables,
-                                                md.max_query_len, scale)
+                                                md.max_query_len, scale, out=out)
 
-    def decode(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
-        return self.ops.paged_decode_attention(q, k_cache, v_cache, md.seq_lens, md.block_tables, scale)
+    def decode(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
+        return self.ops.paged_decode_attention(q, k_cache, v_cache, md.seq_lens, md.block_tables, scale, out=out)
 
 
 class FlashBackend(TritonBackend):
     """flash-attn for attention (paged through block_table), Triton for the KV store."""
     name = "flash"
+    splits_mixed_steps = False
 
     def __init__(self):
         super().__init__()
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
 
-    def prefill(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    def prefill(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
         cu_seqlens_k = F.pad(md.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))  # [B + 1]
-        return self.varlen(q, k_cache, v_cache, cu_seqlens_q=md.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        result = self.varlen(q, k_cache, v_cache, cu_seqlens_q=md.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                            max_seqlen_q=md.max_query_len, max_seqlen_k=md.max_seq_len, softmax_scale=scale,
                            causal=True, block_table=md.block_tables)
+        return result if out is None else out.copy_(result)
 
-    def decode(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=md.seq_lens,
-                                block_table=md.block_tables, softmax_scale=scale, causal=True)
-        return out.squeeze(1)
+    def decode(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
+        result = self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=md.seq_lens,
+                                   block_table=md.block_tables, softmax_scale=scale, causal=True).squeeze(1)
+        return result if out is None else out.copy_(result)
 
 
 def select_backend(name: str, device: torch.device, block_size: int):
@@ -152,7 +159,13 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         if md.is_decode_only:
             return self.backend.decode(q, self.k_cache, self.v_cache, md, self.scale)
-        return self.backend.prefill(q, self.k_cache, self.v_cache, md, self.scale)
+        if not md.num_decode_rows:
+            return self.backend.prefill(q, self.k_cache, self.v_cache, md, self.scale)
+        # a mixed step: the leading one-token rows through decode, the prompt chunks through prefill
+        d, out = md.num_decode_rows, torch.empty_like(q)
+        self.backend.decode(q[:d], self.k_cache, self.v_cache, md.decode_part, self.scale, out=out[:d])
+        self.backend.prefill(q[d:], self.k_cache, self.v_cache, md.prefill_part, self.scale, out=out[d:])
+        return out
 
     def _profile_attention(self, q, k, v, seq_len: int) -> torch.Tensor:
         """Attention without a cache, for the profiling run that sizes the KV cache: the tokens are

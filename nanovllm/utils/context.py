@@ -18,6 +18,11 @@ class AttentionMetadata:
     max_seq_len: int = 0
     query_lens_cpu: list[int] | None = None  # host copies for the torch reference backend
     seq_lens_cpu: list[int] | None = None
+    # a mixed step whose first rows compute one token each: attention runs `decode_part` (those rows, through the
+    # decode kernel) and `prefill_part` (the rest, cu_seqlens_q starting at 0) instead of one prefill over all
+    num_decode_rows: int = 0
+    decode_part: "AttentionMetadata | None" = None
+    prefill_part: "AttentionMetadata | None" = None
 
 
 _context: AttentionMetadata | None = None
