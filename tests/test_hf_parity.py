@@ -105,6 +105,23 @@ def test_chunked_prefill_matches_hf(llama_dir, monkeypatch, split_mixed):
     assert (max(num_decode_rows, default=0) >= 2) == split_mixed, num_decode_rows
 
 
+def test_piecewise_mixed_step_forward_matches_hf(qwen3_dir, monkeypatch):
+    """The pieces that piecewise CUDA graphs capture (engine/cuda_graph.py), called eagerly on CPU: the same
+    shared buffers, token buckets and padding rows as on the GPU, with attention in between."""
+    from nanovllm.engine.model_runner import ModelRunner
+    buckets = []
+    pick = ModelRunner._mixed_graph_for
+    monkeypatch.setattr(ModelRunner, "_mixed_graph_for", lambda self, plan: (
+        buckets.append((plan.num_tokens, g.num_tokens)) if (g := pick(self, plan)) else None) or g)
+    monkeypatch.setenv("NANOVLLM_PIECEWISE_GRAPHS", "1")
+    prompts = random_prompts((40, 37, 33, 5), seed=31)
+    with LLM(qwen3_dir, **tiny_llm_kwargs(max_num_batched_tokens=48)) as llm:
+        outs = llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
+    assert_matches_hf(qwen3_dir, prompts, outs, MAX_NEW, what="piecewise pieces")
+    assert any(n < bucket for n, bucket in buckets), buckets  # padded steps happened
+    assert all(n <= bucket <= 48 for n, bucket in buckets) and len(buckets) > 10, buckets
+
+
 # 4 sequences of up to 14 + 24 = 38 tokens need 10 blocks each (40 in all);
 # 12 blocks hold one at a time plus a bit, so the scheduler must preempt.
 PREEMPT_LENGTHS = (10, 12, 14, 11)

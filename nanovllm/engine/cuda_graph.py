@@ -1,4 +1,4 @@
-"""A captured decode forward for one padded batch size."""
+"""CUDA graphs: whole decode forwards per padded batch size, and piecewise prefill/mixed forwards per token bucket."""
 import torch
 
 from nanovllm.utils.context import AttentionMetadata, reset_context, set_context
@@ -42,3 +42,76 @@ class DecodeGraph:
         self.block_tables[:n] = md.block_tables.clamp(min=0)
         self.graph.replay()
         return self.hidden[:n]
+
+
+class MixedStepBuffers:
+    """Static buffers that piecewise graphs of every token bucket share (views of their first rows): what flows
+    between a captured piece and the attention that runs eagerly after it. One set, sized for the largest bucket,
+    so that the graphs' own intermediates can be freed after capture and the captures share one memory pool."""
+
+    def __init__(self, max_num_tokens: int, hidden_size: int, qkv_size: int, attn_size: int, dtype, device):
+        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
+        self.qkv = torch.zeros(max_num_tokens, qkv_size, dtype=dtype, device=device)  # a piece's qkv projection
+        self.attn_out = torch.zeros(max_num_tokens, attn_size, dtype=dtype, device=device)  # eager attention's
+        self.residual = torch.zeros(max_num_tokens, hidden_size, dtype=dtype, device=device)
+        self.hidden = torch.zeros(max_num_tokens, hidden_size, dtype=dtype, device=device)  # the final norm's
+
+
+class PiecewiseGraph:
+    """A prefill or mixed forward of up to `num_tokens` tokens: CUDA graphs of everything between two attention
+    calls (norms, projections, MLP; L + 1 pieces for L layers), with each layer's attention run eagerly in between.
+
+    Why: such steps run eagerly otherwise, and on an H200 their host time (every GEMM, every compiled norm is a
+    Python call) is 2-3x their GPU time. Attention stays outside because its kernels' grids depend on the step's
+    sequences, which a graph would freeze. Padding rows (past the step's tokens) compute garbage that no real row
+    reads: every op outside attention works row by row, and attention only reads and writes the real rows.
+    Replay order is capture order and no piece's intermediates outlive it, so all pieces of all buckets share one
+    memory pool (PyTorch allows this for graphs replayed in the order they were captured).
+    """
+
+    def __init__(self, model, num_tokens: int, buffers: MixedStepBuffers, pool=None, capture: bool = True):
+        self.num_tokens = n = num_tokens
+        self.buffers, self.layers = buffers, model.model.layers
+        decoder, layers, b = model.model, self.layers, buffers
+
+        def first():  # embedding + layer 0 up to its qkv projection
+            qkv, residual = layers[0].pre_attention(decoder.embed_tokens(b.input_ids[:n]), None)
+            b.qkv[:n].copy_(qkv)
+            b.residual[:n].copy_(residual)
+
+        def middle(i):  # layer i - 1 after attention + layer i up to its qkv projection
+            def piece():
+                hidden, residual = layers[i - 1].post_attention(b.attn_out[:n], b.residual[:n])
+                qkv, residual = layers[i].pre_attention(hidden, residual)
+                b.qkv[:n].copy_(qkv)
+                b.residual[:n].copy_(residual)
+            return piece
+
+        def last():  # the last layer after attention + the final norm
+            hidden, residual = layers[-1].post_attention(b.attn_out[:n], b.residual[:n])
+            b.hidden[:n].copy_(decoder.norm(hidden, residual)[0])
+
+        self.pieces = [first] + [middle(i) for i in range(1, len(layers))] + [last]
+        self.graphs = []
+        if not capture:  # CPU tests: the same pieces and buffers, called eagerly
+            return
+        for piece in self.pieces:
+            piece()  # warm-up: torch.compile traces this shape outside the capture
+        for piece in self.pieces:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                piece()
+            pool = graph.pool()
+            self.graphs.append(graph)
+        self.pool = pool
+
+    def replay(self, inputs) -> torch.Tensor:
+        """Hidden states of the step's tokens; the runner has set the attention metadata (context)."""
+        n, b = inputs.input_ids.size(0), self.buffers
+        b.input_ids[:n] = inputs.input_ids
+        run = [g.replay for g in self.graphs] or self.pieces
+        run[0]()
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.attend(b.qkv[:n], inputs.positions, out=b.attn_out[:n])
+            run[i + 1]()
+        return b.hidden[:n]

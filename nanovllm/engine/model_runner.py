@@ -107,7 +107,8 @@ class ModelRunner:
         set_compile(self.device.type == "cuda" and not config.enforce_eager)
         self.kv_cache = None
         self.host_cache = self.copy_engine = None
-        self.graphs = {}
+        self.graphs = {}  # decode batch size -> DecodeGraph
+        self.mixed_graphs = {}  # token bucket -> PiecewiseGraph, for prefill and mixed steps
 
     # --- start-up
     def _build_model(self) -> DecoderForCausalLM:
@@ -348,9 +349,13 @@ class ModelRunner:
         if graph is not None:
             hidden = graph.replay(inputs)
         else:
+            mixed_graph = self._mixed_graph_for(plan)
             set_context(inputs.metadata)
             try:
-                hidden = self.model(inputs.input_ids, inputs.positions)
+                if mixed_graph is not None:
+                    hidden = mixed_graph.replay(inputs)
+                else:
+                    hidden = self.model(inputs.input_ids, inputs.positions)
             finally:
                 reset_context()
         if not plan.logits_indices:
@@ -412,11 +417,21 @@ class ModelRunner:
                 return self.graphs[size]
         return None
 
+    def _mixed_graph_for(self, plan: StepPlan):
+        for size, graph in self.mixed_graphs.items():  # ascending
+            if size >= plan.num_tokens:
+                return graph
+        return None
+
     @torch.inference_mode()
     def capture_cuda_graphs(self):
-        """Warm up, then capture decode forwards for batch sizes up to max_num_seqs (1, 2, 4, 8, 16, 32, ...)."""
+        """Warm up, then capture decode forwards for batch sizes up to max_num_seqs (1, 2, 4, 8, 16, 32, ...) and
+        piecewise prefill/mixed forwards for token buckets up to 2,048."""
         self.warmup()
+        piecewise = os.environ.get("NANOVLLM_PIECEWISE_GRAPHS")
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name == "torch":
+            if piecewise == "1" and self.device.type == "cpu":
+                self._capture_mixed_graphs(None, capture=False)  # CPU tests: the pieces run eagerly
             return
         from nanovllm.engine.cuda_graph import DecodeGraph
         max_bs = min(self.config.max_num_seqs, 512)
@@ -428,6 +443,25 @@ class ModelRunner:
             graph = DecodeGraph(self.model, size, width, self.device, pool)
             pool = graph.pool
             self.graphs[size] = graph
+        if piecewise != "0":
+            self._capture_mixed_graphs(pool)
+
+    MIXED_GRAPH_TOKENS = (16, 32, 64, 128, 192) + tuple(range(256, 2049, 256))  # padding: at most 25% from 256 up
+
+    def _capture_mixed_graphs(self, pool, capture: bool = True):
+        """Piecewise graphs for prefill and mixed steps of up to 2,048 tokens (larger steps are GPU-bound and run
+        eagerly); NANOVLLM_PIECEWISE_GRAPHS=0 turns them off."""
+        from nanovllm.engine.cuda_graph import MixedStepBuffers, PiecewiseGraph
+        limit = self.config.max_num_batched_tokens
+        sizes = [n for n in self.MIXED_GRAPH_TOKENS if n < limit] + [min(limit, self.MIXED_GRAPH_TOKENS[-1])]
+        attn = self.model.model.layers[0].self_attn
+        buffers = MixedStepBuffers(sizes[-1], self.config.hf_config.hidden_size, attn.qkv_proj.weight.size(0),
+                                   attn.num_heads * attn.head_dim, self.dtype, self.device)
+        for size in reversed(sizes):
+            graph = PiecewiseGraph(self.model, size, buffers, pool, capture)
+            pool = graph.pool if capture else None
+            self.mixed_graphs[size] = graph
+        self.mixed_graphs = dict(sorted(self.mixed_graphs.items()))
 
     def close(self):
         if self.copy_engine is not None:
@@ -435,6 +469,7 @@ class ModelRunner:
         for attn in (m for m in self.model.modules() if isinstance(m, Attention)):
             attn.k_cache = attn.v_cache = torch.tensor([])
         self.graphs.clear()
+        self.mixed_graphs.clear()
         self.model = self.kv_cache = self.host_cache = self.copy_engine = None
         self.generators.clear()
         gc.collect()

@@ -138,31 +138,33 @@ class Attention(nn.Module):
         self.backend = None
         self.fused_rope_store = False  # the runner turns it on with the cache (Triton or flash backend)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out=None) -> torch.Tensor:
         md = get_context()
         if self.k_cache.numel():  # no cache during the memory-profiling run
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, md)
         else:
             return self._profile_attention(q, k, v, md.max_seq_len)
-        return self._attend(q, md)
+        return self._attend(q, md, out)
 
     def rope_store_attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                          q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+                          q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                          out=None) -> torch.Tensor:
         """The fused path: (q/k norm,) rope and the KV store in one kernel, then attention. qkv is the qkv
         projection's output [T, (num_heads + 2 * num_kv_heads) * head_dim]."""
         from nanovllm.kernels.rope_store import rope_store_kvcache
         md = get_context()
         q = rope_store_kvcache(qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
                                self.k_cache, self.v_cache, md.slot_mapping, q_weight, k_weight, eps)
-        return self._attend(q, md)
+        return self._attend(q, md, out)
 
-    def _attend(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, md: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, num_heads, head_dim], written into `out` when given."""
         if md.is_decode_only:
-            return self.backend.decode(q, self.k_cache, self.v_cache, md, self.scale)
+            return self.backend.decode(q, self.k_cache, self.v_cache, md, self.scale, out=out)
         if not md.num_decode_rows:
-            return self.backend.prefill(q, self.k_cache, self.v_cache, md, self.scale)
+            return self.backend.prefill(q, self.k_cache, self.v_cache, md, self.scale, out=out)
         # a mixed step: the leading one-token rows through decode, the prompt chunks through prefill
-        d, out = md.num_decode_rows, torch.empty_like(q)
+        d, out = md.num_decode_rows, torch.empty_like(q) if out is None else out
         self.backend.decode(q[:d], self.k_cache, self.v_cache, md.decode_part, self.scale, out=out[:d])
         self.backend.prefill(q[d:], self.k_cache, self.v_cache, md.prefill_part, self.scale, out=out[d:])
         return out

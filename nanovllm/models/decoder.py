@@ -35,13 +35,14 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """From the qkv projection's output to attention's [T, num_heads * head_dim] (into `out` when given): the
+        part of a layer that reads the paged KV cache, which piecewise CUDA graphs leave outside."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = self.qkv_proj(hidden)
+        out = out.view(-1, self.num_heads, self.head_dim) if out is not None else None
         if self.attn.fused_rope_store:
             norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-            out = self.attn.rope_store_attend(qkv, positions, self.rotary_emb.cos_sin_cache, *norm)
-            return self.o_proj(out.flatten(1))
+            return self.attn.rope_store_attend(qkv, positions, self.rotary_emb.cos_sin_cache, *norm, out=out).flatten(1)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, nh, hd]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, nkv, hd]
@@ -51,8 +52,7 @@ class DecoderAttention(nn.Module):
                                 self.rotary_emb.cos_sin_cache)
         else:
             q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v)  # [T, nh, hd]
-        return self.o_proj(out.flatten(1))
+        return self.attn(q, k, v, out=out).flatten(1)  # [T, nh * hd]
 
 
 class DecoderMLP(nn.Module):
@@ -76,12 +76,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
+        qkv, residual = self.pre_attention(hidden, residual)
+        return self.post_attention(self.self_attn.attend(qkv, positions), residual)
+
+    # the two halves around attention (piecewise CUDA graphs capture them, engine/cuda_graph.py)
+    def pre_attention(self, hidden, residual):
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.self_attn.qkv_proj(hidden), residual
+
+    def post_attention(self, attn_out, residual):
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
         return self.mlp(hidden), residual
 
 
