@@ -86,12 +86,13 @@ def test_unfused_rope_store_matches_hf_in_float32(gpu_models, family):
     assert num_same(got["token_ids"], ref) == len(ref), (got["token_ids"], ref)
 
 
-@pytest.mark.parametrize("split", ["1", "0"])
-def test_mixed_steps_match_hf_in_float32(gpu_models, split):
-    """A 64-token budget: prompts prefill in chunks beside the other sequences' decodes. Split (the default), a
-    mixed step's one-token rows go through the decode kernel and the chunks through the prefill kernel."""
+@pytest.mark.parametrize("env", [{}, {"NANOVLLM_SPLIT_MIXED": "0"}, {"NANOVLLM_PIECEWISE_GRAPHS": "0"}],
+                         ids=["default", "no_split", "no_piecewise_graphs"])
+def test_mixed_steps_match_hf_in_float32(gpu_models, env):
+    """A 64-token budget: prompts prefill in chunks beside the other sequences' decodes. By default a mixed step
+    replays piecewise graphs, and its one-token rows go through the decode kernel, the chunks through prefill."""
     ref = run(gpu_models["qwen3"], reference=True)["token_ids"]
-    got = run(gpu_models["qwen3"], env={"NANOVLLM_SPLIT_MIXED": split}, max_num_batched_tokens=64)
+    got = run(gpu_models["qwen3"], env=env, max_num_batched_tokens=64)
     assert num_same(got["token_ids"], ref) == len(ref), (got["token_ids"], ref)
 
 
