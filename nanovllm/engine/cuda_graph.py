@@ -92,26 +92,27 @@ class PiecewiseGraph:
             b.hidden[:n].copy_(decoder.norm(hidden, residual)[0])
 
         self.pieces = [first] + [middle(i) for i in range(1, len(layers))] + [last]
-        self.graphs = []
+        self.run = self.pieces  # what replay calls: the graphs' replays once captured
         if not capture:  # CPU tests: the same pieces and buffers, called eagerly
             return
         for piece in self.pieces:
             piece()  # warm-up: torch.compile traces this shape outside the capture
+        self.graphs = []
         for piece in self.pieces:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
                 piece()
             pool = graph.pool()
             self.graphs.append(graph)
+        self.run = [graph.replay for graph in self.graphs]
         self.pool = pool
 
     def replay(self, inputs) -> torch.Tensor:
         """Hidden states of the step's tokens; the runner has set the attention metadata (context)."""
         n, b = inputs.input_ids.size(0), self.buffers
         b.input_ids[:n] = inputs.input_ids
-        run = [g.replay for g in self.graphs] or self.pieces
-        run[0]()
+        self.run[0]()
         for i, layer in enumerate(self.layers):
             layer.self_attn.attend(b.qkv[:n], inputs.positions, out=b.attn_out[:n])
-            run[i + 1]()
+            self.run[i + 1]()
         return b.hidden[:n]

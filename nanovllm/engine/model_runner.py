@@ -261,7 +261,6 @@ class ModelRunner:
         at an address Triton specializes on (16-byte alignment), so each new d % 4 would compile kernel variants
         mid-run."""
         d = num_decode_rows
-        md.num_decode_rows = d
         md.decode_part = AttentionMetadata(
             is_decode_only=True, slot_mapping=md.slot_mapping[:d], seq_lens=md.seq_lens[:d],
             block_tables=md.block_tables[:d], max_seq_len=max(md.seq_lens_cpu[:d]),

@@ -20,7 +20,7 @@ from nanovllm.utils.context import AttentionMetadata, get_context
 
 class TorchBackend:
     name = "torch"
-    splits_mixed_steps = True  # on CPU only to exercise the split; its prefill loops over sequences anyway
+    splits_mixed_steps = True  # it gains nothing (its prefill loops over sequences), but CPU tests cover the split
 
     def store_kv(self, k, v, k_cache, v_cache, md: AttentionMetadata):
         valid = md.slot_mapping >= 0
@@ -99,8 +99,8 @@ class FlashBackend(TritonBackend):
     def prefill(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
         cu_seqlens_k = F.pad(md.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))  # [B + 1]
         result = self.varlen(q, k_cache, v_cache, cu_seqlens_q=md.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                           max_seqlen_q=md.max_query_len, max_seqlen_k=md.max_seq_len, softmax_scale=scale,
-                           causal=True, block_table=md.block_tables)
+                             max_seqlen_q=md.max_query_len, max_seqlen_k=md.max_seq_len, softmax_scale=scale,
+                             causal=True, block_table=md.block_tables)
         return result if out is None else out.copy_(result)
 
     def decode(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
@@ -161,10 +161,10 @@ class Attention(nn.Module):
         """[T, num_heads, head_dim], written into `out` when given."""
         if md.is_decode_only:
             return self.backend.decode(q, self.k_cache, self.v_cache, md, self.scale, out=out)
-        if not md.num_decode_rows:
+        if md.decode_part is None:
             return self.backend.prefill(q, self.k_cache, self.v_cache, md, self.scale, out=out)
         # a mixed step: the leading one-token rows through decode, the prompt chunks through prefill
-        d, out = md.num_decode_rows, torch.empty_like(q) if out is None else out
+        d, out = len(md.decode_part.seq_lens_cpu), torch.empty_like(q) if out is None else out
         self.backend.decode(q[:d], self.k_cache, self.v_cache, md.decode_part, self.scale, out=out[:d])
         self.backend.prefill(q[d:], self.k_cache, self.v_cache, md.prefill_part, self.scale, out=out[d:])
         return out

@@ -20,7 +20,6 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] | None = None
     # a mixed step whose first rows compute one token each: attention runs `decode_part` (those rows, through the
     # decode kernel) and `prefill_part` (the rest, cu_seqlens_q starting at 0) instead of one prefill over all
-    num_decode_rows: int = 0
     decode_part: "AttentionMetadata | None" = None
     prefill_part: "AttentionMetadata | None" = None
 
