@@ -3,7 +3,8 @@
     python bench.py                                   # Qwen3-0.6B shape, 256 seqs
     python bench.py --shape qwen3-8b --num-seqs 1024  # the H800 workload
     python bench.py --profile-decode 32 256           # also: decode-step time and kernels at these batch sizes
-    python bench.py --profile-mixed 32:1024 0:16384   # ... and of steps with 32 decode rows + a 1,024-token prompt
+    python bench.py --profile-mixed 32:1024 0:560x29  # ... and of steps with 32 decode rows + a 1,024-token prompt,
+                                                      # and of a prefill of 29 prompts of 560 tokens
 """
 import argparse
 import json
@@ -69,11 +70,11 @@ class HostTimer:
         setattr(obj, name, timed)
 
 
-def step_plan(num_decode: int, context_len: int, prefill_len: int, block_size: int) -> StepPlan:
-    """`num_decode` decode rows with `context_len` tokens each, then (prefill_len > 0) one prompt of prefill_len
-    new tokens; every sequence in its own consecutive blocks."""
+def step_plan(num_decode: int, context_len: int, prefill_len: int, block_size: int, num_prompts: int = 1) -> StepPlan:
+    """`num_decode` decode rows with `context_len` tokens each, then (prefill_len > 0) `num_prompts` prompts of
+    prefill_len new tokens each; every sequence in its own consecutive blocks."""
     plan, next_block = StepPlan(), 0
-    rows = [(context_len - 1, 1)] * num_decode + ([(0, prefill_len)] if prefill_len else [])
+    rows = [(context_len - 1, 1)] * num_decode + ([(0, prefill_len)] * num_prompts if prefill_len else [])
     for start, n in rows:
         table = list(range(next_block, next_block - (-(start + n) // block_size)))
         next_block += len(table)
@@ -87,15 +88,16 @@ def step_plan(num_decode: int, context_len: int, prefill_len: int, block_size: i
     return plan
 
 
-def profile_step(runner, num_decode: int, prefill_len: int = 0, context_len: int = 1000, num_iters: int = 30):
+def profile_step(runner, num_decode: int, prefill_len: int = 0, context_len: int = 1000, num_iters: int = 30,
+                 num_prompts: int = 1):
     """Time the step the engine runs (prepare, forward -- a graph replay when decode-only --, LM head, sampler) back
     to back, as async scheduling issues them, then list its top kernels. Writes into the (now free) KV blocks."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from nanovllm.layers.sampler import SamplingTensors
-    plan = step_plan(num_decode, context_len, prefill_len, runner.block_size)
-    name = f"step: {num_decode} decode rows (context {context_len}) + a {prefill_len}-token prompt"
+    plan = step_plan(num_decode, context_len, prefill_len, runner.block_size, num_prompts)
+    name = f"step: {num_decode} decode rows (context {context_len}) + {num_prompts} x {prefill_len}-token prompts"
     if sum(len(t) for t in plan.block_tables) > runner.kv_cache.size(0):
         print(f"{name}: does not fit in the KV cache; skipped")
         return
@@ -163,8 +165,9 @@ def main():
     parser.add_argument("--profile-decode", type=int, nargs="*", default=(), metavar="BATCH",
                         help="after the run, time decode steps (forward + sampling) at these batch sizes with a "
                              "1,000-token context and print their top CUDA kernels (torch.profiler)")
-    parser.add_argument("--profile-mixed", nargs="*", default=(), metavar="ROWS:TOKENS",
-                        help="likewise for steps of ROWS decode rows plus one prompt of TOKENS new tokens")
+    parser.add_argument("--profile-mixed", nargs="*", default=(), metavar="ROWS:TOKENS[xPROMPTS]",
+                        help="likewise for steps of ROWS decode rows plus PROMPTS (default 1) prompts of TOKENS new "
+                             "tokens each")
     parser.add_argument("--skip-run", action="store_true", help="only the profiles")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="schedule step N+1 while step N runs (default: on at TP 1)")
@@ -181,8 +184,9 @@ def main():
     for batch in args.profile_decode:
         profile_step(llm.runner, batch)
     for spec in args.profile_mixed:
-        num_decode, prefill_len = map(int, spec.split(":"))
-        profile_step(llm.runner, num_decode, prefill_len)
+        num_decode, prompts = spec.split(":")
+        prefill_len, _, num_prompts = prompts.partition("x")
+        profile_step(llm.runner, int(num_decode), int(prefill_len), num_prompts=int(num_prompts or 1))
     llm.close()
 
 

@@ -19,7 +19,7 @@ from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.registry import SUPPORTED_ARCHITECTURES
 from nanovllm.utils.compile import set_compile
 from nanovllm.utils.context import AttentionMetadata, reset_context, set_context
-from nanovllm.utils.distributed import tp_rank, tp_size
+from nanovllm.utils.distributed import tp_size
 from nanovllm.utils.loader import init_dummy_weights, load_weights
 from nanovllm_offload.copy_engine import CopyEngine
 from nanovllm_offload.host_kv_cache import HostKVCache, num_host_blocks
@@ -372,8 +372,7 @@ class ModelRunner:
         limit = min(self.config.max_model_len, self.config.max_num_batched_tokens, num_blocks * bs)
         for query_len in sorted({min(n, limit) for n in (1, 2, 12, 24, 48, 100, 300, 1000)}):
             self._forward(self._warmup_plan([query_len]))
-        # several sequences in one step, as a run's first steps have: one H200 run's first step (32 prompts) took
-        # 0.28 s instead of 0.06 s, likely a compile for shapes no single-sequence warm-up covers (unconfirmed)
+        # several sequences in one step, as a run's first steps have
         per_seq = min(300, limit // 4, num_blocks // 4 * bs)
         if per_seq > 0:
             self._forward(self._warmup_plan([per_seq] * 4))
@@ -396,10 +395,12 @@ class ModelRunner:
         return plan
 
     def _warmup_sampler(self):
-        """Trace the compiled sampling ops (plain, and with top-k/top-p) for a few batch sizes."""
+        """Trace the compiled sampling ops (plain, and with top-k/top-p) for a few batch sizes, on logits of the
+        LM head's dtype: warmed up on float32 only, the first bf16 batch of a run recompiled (1.2-2.6 s on an
+        H200). Batch 1 comes first because torch.compile specializes on size 1 before it turns dynamic."""
         vocab = self.config.hf_config.vocab_size
         for batch in (1, 3, 16):
-            logits = torch.randn(batch, vocab, device=self.device)
+            logits = torch.randn(batch, vocab, device=self.device, dtype=self.dtype)
             temps = torch.full((batch,), 0.7, device=self.device)
             top_ks = torch.full((batch,), 50, dtype=torch.int64, device=self.device)
             top_ps = torch.full((batch,), 0.9, device=self.device)

@@ -30,7 +30,6 @@ All softmax math is fp32 in the log2 domain (``exp2`` with ``scale * log2(e)``).
 """
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -391,6 +390,10 @@ def _decode_reduce_kernel(
 _TARGET_CTAS_PER_SM = 4  # enough resident programs to keep HBM busy
 _MAX_SPLITS = 64  # bounds the scratch buffers and the reduce tile
 _MAX_SPLIT_TOKENS = 1024  # when splitting, keep slices short so shorter-than-table sequences split too
+# One reduce tile for every split count: the count follows the block-table width, which differs between graph
+# replays (max_model_len wide) and eager mixed steps (the step's own width), so a tile sized per count compiled a
+# new variant in the middle of a run (0.2 s on an H200). Slices past num_splits are masked loads that read nothing.
+_REDUCE_BLOCK_S = triton.next_power_of_2(_MAX_SPLITS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -487,7 +490,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             part_o, part_lse, seq_lens, out,
             tokens_per_split, num_heads, splits,
             *out.stride(),
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+            HEAD_DIM=head_dim, BLOCK_S=_REDUCE_BLOCK_S, BLOCK_D=block_d,
             num_warps=4,
         )
     return out
