@@ -1,7 +1,9 @@
 """Moves whole KV blocks between the GPU cache and the host cache on dedicated CUDA streams.
 
 Ordering rules (each enforced by an event wait, never by a device-wide sync):
-1. A swap-out starts after all compute issued before it: it reads KV the previous forward wrote.
+1. A swap-out reads a block only after the last forward that writes it. With asynchronous scheduling a step's
+   copies are issued while the forward before is still queued or running; the blocks that forward writes (its slot
+   mapping) are copied after it, all others as soon as the forward before it is done, so they overlap it.
 2. Compute that writes a GPU block waits for any swap-out still reading that block (`wait_before_forward`).
    Each run of a swap-out records its own event, and the scheduler orders a victim's blocks the way they are
    handed out again, so the next owner usually waits for one block's copy, not for the victim's whole KV.
@@ -30,6 +32,19 @@ def contiguous_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def written_block_ids(slot_mapping: list[int], block_size: int) -> set[int]:
+    """GPU blocks a forward writes KV into (slot -1 is CUDA-graph padding)."""
+    return {slot // block_size for slot in slot_mapping if slot >= 0}
+
+
+def split_by_last_forward(pairs: list[tuple[int, int]], written: set[int] | None):
+    """Swap-out pairs -> (stale, hot): hot ones read a block the last forward writes and must wait for it; stale
+    ones only for the forward before. `written` None (no forward before the last one): all are hot."""
+    if written is None:
+        return [], pairs
+    return [p for p in pairs if p[0] not in written], [p for p in pairs if p[0] in written]
+
+
 def events_to_wait(new_gpu_block_ids: list[int], block_tables: list[list[int]], reading: dict, arriving: dict) -> list:
     """The copy events a forward must wait for: swap-outs still reading a block it is handed to write (rule 2) and
     swap-ins still filling a block of its block tables (rule 3). Each event once, unfinished ones only."""
@@ -48,8 +63,8 @@ def events_to_wait(new_gpu_block_ids: list[int], block_tables: list[list[int]], 
 class CopyEngine:
     """Owns the copy streams and the transfers in flight; drained once per step by `poll`."""
 
-    def __init__(self, gpu_kv: torch.Tensor, host_kv: torch.Tensor):
-        self.gpu_kv, self.host_kv = gpu_kv, host_kv
+    def __init__(self, gpu_kv: torch.Tensor, host_kv: torch.Tensor, block_size: int):
+        self.gpu_kv, self.host_kv, self.block_size = gpu_kv, host_kv, block_size
         self.block_bytes = gpu_kv[0].numel() * gpu_kv.element_size()
         self.is_cuda = gpu_kv.is_cuda
         if self.is_cuda:
@@ -57,6 +72,9 @@ class CopyEngine:
         self.reading_gpu_blocks: dict[int, torch.cuda.Event] = {}  # swap-out sources still being read
         self.arriving_gpu_blocks: dict[int, torch.cuda.Event] = {}  # swap-in destinations still being filled
         self.last_out_event = self.last_in_event = None
+        # rule 1: events recorded after the last two forwards, and the slots the last one writes
+        self.before_last_forward = self.last_forward = None
+        self.last_forward_slots: list[int] = []
         self.pending_copies: list[tuple[object, object, int]] = []  # (start, end, bytes): copies not yet timed
         self.pending_waits: list[tuple[object, object]] = []  # compute-stream stalls not yet timed
         self.bytes_out = self.bytes_in = 0
@@ -64,12 +82,30 @@ class CopyEngine:
         self.recent_copies: list[tuple[int, float]] = []  # (bytes, seconds) timed since the last take_recent_copies
 
     # --- issuing copies
+    def forward_issued(self, slot_mapping: list[int]):
+        """Call after each forward is enqueued on the compute stream (rule 1). KV written on the compute stream by
+        anything else would not be waited for by the swap-outs of blocks the last forward does not write."""
+        if not self.is_cuda:
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self.before_last_forward, self.last_forward = self.last_forward, event
+        self.last_forward_slots = slot_mapping
+
     def swap_out(self, pairs: list[tuple[int, int]]):
-        """pairs: (gpu_block_id, cpu_block_id)."""
+        """pairs: (gpu_block_id, cpu_block_id), in the order the blocks are handed out again."""
         if not pairs:
             return
         self.bytes_out += len(pairs) * self.block_bytes
-        self._copy(pairs, self.gpu_kv, self.host_kv, "out")
+        if not self.is_cuda:
+            self._copy(pairs, self.gpu_kv, self.host_kv, "out")
+            return
+        written = None
+        if self.before_last_forward is not None:
+            written = written_block_ids(self.last_forward_slots, self.block_size)
+        stale, hot = split_by_last_forward(pairs, written)
+        self._copy(stale, self.gpu_kv, self.host_kv, "out", after=self.before_last_forward)
+        self._copy(hot, self.gpu_kv, self.host_kv, "out")
 
     def swap_in(self, pairs: list[tuple[int, int]]):
         """pairs: (cpu_block_id, gpu_block_id)."""
@@ -86,7 +122,11 @@ class CopyEngine:
         arriving = self.arriving_gpu_blocks
         return not arriving or all(b not in arriving or arriving[b].query() for b in gpu_block_ids)
 
-    def _copy(self, pairs, src: torch.Tensor, dst: torch.Tensor, direction: str):
+    def _copy(self, pairs, src: torch.Tensor, dst: torch.Tensor, direction: str, after=None):
+        """Copy on the direction's stream once `after` (an event on the compute stream; default: all compute issued
+        so far) is done. Returns the event that ends the copy (None on CPU or when there is nothing to copy)."""
+        if not pairs:
+            return None
         num_bytes = len(pairs) * self.block_bytes
         if not self.is_cuda:
             start = time.perf_counter()
@@ -98,7 +138,10 @@ class CopyEngine:
             return None
         stream, other = (self.out_stream, self.last_in_event) if direction == "out" else (self.in_stream,
                                                                                           self.last_out_event)
-        stream.wait_stream(torch.cuda.current_stream())  # rule 1 (and: earlier compute done with these blocks)
+        if after is None:
+            stream.wait_stream(torch.cuda.current_stream())  # rule 1 (and: earlier compute done with these blocks)
+        else:
+            stream.wait_event(after)
         if other is not None:
             stream.wait_event(other)  # rule 4
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -1,5 +1,6 @@
-"""Which copies a forward waits for (rules 2 and 3 of nanovllm_offload/copy_engine.py), with stand-in events."""
-from nanovllm_offload.copy_engine import contiguous_runs, events_to_wait
+"""Which copies wait for which forward, and which forward waits for which copies (rules 1-3 of
+nanovllm_offload/copy_engine.py), with stand-in events."""
+from nanovllm_offload.copy_engine import contiguous_runs, events_to_wait, split_by_last_forward, written_block_ids
 
 
 class Event:
@@ -33,3 +34,13 @@ def test_finished_copies_are_not_waited_for():
 
 def test_contiguous_runs_merge_only_when_both_ids_advance():
     assert contiguous_runs([(4, 0), (5, 1), (6, 2), (9, 3), (10, 5)]) == [(4, 0, 3), (9, 3, 1), (10, 5, 1)]
+
+
+def test_a_swap_out_waits_for_the_last_forward_only_for_the_blocks_it_writes():
+    # block size 4; the last forward wrote slots 21 (block 5), 8 and 9 (block 2); -1 is graph padding
+    written = written_block_ids([21, 8, 9, -1], 4)
+    assert written == {5, 2}
+    stale, hot = split_by_last_forward([(4, 0), (5, 1), (2, 2), (7, 3)], written)
+    assert stale == [(4, 0), (7, 3)] and hot == [(5, 1), (2, 2)]
+    # no forward before the last one: everything waits for the last
+    assert split_by_last_forward([(4, 0)], None) == ([], [(4, 0)])

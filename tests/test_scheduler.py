@@ -123,8 +123,9 @@ def test_shared_blocks_stay_on_the_gpu_and_cross_once():
     check(s)
     assert s.block_manager.ref_counts[0] == 1 and s.block_manager.ref_counts[1] == 1  # a still owns them
     out, _ = run_step(s)
-    # the shared blocks are copied (b must own its KV on the host), each once, plus b's own partial block
-    assert out.swap_out == [(3, 2), (1, 1), (0, 0)]  # in the order they are handed out again (see reuse_rank)
+    # the shared blocks are copied (b must own its KV on the host), each once, plus b's own partial block, last:
+    # the step before wrote it (see test_blocks_the_step_in_flight_writes_are_copied_and_handed_out_last)
+    assert out.swap_out == [(1, 1), (0, 0), (3, 2)]
     assert a.block_table == [0, 1, 2] and s.block_manager.ref_counts[:3] == [2, 2, 1]  # b is back already
 
 
@@ -188,9 +189,10 @@ def test_a_chunk_caches_only_the_blocks_it_completes():
 
 def test_a_swap_out_copies_first_the_block_its_next_owner_gets():
     """No free block: a grows into a block of the victim b. That block is copied first, so a's forward waits
-    for one block's copy, not for all of b's."""
+    for one block's copy, not for all of b's. b's block 4, which the step before wrote, is copied and handed out
+    last: with asynchronous scheduling that step's forward may still be running."""
     for prefix_caching, expected_swap_out, expected_table in (
-            (True, [(4, 2), (3, 1), (2, 0)], [0, 1, 4]),  # unhashed block 4 first, then the hashed, last first
+            (True, [(3, 1), (2, 0), (4, 2)], [0, 1, 3]),  # hashed blocks, last first; then block 4
             (False, [(2, 0), (3, 1), (4, 2)], [0, 1, 2])):  # no hashes: table order
         s = make_scheduler(num_gpu_blocks=5, num_cpu_blocks=8, mode="swap", prefix_caching=prefix_caching)
         a, b = make_seq(7), make_seq(8, start=200)
@@ -201,6 +203,24 @@ def test_a_swap_out_copies_first_the_block_its_next_owner_gets():
         out, _ = run_step(s)  # a's 9th token needs a block: b is swapped out
         assert b.status.name == "SWAPPED" and b.cpu_block_table == [0, 1, 2]
         assert out.swap_out == expected_swap_out and a.block_table == expected_table
+
+
+def test_blocks_the_step_in_flight_writes_are_copied_and_handed_out_last():
+    """The victim's block that the step before wrote goes to the end of the free queue and of the copies: with
+    asynchronous scheduling the copy engine can copy the other blocks while that step's forward still runs."""
+    s = make_scheduler(num_gpu_blocks=6, num_cpu_blocks=8, mode="swap")
+    a, b = make_seq(7), make_seq(12, start=200)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # a [0, 1]; b [2, 3, 4], all three full and cached
+    run_step(s)  # a writes position 7 into block 1; b position 12 into a new block 5: none is free now
+    assert b.block_table == [2, 3, 4, 5] and s.block_manager.num_free_blocks == 0
+    assert s._blocks_in_flight(b) == [5] and s._blocks_in_flight(a) == [1]
+    out, _ = run_step(s)  # a's position 8 needs a block: b is swapped out, a gets b's last full block
+    assert b.status.name == "SWAPPED" and b.cpu_block_table == [0, 1, 2, 3]
+    assert out.swap_out == [(4, 2), (3, 1), (2, 0), (5, 3)] and a.block_table == [0, 1, 4]
+    assert list(s.block_manager.free_block_ids) == [3, 2, 5]
+    check(s)
 
 
 def test_a_resumed_sequence_stays_out_of_the_batch_until_its_kv_has_landed():

@@ -173,17 +173,33 @@ class BlockManager(BlockPool):
         """The blocks that hold seq's computed KV (the ones a swap-out must copy)."""
         return seq.block_table[:seq.num_blocks_for(seq.num_computed_tokens)]
 
-    def reuse_rank(self, block_table: list[int]) -> dict[int, int]:
-        """For each block of a table about to be freed: its place in the order `free` hands them out again. Blocks
-        without a hash go to the head of the free queue in table order; hashed ones to the tail, last block
-        first (so the prefix survives longest)."""
-        unhashed = [b for b in block_table if self.block_hash[b] is None]
-        hashed = [b for b in reversed(block_table) if self.block_hash[b] is not None]
-        return {b: i for i, b in enumerate(unhashed + hashed)}
+    def _reuse_order(self, block_ids: list[int]) -> list[int]:
+        """Blocks without a hash go to the head of the free queue in table order; hashed ones to the tail, last
+        block first (so the prefix survives longest)."""
+        unhashed = [b for b in block_ids if self.block_hash[b] is None]
+        hashed = [b for b in reversed(block_ids) if self.block_hash[b] is not None]
+        return unhashed + hashed
 
-    def free(self, seq: Sequence, keep_tail: bool = False):
+    def reuse_rank(self, block_table: list[int], hand_out_last: list[int] = ()) -> dict[int, int]:
+        """For each block of a table about to be freed: its place in the order `free` (with the same
+        hand_out_last) hands them out again."""
+        last = set(hand_out_last)
+        order = self._reuse_order(block_table)
+        order = [b for b in order if b not in last] + [b for b in order if b in last]
+        return {b: i for i, b in enumerate(order)}
+
+    def free(self, seq: Sequence, keep_tail: bool = False, hand_out_last: list[int] = ()):
         """Drop seq's references; its last blocks go to the free queue first so its prefix survives longest.
-        keep_tail (a finished seq): its partial last block stays findable, see the class NOTE on tails."""
+        keep_tail (a finished seq): its partial last block stays findable, see the class NOTE on tails.
+        hand_out_last (a swapped-out seq): blocks that its swap-out can copy only after the forward in flight
+        (which writes them); they go to the very end of the free queue, so that the next owners get blocks whose
+        copies started earlier."""
+        self._release_all(seq, keep_tail)
+        for block_id in self._reuse_order(list(hand_out_last)):
+            if block_id in self.free_block_ids:
+                self.free_block_ids.move_to_end(block_id)
+
+    def _release_all(self, seq: Sequence, keep_tail: bool):
         tail = self._tail_of(seq) if keep_tail and self.enable_prefix_caching else None
         for block_id in reversed(seq.block_table):
             if not self.release(block_id, seq.seq_id):

@@ -207,7 +207,7 @@ class ModelRunner:
     def allocate_host_cache(self, num_blocks: int):
         self.host_cache = HostKVCache(num_blocks, tuple(self.kv_cache.shape[1:]), self.dtype,
                                       pin_memory=self.device.type == "cuda")
-        self.copy_engine = CopyEngine(self.kv_cache, self.host_cache.kv)
+        self.copy_engine = CopyEngine(self.kv_cache, self.host_cache.kv, self.block_size)
 
     def num_host_blocks(self) -> int:
         return num_host_blocks(self.config.swap_space, self.block_bytes, tp_size())
@@ -336,6 +336,8 @@ class ModelRunner:
         if not plan.num_tokens:
             return SampledTokens(None)
         logits = self._forward(plan)
+        if self.copy_engine is not None:
+            self.copy_engine.forward_issued(plan.slot_mapping)
         if logits is None or self.rank != 0:
             return SampledTokens(None)
         self._last_sampled = self.sampler(logits, self.sampling_tensors(sample_seqs))

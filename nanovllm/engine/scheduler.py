@@ -78,6 +78,7 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.stats = SchedulerStats()
         self._forced_swap_out: list[tuple[int, int]] = []  # copies of preempt() calls, issued with the next step
+        self._last_out: SchedulerOutput | None = None  # the step scheduled last (its forward may be in flight)
         # sequences whose KV is being copied in (swap-in, host prefix hits) and `kv_ready`, which the engine points
         # at the copy engine: while others can run, such a sequence waits out of the batch instead of stalling it
         self.kv_arriving: dict[int, Sequence] = {}
@@ -170,6 +171,7 @@ class Scheduler:
 
         out.new_gpu_block_ids = self.block_manager.new_gpu_block_ids
         self._one_token_rows_first(out)
+        self._last_out = out
         return out
 
     @staticmethod
@@ -269,10 +271,12 @@ class Scheduler:
             copies = self.host_pool.swap_out(seq, self.block_manager.computed_block_ids(seq))
             if copies is not None:
                 # copy first the blocks that are handed out first, so the next owner's forward waits for one
-                # block's copy rather than for the victim's whole KV
-                rank = self.block_manager.reuse_rank(seq.block_table)
+                # block's copy rather than for the victim's whole KV; the blocks the step in flight writes are
+                # copied after it, so they are handed out last
+                in_flight = self._blocks_in_flight(seq)
+                rank = self.block_manager.reuse_rank(seq.block_table, in_flight)
                 copies.sort(key=lambda c: rank[c[0]])
-                self.block_manager.free(seq)
+                self.block_manager.free(seq, hand_out_last=in_flight)
                 seq.status = SequenceStatus.SWAPPED
                 self.swapped.append(seq)
                 out.swap_out.extend(copies)
@@ -285,6 +289,18 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def _blocks_in_flight(self, seq: Sequence) -> list[int]:
+        """seq's blocks that the last scheduled step writes: with asynchronous scheduling its forward may still
+        be running while the next step is scheduled."""
+        last = self._last_out
+        if last is None:
+            return []
+        for other, num_new in zip(last.seqs, last.num_new_tokens):
+            if other is seq:
+                bs, end = self.block_manager.block_size, seq.num_computed_tokens
+                return seq.block_table[(end - num_new) // bs:(end + bs - 1) // bs]
+        return []
 
     def postprocess(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Sequence]:
         """advance + resolve for a step whose tokens are already known. Returns the sequences that finished."""
