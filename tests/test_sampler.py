@@ -1,4 +1,4 @@
-"""The sampler's draws follow softmax(logits / T), in each of its paths: eager on CPU, compiled on CUDA."""
+"""The sampler's draws follow softmax(logits / T), in each of its paths: eager on CPU; Triton and compiled on CUDA."""
 import pytest
 import torch
 
@@ -8,13 +8,16 @@ from nanovllm.utils.compile import set_compile
 NUM_DRAWS = 40000
 
 
-@pytest.fixture(autouse=True, params=["cpu", "cuda"])
-def device(request):
-    """Runs each test eagerly on CPU, and with torch.compile on CUDA when there is a GPU."""
-    if request.param == "cuda" and not torch.cuda.is_available():
+@pytest.fixture(autouse=True, params=["cpu", "cuda", "cuda-torch"])
+def device(request, monkeypatch):
+    """Runs each test eagerly on CPU, and on CUDA when there is a GPU: with the Triton sampler, and with the
+    torch.compile'd one (cuda-torch)."""
+    if request.param.startswith("cuda") and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    set_compile(request.param == "cuda")
-    with torch.device(request.param):
+    if request.param == "cuda-torch":
+        monkeypatch.setenv("NANOVLLM_TRITON_SAMPLER", "0")
+    set_compile(request.param.startswith("cuda"))
+    with torch.device(request.param.split("-")[0]):
         yield request.param
     set_compile(False)
 
@@ -71,3 +74,13 @@ def test_draws_span_the_vocabulary_chunks_of_the_two_stage_argmax():
     logits[2499] = 2.0  # the maximum in the padded last chunk
     greedy = Sampler()(logits.expand(4, -1), SamplingTensors(torch.zeros(4), None, None, None, None, False))
     assert greedy.tolist() == [2499] * 4
+
+
+def test_a_triton_failure_falls_back_to_the_torch_path_for_good(caplog):
+    sampler = Sampler()
+
+    def broken(*args):
+        raise RuntimeError("no compiler here")
+    sampler.triton_gumbel = broken
+    assert sampler._triton_gumbel(torch.zeros(2, 5), torch.ones(2)) is None
+    assert not sampler.use_triton and "Triton sampler unavailable (RuntimeError: no compiler here)" in caplog.text

@@ -1,4 +1,6 @@
 """Batched sampling with per-request temperature, top-k, top-p, min-p and seeds."""
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -6,6 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.utils.compile import compilable
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -22,11 +26,20 @@ class Sampler(nn.Module):
     """Samples with the exponential-race trick: argmax(p / E), E ~ Exp(1), which draws from p without a cumsum.
     A seeded row draws its E from its own generator, so its tokens do not depend on the rest of the batch."""
 
+    def __init__(self):
+        super().__init__()
+        self.triton_gumbel = None  # nanovllm.kernels.sampling.gumbel_argmax, loaded on the first CUDA batch
+        self.use_triton = os.environ.get("NANOVLLM_TRITON_SAMPLER", "1") != "0"
+
     def forward(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         if st.all_greedy:
             return logits.argmax(-1)
-        if st.top_ks is None and st.min_ps is None and not st.generators:
-            return gumbel_sample(logits, st.temperatures)  # the common case, in one fused pass over the logits
+        if st.top_ks is None and st.min_ps is None and not st.generators:  # the common case
+            if logits.is_cuda and self.use_triton:
+                ids = self._triton_gumbel(logits, st.temperatures)
+                if ids is not None:
+                    return ids
+            return gumbel_sample(logits, st.temperatures)
         logits = logits.float()  # [B, V]
         greedy_ids = logits.argmax(-1)
         if st.top_ks is not None:
@@ -41,6 +54,22 @@ class Sampler(nn.Module):
             if generator is not None:
                 noise[row].exponential_(generator=generator)
         return race(probs, noise, st.temperatures, greedy_ids)
+
+
+    def _triton_gumbel(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor | None:
+        """The Triton kernel's draw (noise from a seed that torch's default generator picks, so torch.manual_seed
+        makes runs repeat), or None when Triton cannot run it: then the torch path is used from here on."""
+        try:
+            if self.triton_gumbel is None:
+                from nanovllm.kernels.sampling import gumbel_argmax
+                self.triton_gumbel = gumbel_argmax
+            seed = int(torch.randint(1 << 30, (1,), device="cpu"))
+            return self.triton_gumbel(logits, temperatures, seed)
+        except Exception as e:  # noqa: BLE001 -- no Triton, or it fails to compile here: the torch path is exact too
+            logger.warning("Triton sampler unavailable (%s: %s); sampling with torch", type(e).__name__,
+                           str(e).splitlines()[0] if str(e) else "")
+            self.use_triton = False
+            return None
 
 
 ARGMAX_CHUNK = 1024  # vocabulary entries per partial argmax
