@@ -29,8 +29,11 @@ class HostTimer:
     """Wall time of the host-side work of decode-only steps: schedule, step plan, input tensors, sampling
     parameters, advance and resolve (what postprocess was)."""
 
+    POSTPROCESS = ("advance", "resolve")  # the rest is scheduling and input preparation
+
     def __init__(self, llm):
         self.seconds, self.num_steps = 0.0, 0
+        self.postprocess_seconds = 0.0  # part of `seconds`: advance + resolve
         self.decode_wall_seconds = self.prefill_wall_seconds = 0.0
         self.trace = []  # per step: (is_decode, num_seqs, num_tokens, wall seconds)
         step = llm.step
@@ -64,7 +67,10 @@ class HostTimer:
                 self.num_seqs, self.num_tokens = len(result.seqs), sum(result.num_new_tokens)
                 self.num_steps += self.is_decode
             if self.is_decode:
-                self.seconds += time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                self.seconds += seconds
+                if name in self.POSTPROCESS:
+                    self.postprocess_seconds += seconds
             return result
         self.is_decode, self.num_seqs, self.num_tokens = False, 0, 0
         setattr(obj, name, timed)
@@ -144,6 +150,9 @@ def run(llm, args):
     print(f"Total: {num_tokens} tok, Time: {seconds:.2f} s, Throughput: {num_tokens / seconds:.0f} tok/s, "
           f"host time per decode step: {1e3 * timer.seconds / max(timer.num_steps, 1):.3f} ms "
           f"over {timer.num_steps} steps")
+    prep_ms = 1e3 * (timer.seconds - timer.postprocess_seconds) / max(timer.num_steps, 1)
+    post_ms = 1e3 * timer.postprocess_seconds / max(timer.num_steps, 1)
+    print(f"  of which scheduling + input preparation {prep_ms:.3f} ms, advance + read-back {post_ms:.3f} ms")
     per_step_ms = 1e3 * timer.decode_wall_seconds / max(timer.num_steps, 1)
     print(f"wall time in decode steps {timer.decode_wall_seconds:.2f} s ({per_step_ms:.2f} ms/step), "
           f"in prefill/mixed steps {timer.prefill_wall_seconds:.2f} s")
