@@ -13,6 +13,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_plan import StepPlan
+from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.decoder import DecoderForCausalLM
@@ -105,6 +106,10 @@ class ModelRunner:
         # runs H-I: a 256-decode + 256-token step 18.5 -> 10.1 ms); NANOVLLM_SPLIT_MIXED=0 sends all to prefill
         self.split_mixed_steps = self.backend.splits_mixed_steps and os.environ.get("NANOVLLM_SPLIT_MIXED") != "0"
         set_compile(self.device.type == "cuda" and not config.enforce_eager)
+        if self.backend.name in ("triton", "flash") and os.environ.get("NANOVLLM_TRITON_SILU") != "0":
+            from nanovllm.kernels.activation import silu_and_mul  # no per-element division (see its docstring)
+            for act in (m for m in self.model.modules() if isinstance(m, SiluAndMul)):
+                act.kernel = silu_and_mul
         self.kv_cache = None
         self.host_cache = self.copy_engine = None
         self.graphs = {}  # decode batch size -> DecodeGraph

@@ -12,7 +12,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
-    """silu(gate) * up, for a packed [..., 2 * intermediate] input."""
+    """silu(gate) * up, for a packed [..., 2 * intermediate] input. With a Triton-capable backend the runner sets
+    `kernel` to nanovllm.kernels.activation.silu_and_mul (NANOVLLM_TRITON_SILU=0 keeps the compiled torch op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.dim() == 2:
+            return self.kernel(x)
         return silu_and_mul(x)

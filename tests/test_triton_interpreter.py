@@ -1,0 +1,80 @@
+"""Small Triton kernels run by Triton's interpreter on CPU tensors, so they are checked without a GPU: the Gumbel-max
+sampler (nanovllm/kernels/sampling.py) and SiLU-and-mul (nanovllm/kernels/activation.py). The interpreter needs
+TRITON_INTERPRET=1 before triton is imported: each check runs in a subprocess."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+SAMPLER = """
+import json
+import torch
+from nanovllm.kernels.sampling import gumbel_argmax
+res = {}
+n = 800
+logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0])
+for temperature in (0.6, 2.0):
+    ids = gumbel_argmax(logits.expand(n, -1).contiguous(), torch.full((n,), temperature), seed=1)
+    freq = torch.bincount(ids, minlength=5).float() / n
+    res[str(temperature)] = (freq - (logits / temperature).softmax(-1)).abs().max().item()
+torch.manual_seed(0)
+big = torch.randn(4, 2500).to(torch.bfloat16)  # three chunks of 1,024 entries
+big[0, 2100] = 50.0
+big[2, 5] = 50.0
+ids = gumbel_argmax(big, torch.tensor([0.0, 1.0, 0.0, 1.0]), seed=7)
+res["greedy"] = [ids[0].item(), ids[2].item()]
+flat = torch.zeros(64, 3000)
+a, b, c = (gumbel_argmax(flat, torch.ones(64), seed=s) for s in (3, 3, 4))
+res["same_seed_same_ids"] = torch.equal(a, b)
+res["other_seed_changed"] = int((a != c).sum())
+res["distinct_ids"] = len(set(a.tolist()))
+print(json.dumps(res))
+"""
+
+
+def interpret(script: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_triton_sampler_draws_follow_the_tempered_softmax():
+    res = interpret(SAMPLER)
+    # 800 draws per temperature: a frequency's standard deviation is at most 0.018; the noise is seeded, so the
+    # result is the same on every run
+    assert res["0.6"] < 0.06 and res["2.0"] < 0.06, res
+    assert res["greedy"] == [2100, 5]  # greedy rows take the argmax, here in the third and the first chunk
+    assert res["same_seed_same_ids"] and res["other_seed_changed"] > 50 and res["distinct_ids"] > 50, res
+
+
+SILU = """
+import json
+import torch
+import torch.nn.functional as F
+from nanovllm.kernels.activation import silu_and_mul
+torch.manual_seed(0)
+res = {}
+for dtype in (torch.float32, torch.bfloat16):
+    x = (3 * torch.randn(5, 2 * 1500)).to(dtype)  # 1,500 columns: one full block of 1,024 and a partial one
+    gate, up = x.float().chunk(2, -1)
+    ref = (F.silu(gate) * up).to(dtype)
+    got = silu_and_mul(x)
+    res[str(dtype)] = [list(got.shape), got.dtype == dtype, (got.float() - ref.float()).abs().max().item(),
+                       ref.float().abs().max().item()]
+res["empty"] = list(silu_and_mul(torch.zeros(0, 8)).shape)
+print(json.dumps(res))
+"""
+
+
+def test_triton_silu_and_mul_matches_torch():
+    res = interpret(SILU)
+    shape, same_dtype, err, scale = res["torch.float32"]
+    assert shape == [5, 1500] and same_dtype and err < 1e-5 * scale
+    shape, same_dtype, err, scale = res["torch.bfloat16"]
+    assert shape == [5, 1500] and same_dtype and err <= 2 ** -7 * scale  # within one bf16 rounding
+    assert res["empty"] == [0, 4]
