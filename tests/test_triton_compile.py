@@ -51,7 +51,7 @@ def compile_only(self, *args, grid, warmup, **kwargs):
 JITFunction.run = compile_only
 driver.set_active(Sm90Driver())
 
-from nanovllm.kernels import rope_store, triton_attention as ta
+from nanovllm.kernels import activation, rope_store, sampling, triton_attention as ta
 
 T = 5
 CASES = [  # dtype, head_dim, block_size, (num_heads, num_kv_heads): the engine's shapes, then the edge cases
@@ -80,6 +80,9 @@ for dtype, head_dim, block_size, (num_heads, num_kv_heads) in CASES:
         for weight in (None, torch.ones(head_dim, dtype=dtype)):
             rope_store.rope_store_kvcache(qkv, slots, cos_sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
                                           slots, weight, weight)
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    activation.silu_and_mul(torch.randn(T, 2 * 3072, dtype=dtype))
+    sampling.gumbel_argmax(torch.randn(3, 151936, dtype=dtype), torch.ones(3), seed=1)
 print(" ".join(sorted(compiled)))
 """
 
@@ -87,5 +90,6 @@ print(" ".join(sorted(compiled)))
 def test_every_triton_kernel_compiles_for_sm90():
     proc = subprocess.run([sys.executable, "-c", COMPILE_ALL], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["_decode_kernel", "_decode_reduce_kernel", "_prefill_kernel",
-                                   "_rope_store_kernel", "_store_kvcache_kernel"]
+    assert proc.stdout.split() == ["_chunk_argmax_kernel", "_decode_kernel", "_decode_reduce_kernel",
+                                   "_prefill_kernel", "_rope_store_kernel", "_row_argmax_kernel",
+                                   "_silu_and_mul_kernel", "_store_kvcache_kernel"]
