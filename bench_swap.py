@@ -41,20 +41,30 @@ def chat_workload(num_convs: int, num_turns: int = 4):
     return system, users, max_tokens
 
 
+def engine_options(scenario: str, mode: str, args) -> dict:
+    """The LLM options of one mode of a scenario (the GPU runs and --simulate share them)."""
+    s = SCENARIOS[scenario]
+    options = dict(load_format="dummy", max_model_len=8192 if scenario == "chat" else 4096,
+                   max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+                   tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
+                   kvcache_block_size=args.kvcache_block_size)
+    if mode != "unpressured":
+        options.update(kv_cache_memory_bytes=int(s["kv_gib"] * GiB) // args.tensor_parallel_size)
+    if mode in ("unpressured", "recompute", "no_host_tier"):
+        options.update(preemption_mode="recompute", swap_space=0, host_cache_policy="off")
+    elif mode == "host_tier":
+        options.update(preemption_mode="auto", swap_space=args.swap_space or s["swap_space"],
+                       host_cache_policy="write_back")
+    else:  # swap, auto
+        options.update(preemption_mode=mode, swap_space=args.swap_space or s["swap_space"], host_cache_policy="off")
+    return options
+
+
 def run_chat(mode: str, num_convs: int, args) -> dict:
     from nanovllm import LLM, SamplingParams
     from nanovllm.utils.presets import preset_dir
     s = SCENARIOS["chat"]
-    options = dict(load_format="dummy", max_model_len=8192, max_num_seqs=args.max_num_seqs,
-                   enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-                   async_scheduling=args.async_scheduling, kvcache_block_size=args.kvcache_block_size,
-                   kv_cache_memory_bytes=int(s["kv_gib"] * GiB) // args.tensor_parallel_size)
-    if mode == "no_host_tier":
-        options.update(preemption_mode="recompute", swap_space=0, host_cache_policy="off")
-    else:
-        options.update(preemption_mode="auto", swap_space=args.swap_space or s["swap_space"],
-                       host_cache_policy="write_back")
-    llm = LLM(preset_dir(s["shape"]), **options)
+    llm = LLM(preset_dir(s["shape"]), **engine_options("chat", mode, args))
     system, users, max_tokens = chat_workload(num_convs, s["num_turns"])
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     histories = [list(system) for _ in range(num_convs)]
@@ -100,16 +110,7 @@ def run_mode(scenario: str, mode: str, num_seqs: int, args) -> dict:
     from nanovllm import LLM, SamplingParams
     from nanovllm.utils.presets import preset_dir
     s = SCENARIOS[scenario]
-    options = dict(load_format="dummy", max_model_len=4096, max_num_seqs=args.max_num_seqs,
-                   enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-                   async_scheduling=args.async_scheduling, kvcache_block_size=args.kvcache_block_size)
-    if mode in ("unpressured", "recompute"):
-        options.update(preemption_mode="recompute", host_cache_policy="off", swap_space=0)
-    else:
-        options.update(preemption_mode=mode, swap_space=args.swap_space or s["swap_space"], host_cache_policy="off")
-    if mode != "unpressured":
-        options.update(kv_cache_memory_bytes=int(s["kv_gib"] * GiB) // args.tensor_parallel_size)
-    llm = LLM(preset_dir(s["shape"]), **options)
+    llm = LLM(preset_dir(s["shape"]), **engine_options(scenario, mode, args))
     prompts, params = seed_workload(num_seqs)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     base = llm.stats()
@@ -130,21 +131,26 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
     computed are what a GPU run of the mode decides, as long as the decisions do not depend on measured speeds:
     "auto" is simulated as "swap" (what it chose in every H200 run so far), and the asynchronous loop's one-step lag
     is not modelled. "unpressured" is skipped: its KV size comes from the GPU's memory."""
-    from nanovllm.engine.block_manager import BlockManager
+    from nanovllm.config import Config
     from nanovllm.engine.scheduler import Scheduler
     from nanovllm.engine.sequence import Sequence
-    from nanovllm.utils.presets import PRESETS
+    from nanovllm.utils.presets import preset_dir
     from nanovllm_offload.host_block_pool import HostBlockPool
     from nanovllm_offload.policy import PreemptionPolicy
-    s, shape = SCENARIOS[scenario], PRESETS[SCENARIOS[scenario]["shape"]]
-    block_size = args.kvcache_block_size or 64
-    block_bytes = block_size * shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2
-    swaps = mode in ("swap", "auto", "host_tier")
-    host_pool = HostBlockPool(int((args.swap_space or s["swap_space"]) * GiB) // block_bytes) if swaps else None
-    scheduler = Scheduler(BlockManager(int(s["kv_gib"] * GiB) // block_bytes, block_size), args.max_num_seqs,
-                          16384, 8192 if scenario == "chat" else 4096, set(), host_pool,
-                          PreemptionPolicy("swap" if swaps else "recompute", block_bytes),
-                          host_prefix_cache=scenario == "chat" and swaps)
+    config = Config(preset_dir(SCENARIOS[scenario]["shape"]), **engine_options(scenario, mode, args))
+    hf, block_size = config.hf_config, config.kvcache_block_size
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    block_bytes = block_size * hf.num_hidden_layers * 2 * hf.num_key_value_heads * head_dim * 2  # bf16, as on GPU
+    host_pool = None
+    if config.swap_space > 0 and (config.preemption_mode != "recompute" or config.host_prefix_cache):
+        # sized as the engine sizes it: without the prefix-cache role, at most max_num_seqs full tables
+        num_cpu_blocks = int(config.swap_space * GiB) // block_bytes
+        if not config.host_prefix_cache:
+            blocks_per_seq = (config.max_model_len + block_size - 1) // block_size
+            num_cpu_blocks = min(num_cpu_blocks, config.max_num_seqs * blocks_per_seq)
+        host_pool = HostBlockPool(num_cpu_blocks)
+    policy = PreemptionPolicy("swap" if config.preemption_mode == "auto" else config.preemption_mode, block_bytes)
+    scheduler = Scheduler.from_config(config, config.kv_cache_memory_bytes // block_bytes, host_pool, policy, set())
     rng = random.Random(0)
     counts = dict(steps=0, decode_steps=0, batch_rows=0)
 
@@ -163,9 +169,10 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
 
     from nanovllm import SamplingParams
     if scenario == "chat":
-        system, users, max_tokens = chat_workload(num_seqs, s["num_turns"])
+        num_turns = SCENARIOS["chat"]["num_turns"]
+        system, users, max_tokens = chat_workload(num_seqs, num_turns)
         histories = [list(system) for _ in range(num_seqs)]
-        for t in range(s["num_turns"]):
+        for t in range(num_turns):
             histories = run([h + users[c][t] for c, h in enumerate(histories)], [m[t] for m in max_tokens])
     else:
         from bench import seed_workload
@@ -248,7 +255,7 @@ def plot(scenario: str, results: list[dict], path: str):
     print(f"wrote {path}")
 
 
-def main():
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", nargs="+", default=["rtx4070"], choices=sorted(SCENARIOS))
     parser.add_argument("--modes", nargs="+", default=None, choices=MODES + CHAT_MODES,
@@ -268,7 +275,11 @@ def main():
     parser.add_argument("--simulate", action="store_true",
                         help="no model, no GPU: run only the scheduler on the workload and print what it decides")
     parser.add_argument("--run-mode", nargs=3, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     if args.run_mode:
         scenario, mode, path = args.run_mode
         num_seqs = max(1, round(SCENARIOS[scenario]["num_seqs"] * args.scale))

@@ -1,5 +1,4 @@
 """bench_swap.py --simulate: the scenarios' scheduling on CPU, with the engine's own scheduler (no model)."""
-import argparse
 import os
 import sys
 
@@ -8,7 +7,7 @@ import bench_swap  # noqa: E402
 
 
 def simulated(scenario: str, mode: str, scale: float, block_size: int = 64) -> dict:
-    args = argparse.Namespace(kvcache_block_size=block_size, swap_space=None, max_num_seqs=512)
+    args = bench_swap.parse_args(["--scenario", scenario, "--simulate", "--kvcache-block-size", str(block_size)])
     num_seqs = max(1, round(bench_swap.SCENARIOS[scenario]["num_seqs"] * scale))
     return bench_swap.simulate(scenario, mode, num_seqs, args)
 

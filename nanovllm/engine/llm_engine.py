@@ -7,7 +7,6 @@ import time
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.sequence import Sequence
@@ -32,12 +31,8 @@ class LLMEngine:
             raise
         self.block_bytes = self.runner.block_bytes
         self.policy = PreemptionPolicy(config.preemption_mode, self.block_bytes)
-        self.scheduler = Scheduler(
-            BlockManager(self.num_gpu_blocks, config.kvcache_block_size, config.enable_prefix_caching,
-                         write_through=config.host_cache_policy == "write_through"),
-            config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-            _eos_token_ids(model, config.hf_config, self.tokenizer), host_pool, self.policy,
-            config.host_prefix_cache)
+        self.scheduler = Scheduler.from_config(config, self.num_gpu_blocks, host_pool, self.policy,
+                                               _eos_token_ids(model, config.hf_config, self.tokenizer))
         copy_engine = self.runner.copy_engine
         if copy_engine is not None:
             self.scheduler.kv_ready = lambda seq: copy_engine.blocks_ready(seq.block_table)

@@ -4,6 +4,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
+from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from nanovllm_offload.host_block_pool import HostBlockPool
@@ -83,6 +84,16 @@ class Scheduler:
         # at the copy engine: while others can run, such a sequence waits out of the batch instead of stalling it
         self.kv_arriving: dict[int, Sequence] = {}
         self.kv_ready: Callable[[Sequence], bool] = lambda seq: True
+
+    @classmethod
+    def from_config(cls, config: Config, num_gpu_blocks: int, host_pool: HostBlockPool | None,
+                    policy: PreemptionPolicy, eos_token_ids: set[int]) -> "Scheduler":
+        """The scheduler and GPU block manager that the engine runs for `config` (bench_swap.py --simulate runs the
+        same ones without a model)."""
+        block_manager = BlockManager(num_gpu_blocks, config.kvcache_block_size, config.enable_prefix_caching,
+                                     write_through=config.host_cache_policy == "write_through")
+        return cls(block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
+                   eos_token_ids, host_pool, policy, config.host_prefix_cache)
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
