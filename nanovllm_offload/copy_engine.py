@@ -16,6 +16,7 @@ Ordering rules (each enforced by an event wait, never by a device-wide sync):
 On a CPU-only machine the copies are plain synchronous memcpys and all of their time counts as exposed.
 """
 import itertools
+import os
 import time
 
 import torch
@@ -72,7 +73,9 @@ class CopyEngine:
         self.reading_gpu_blocks: dict[int, torch.cuda.Event] = {}  # swap-out sources still being read
         self.arriving_gpu_blocks: dict[int, torch.cuda.Event] = {}  # swap-in destinations still being filled
         self.last_out_event = self.last_in_event = None
-        # rule 1: events recorded after the last two forwards, and the slots the last one writes
+        # rule 1: events recorded after the last two forwards, and the slots the last one writes;
+        # NANOVLLM_OVERLAP_SWAP_OUT=0 makes every swap-out wait for all compute issued before it (side-by-side runs)
+        self.overlap_swap_out = os.environ.get("NANOVLLM_OVERLAP_SWAP_OUT") != "0"
         self.before_last_forward = self.last_forward = None
         self.last_forward_slots: list[int] = []
         self.pending_copies: list[tuple[object, object, int]] = []  # (start, end, bytes): copies not yet timed
@@ -101,7 +104,7 @@ class CopyEngine:
             self._copy(pairs, self.gpu_kv, self.host_kv, "out")
             return
         written = None
-        if self.before_last_forward is not None:
+        if self.before_last_forward is not None and self.overlap_swap_out:
             written = written_block_ids(self.last_forward_slots, self.block_size)
         stale, hot = split_by_last_forward(pairs, written)
         self._copy(stale, self.gpu_kv, self.host_kv, "out", after=self.before_last_forward)

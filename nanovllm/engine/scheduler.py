@@ -80,6 +80,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._forced_swap_out: list[tuple[int, int]] = []  # copies of preempt() calls, issued with the next step
         self._last_out: SchedulerOutput | None = None  # the step scheduled last (its forward may be in flight)
+        # a swapped-out victim's blocks that the step in flight writes are handed out last (the engine turns this
+        # off with the copy engine's overlap, NANOVLLM_OVERLAP_SWAP_OUT=0)
+        self.hand_out_in_flight_last = True
         # sequences whose KV is being copied in (swap-in, host prefix hits) and `kv_ready`, which the engine points
         # at the copy engine: while others can run, such a sequence waits out of the batch instead of stalling it
         self.kv_arriving: dict[int, Sequence] = {}
@@ -305,7 +308,7 @@ class Scheduler:
         """seq's blocks that the last scheduled step writes: with asynchronous scheduling its forward may still
         be running while the next step is scheduled."""
         last = self._last_out
-        if last is None:
+        if last is None or not self.hand_out_in_flight_last:
             return []
         for other, num_new in zip(last.seqs, last.num_new_tokens):
             if other is seq:
