@@ -100,10 +100,7 @@ class CopyEngine:
         if not pairs:
             return
         self.bytes_out += len(pairs) * self.block_bytes
-        if not self.is_cuda:
-            self._copy(pairs, self.gpu_kv, self.host_kv, "out")
-            return
-        written = None
+        written = None  # on CPU forward_issued records nothing, so every pair is "hot": one synchronous copy
         if self.before_last_forward is not None and self.overlap_swap_out:
             written = written_block_ids(self.last_forward_slots, self.block_size)
         stale, hot = split_by_last_forward(pairs, written)

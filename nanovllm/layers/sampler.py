@@ -55,7 +55,6 @@ class Sampler(nn.Module):
                 noise[row].exponential_(generator=generator)
         return race(probs, noise, st.temperatures, greedy_ids)
 
-
     def _triton_gumbel(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor | None:
         """The Triton kernel's draw (noise from a seed that torch's default generator picks, so torch.manual_seed
         makes runs repeat), or None when Triton cannot run it: then the torch path is used from here on."""
