@@ -97,6 +97,26 @@ def test_swap_in_reuses_gpu_cached_blocks_and_copies_the_rest():
     bm.check_invariants([a])
 
 
+def test_swap_in_takes_its_cached_blocks_before_handing_out_free_ones():
+    """Block 2 of `a` is still cached while block 1 was reused: the copy for block 1 must not land in block 2,
+    which sits at the head of the free queue (a bug found by the GPU swap test: table [8, 5, 5])."""
+    bm = BlockManager(7, BLOCK_SIZE)
+    a, b = make_seq(12), make_seq(16, start=500)
+    assert bm.allocate(a, 12) and bm.allocate(b, 16)  # a: [0, 1, 2], b: [3, 4, 5, 6]
+    a.num_computed_tokens, b.num_computed_tokens = 12, 16
+    bm.cache_full_blocks(a)
+    bm.cache_full_blocks(b)
+    bm.free(a, hand_out_last=[2])  # swapped out while the forward in flight writes block 2
+    bm.free(b)
+    assert list(bm.free_block_ids) == [1, 0, 2, 6, 5, 4, 3]
+    c = make_seq(4, start=900)
+    assert bm.allocate(c, 4) and c.block_table == [1]  # a's block 1 loses its hash; 0 and 2 stay cached
+    a.cpu_block_table = [7, 8, 9]
+    copies = bm.allocate_for_swap_in(a)
+    assert a.block_table == [0, 6, 2] and copies == [(8, 6)]
+    bm.check_invariants([a, c])
+
+
 def test_double_free_is_a_bug_naming_the_block():
     bm = BlockManager(2, BLOCK_SIZE)
     a = make_seq(3)

@@ -179,6 +179,20 @@ def test_preemption_swap_matches_hf(kind, tiny_dirs):
     assert stats["swap_seconds"] > 0 and stats["swap_exposed_seconds"] == stats["swap_seconds"], stats
 
 
+def test_swap_with_cached_blocks_left_on_the_gpu_equals_the_unpressured_run(qwen3_dir):
+    """The GPU swap test's workload on the CPU (block 16, 24 blocks): a resumed sequence finds some of its full
+    blocks still cached on the GPU and others reused, which once gave it one block twice (table [8, 5, 5])."""
+    prompts = random_prompts([5, 40, 130, 300, 17, 77], seed=0)
+    kwargs = dict(kvcache_block_size=16, max_model_len=512)
+    with LLM(qwen3_dir, **tiny_llm_kwargs(**kwargs)) as llm:
+        base = [o["token_ids"] for o in llm.generate(prompts, greedy(48), use_tqdm=False)]
+    with LLM(qwen3_dir, **tiny_llm_kwargs(num_kvcache_blocks=24, preemption_mode="swap", **kwargs)) as llm:
+        swap = [o["token_ids"] for o in llm.generate(prompts, greedy(48), use_tqdm=False)]
+        stats = llm.stats()
+    assert swap == base
+    assert stats["preemptions_swap"] > 0 and stats["blocks_swapped_in"] > 0 and stats["recomputed_tokens"] == 0
+
+
 def test_swap_space_too_small_falls_back_to_recompute(qwen3_dir):
     # 1e-6 GiB is ~1 KiB, less than one 4 KiB KV block of this model
     assert kv_block_bytes(qwen3_dir, TINY_BLOCK) > 1e-6 * 2**30

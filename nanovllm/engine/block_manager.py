@@ -225,10 +225,11 @@ class BlockManager(BlockPool):
                     cached[i] = block_id
         if num_blocks - len(cached) + self.num_revived(cached.values()) + num_reserved_blocks > self.num_free_blocks:
             return None
+        for block_id in cached.values():  # before any pop_free, which could hand out (and evict) a later hit
+            self.take(block_id)
         copies = []
         for i in range(num_blocks):
             if i in cached:
-                self.take(cached[i])
                 seq.block_table.append(cached[i])
             else:
                 seq.block_table.append(self.pop_free())

@@ -62,9 +62,12 @@ class BlockPool:
         return True
 
     def check_invariants(self, block_tables: list[list[int]]):
-        """For tests: ref counts equal the number of table entries; the free queue is the unreferenced set."""
+        """For tests: no table holds a block twice; ref counts equal the number of table entries; the free queue is
+        the unreferenced set."""
         owners = [0] * self.num_blocks
         for table in block_tables:
+            if len(set(table)) != len(table):
+                raise RuntimeError(f"a block table holds a {self.tier} twice: {table}")
             for block_id in table:
                 owners[block_id] += 1
         if owners != self.ref_counts:
