@@ -32,12 +32,14 @@ class HostBlockPool(BlockPool):
         (blocks already on the host need none), or None when the pool is short; all or nothing."""
         if not self.can_swap_out(seq, len(gpu_block_ids)):
             return None
-        copies = []
-        for gpu_block_id, h in zip(gpu_block_ids, self._hashes(seq, len(gpu_block_ids))):
-            cpu_block_id = self.hash_to_block_id.get(h) if h is not None else None
+        hashes = self._hashes(seq, len(gpu_block_ids))
+        found = [self.hash_to_block_id.get(h) if h is not None else None for h in hashes]
+        for cpu_block_id in found:  # before any pop_free, which could hand out (and evict) a later hit
             if cpu_block_id is not None:
                 self.take(cpu_block_id)
-            else:
+        copies = []
+        for gpu_block_id, h, cpu_block_id in zip(gpu_block_ids, hashes, found):
+            if cpu_block_id is None:
                 cpu_block_id = self.pop_free()
                 copies.append((gpu_block_id, cpu_block_id))
                 if h is not None:

@@ -64,3 +64,23 @@ def test_free_after_swap_in_keeps_hashed_blocks_cached():
     assert host.swap_out(b, [5, 6]) == []  # both blocks are still on the host: nothing to copy
     assert b.cpu_block_table == [0, 1]
     host.check_invariants([b])
+
+
+def test_swap_out_takes_its_cached_host_blocks_before_handing_out_free_ones():
+    """a's block 2 is still on the host, block 1 is not, and block 2's host copy is at the head of the free queue:
+    block 1 must not be copied over it (that evicted it and cost a second copy for block 2)."""
+    bm, host = BlockManager(8, BLOCK_SIZE), HostBlockPool(4)
+    a = make_seq(12)
+    computed(bm, a, 12)
+    assert host.swap_out(a, bm.computed_block_ids(a)) == [(0, 0), (1, 1), (2, 2)]
+    host.free(a)  # swapped in again
+    assert list(host.free_block_ids) == [3, 2, 1, 0]
+    host.free_block_ids.move_to_end(1, last=False)  # least recently used: the next swap-out evicts it
+    c = make_seq(4, start=900)
+    computed(bm, c, 4)
+    assert host.swap_out(c, bm.computed_block_ids(c)) == [(3, 1)]
+    host.free_block_ids.move_to_end(2, last=False)
+    assert list(host.free_block_ids) == [2, 3, 0]
+    assert host.swap_out(a, bm.computed_block_ids(a)) == [(1, 3)]
+    assert a.cpu_block_table == [0, 3, 2]
+    host.check_invariants([a, c])
