@@ -1,6 +1,6 @@
 """Small factories for the torch-free metadata tests."""
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 from nanovllm_offload.host_block_pool import HostBlockPool
@@ -43,10 +43,70 @@ def check(s: Scheduler, extra=()):
     assert len(s.running) + len(s.swapped) <= s.max_num_seqs
 
 
-def run_step(s: Scheduler, sampled_token: int = 7):
-    """schedule + postprocess with a fixed sampled token, checking invariants on the way."""
+class ShadowKV:
+    """What each GPU and host block would hold if the runner executed the scheduler's decisions: a token id per slot.
+    Each step copies first (swap-outs read before anything writes, swap-ins land before the forward), then writes
+    the new tokens of every scheduled sequence, then checks that each one's whole context reads back as its own
+    token ids. Ref counts cannot see a block that holds the wrong tokens; this can.
+    A slot holds (seq, position) and reads as seq.token_ids[position]: under asynchronous scheduling a decode row's
+    input is a placeholder when the step is launched and the runner fills it in on the device, as `resolve` does
+    here later."""
+
+    def __init__(self):
+        self.gpu: dict[int, list] = {}
+        self.host: dict[int, list] = {}
+
+    def run(self, out: SchedulerOutput):
+        for gpu_block_id, cpu_block_id in out.swap_out:
+            self.host[cpu_block_id] = list(self.gpu.get(gpu_block_id, [None] * BLOCK_SIZE))
+        for cpu_block_id, gpu_block_id in out.swap_in:
+            self.gpu[gpu_block_id] = list(self.host.get(cpu_block_id, [None] * BLOCK_SIZE))
+        for seq, num_new in zip(out.seqs, out.num_new_tokens):
+            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + num_new):
+                block = self.gpu.setdefault(seq.block_table[pos // BLOCK_SIZE], [None] * BLOCK_SIZE)
+                block[pos % BLOCK_SIZE] = (seq, pos)
+        for seq, num_new in zip(out.seqs, out.num_new_tokens):
+            end = seq.num_computed_tokens + num_new
+            got = [self._read(self.gpu[seq.block_table[p // BLOCK_SIZE]][p % BLOCK_SIZE]) for p in range(end)]
+            if got != seq.token_ids[:end]:
+                bad = next(p for p in range(end) if got[p] != seq.token_ids[p])
+                raise AssertionError(f"seq {seq.seq_id} reads token {got[bad]} at position {bad}, expected "
+                                     f"{seq.token_ids[bad]} (gpu block {seq.block_table[bad // BLOCK_SIZE]}, "
+                                     f"table {seq.block_table})")
+
+
+    @staticmethod
+    def _read(slot):
+        if slot is None:
+            return None
+        seq, pos = slot
+        return seq.token_ids[pos] if pos < len(seq.token_ids) else None
+
+
+def run_step_async(s: Scheduler, in_flight: list, sampled_token: int = 7, shadow: ShadowKV | None = None):
+    """One step of the engine's asynchronous loop: schedule step N, "launch" it, resolve step N-1, advance N.
+    `in_flight` carries step N-1's rows from call to call."""
     out = s.schedule()
     check(s)
+    if shadow is not None:
+        shadow.run(out)
+    if in_flight:
+        s.resolve(in_flight[0], [sampled_token] * len(in_flight[0]))
+        in_flight.clear()
+    rows = s.advance(out)
+    if rows:
+        in_flight.append(rows)
+    check(s)
+    return out
+
+
+def run_step(s: Scheduler, sampled_token: int = 7, shadow: ShadowKV | None = None):
+    """schedule + postprocess with a fixed sampled token, checking invariants on the way (and the KV contents,
+    given a shadow)."""
+    out = s.schedule()
+    check(s)
+    if shadow is not None:
+        shadow.run(out)
     num_sampled = sum(1 for seq, n in zip(out.seqs, out.num_new_tokens)
                       if seq.num_computed_tokens + n == seq.num_tokens)
     finished = s.postprocess(out, [sampled_token] * num_sampled)
