@@ -35,10 +35,13 @@ class HostTimer:
         self.seconds, self.num_steps = 0.0, 0
         self.postprocess_seconds = 0.0  # part of `seconds`: advance + resolve
         self.decode_wall_seconds = self.prefill_wall_seconds = 0.0
-        self.trace = []  # per step: (is_decode, num_seqs, num_tokens, wall seconds)
+        # per step: (is_decode, num_seqs, num_tokens, wall seconds, scheduling + input preparation seconds)
+        self.trace = []
+        self.step_prep_seconds = 0.0
         step = llm.step
 
         def timed_step():
+            self.step_prep_seconds = 0.0
             start = time.perf_counter()
             finished = step()
             wall_seconds = time.perf_counter() - start
@@ -46,7 +49,7 @@ class HostTimer:
                 self.decode_wall_seconds += wall_seconds
             else:
                 self.prefill_wall_seconds += wall_seconds
-            self.trace.append((self.is_decode, self.num_seqs, self.num_tokens, wall_seconds))
+            self.trace.append((self.is_decode, self.num_seqs, self.num_tokens, wall_seconds, self.step_prep_seconds))
             return finished
         llm.step = timed_step
         self._wrap(llm.scheduler, "schedule")
@@ -71,6 +74,8 @@ class HostTimer:
                 self.seconds += seconds
                 if name in self.POSTPROCESS:
                     self.postprocess_seconds += seconds
+                else:
+                    self.step_prep_seconds += seconds
             return result
         self.is_decode, self.num_seqs, self.num_tokens = False, 0, 0
         setattr(obj, name, timed)
@@ -153,6 +158,11 @@ def run(llm, args):
     prep_ms = 1e3 * (timer.seconds - timer.postprocess_seconds) / max(timer.num_steps, 1)
     post_ms = 1e3 * timer.postprocess_seconds / max(timer.num_steps, 1)
     print(f"  of which scheduling + input preparation {prep_ms:.3f} ms, advance + read-back {post_ms:.3f} ms")
+    full = [t for t in timer.trace if t[0] and t[1] >= 0.9 * args.num_seqs]  # decode steps at (nearly) full batch
+    if full:
+        full_ms = 1e3 * sum(t[4] for t in full) / len(full)
+        print(f"  scheduling + input preparation at batch >= {0.9 * args.num_seqs:.0f}: {full_ms:.3f} ms per step "
+              f"over {len(full)} steps")
     per_step_ms = 1e3 * timer.decode_wall_seconds / max(timer.num_steps, 1)
     print(f"wall time in decode steps {timer.decode_wall_seconds:.2f} s ({per_step_ms:.2f} ms/step), "
           f"in prefill/mixed steps {timer.prefill_wall_seconds:.2f} s")
@@ -180,7 +190,9 @@ def main():
     parser.add_argument("--skip-run", action="store_true", help="only the profiles")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="schedule step N+1 while step N runs (default: on at TP 1)")
-    parser.add_argument("--trace", default=None, help="write per-step (is_decode, seqs, tokens, seconds) JSON here")
+    parser.add_argument("--trace", default=None,
+                        help="write per-step (is_decode, seqs, tokens, wall seconds, scheduling + input preparation "
+                             "seconds) JSON here")
     args = parser.parse_args()
     llm = LLM(preset_dir(args.shape), load_format="dummy", max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
