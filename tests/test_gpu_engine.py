@@ -116,6 +116,41 @@ def test_recompute_on_cuda_matches_the_unpressured_run(gpu_models):
     assert rec["token_ids"] == base and rec["stats"]["preemptions_recompute"] > 0
 
 
+HOST_CACHE_RUN = """
+import json, random, sys
+from nanovllm import LLM, SamplingParams
+model, kwargs = sys.argv[1], json.loads(sys.argv[2])
+rng = random.Random(1)
+prefix = [rng.randrange(3, 1024) for _ in range(96)]
+prompts = [prefix + [rng.randrange(3, 1024) for _ in range(n)] for n in (5, 9, 3, 12)]
+with LLM(model, **kwargs) as llm:
+    outs = []
+    for i, prompt in enumerate(prompts):
+        outs.append(llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                 use_tqdm=False)[0]["token_ids"])
+        # all 24 GPU blocks: evicts the shared prefix from the GPU, so the next prompt finds it on the host
+        llm.generate([[7 + i] * 370], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    print(json.dumps({"token_ids": outs, "stats": llm.stats()}))
+"""
+
+
+def test_host_prefix_cache_on_cuda_streams_gives_the_same_tokens(gpu_models):
+    """The host tier as a prefix cache: evicted prefix blocks are written back to pinned memory on the copy stream
+    and copied in again for the next prompt; its tokens equal a run without any prefix caching."""
+    def host_cache_run(**kwargs):
+        kwargs = dict(device="cuda", dtype="float32", kvcache_block_size=16, max_model_len=1024, max_num_seqs=8,
+                      num_kvcache_blocks=24, swap_space=0.5, **kwargs)
+        proc = subprocess.run([sys.executable, "-c", HOST_CACHE_RUN, gpu_models["qwen3"], json.dumps(kwargs)],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    base = host_cache_run(enable_prefix_caching=False)
+    got = host_cache_run(host_cache_policy="write_back")
+    assert got["token_ids"] == base["token_ids"]
+    s = got["stats"]
+    assert s["host_prefix_hit_tokens"] == 3 * 96 and s["blocks_onloaded"] == 3 * 6 and s["blocks_offloaded"] > 0
+
+
 NO_COMPILE_AFTER_WARMUP = """
 import json, logging, random, sys
 import torch, triton
