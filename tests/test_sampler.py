@@ -81,6 +81,6 @@ def test_a_triton_failure_falls_back_to_the_torch_path_for_good(caplog):
 
     def broken(*args):
         raise RuntimeError("no compiler here")
-    sampler.triton_gumbel = broken
-    assert sampler._triton_gumbel(torch.zeros(2, 5), torch.ones(2)) is None
+    sampler.triton_sample = broken
+    assert sampler._triton_sample(torch.zeros(2, 5), torch.ones(2)) is None
     assert not sampler.use_triton and "Triton sampler unavailable (RuntimeError: no compiler here)" in caplog.text

@@ -82,7 +82,7 @@ for dtype, head_dim, block_size, (num_heads, num_kv_heads) in CASES:
                                           slots, weight, weight)
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
     activation.silu_and_mul(torch.randn(T, 2 * 3072, dtype=dtype))
-    sampling.gumbel_argmax(torch.randn(3, 151936, dtype=dtype), torch.ones(3), seed=1)
+    sampling.sample_tempered(torch.randn(3, 151936, dtype=dtype), torch.ones(3), seed=1)
 print(" ".join(sorted(compiled)))
 """
 
@@ -90,6 +90,6 @@ print(" ".join(sorted(compiled)))
 def test_every_triton_kernel_compiles_for_sm90():
     proc = subprocess.run([sys.executable, "-c", COMPILE_ALL], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["_chunk_argmax_kernel", "_decode_kernel", "_decode_reduce_kernel",
-                                   "_prefill_kernel", "_rope_store_kernel", "_row_argmax_kernel",
+    assert proc.stdout.split() == ["_chunk_stats_kernel", "_decode_kernel", "_decode_reduce_kernel",
+                                   "_prefill_kernel", "_rope_store_kernel", "_row_sample_kernel",
                                    "_silu_and_mul_kernel", "_store_kvcache_kernel"]

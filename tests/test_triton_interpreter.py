@@ -1,5 +1,5 @@
-"""Small Triton kernels run by Triton's interpreter on CPU tensors, so they are checked without a GPU: the Gumbel-max
-sampler (nanovllm/kernels/sampling.py) and SiLU-and-mul (nanovllm/kernels/activation.py). The interpreter needs
+"""Small Triton kernels run by Triton's interpreter on CPU tensors, so they are checked without a GPU: the sampler
+(nanovllm/kernels/sampling.py) and SiLU-and-mul (nanovllm/kernels/activation.py). The interpreter needs
 TRITON_INTERPRET=1 before triton is imported: each check runs in a subprocess."""
 import json
 import os
@@ -13,22 +13,22 @@ pytest.importorskip("triton")
 SAMPLER = """
 import json
 import torch
-from nanovllm.kernels.sampling import gumbel_argmax
+from nanovllm.kernels.sampling import sample_tempered
 res = {}
 n = 800
 logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0])
 for temperature in (0.6, 2.0):
-    ids = gumbel_argmax(logits.expand(n, -1).contiguous(), torch.full((n,), temperature), seed=1)
+    ids = sample_tempered(logits.expand(n, -1).contiguous(), torch.full((n,), temperature), seed=1)
     freq = torch.bincount(ids, minlength=5).float() / n
     res[str(temperature)] = (freq - (logits / temperature).softmax(-1)).abs().max().item()
 torch.manual_seed(0)
 big = torch.randn(4, 2500).to(torch.bfloat16)  # three chunks of 1,024 entries
 big[0, 2100] = 50.0
 big[2, 5] = 50.0
-ids = gumbel_argmax(big, torch.tensor([0.0, 1.0, 0.0, 1.0]), seed=7)
+ids = sample_tempered(big, torch.tensor([0.0, 1.0, 0.0, 1.0]), seed=7)
 res["greedy"] = [ids[0].item(), ids[2].item()]
 flat = torch.zeros(64, 3000)
-a, b, c = (gumbel_argmax(flat, torch.ones(64), seed=s) for s in (3, 3, 4))
+a, b, c = (sample_tempered(flat, torch.ones(64), seed=s) for s in (3, 3, 4))
 res["same_seed_same_ids"] = torch.equal(a, b)
 res["other_seed_changed"] = int((a != c).sum())
 res["distinct_ids"] = len(set(a.tolist()))

@@ -24,11 +24,13 @@ class SamplingTensors:
 
 class Sampler(nn.Module):
     """Samples with the exponential-race trick: argmax(p / E), E ~ Exp(1), which draws from p without a cumsum.
-    A seeded row draws its E from its own generator, so its tokens do not depend on the rest of the batch."""
+    A seeded row draws its E from its own generator, so its tokens do not depend on the rest of the batch. On CUDA,
+    rows with a temperature only (the common case) go to the Triton kernels of nanovllm/kernels/sampling.py, which
+    draw by inverse transform instead (NANOVLLM_TRITON_SAMPLER=0: the torch race)."""
 
     def __init__(self):
         super().__init__()
-        self.triton_gumbel = None  # nanovllm.kernels.sampling.gumbel_argmax, loaded on the first CUDA batch
+        self.triton_sample = None  # nanovllm.kernels.sampling.sample_tempered, loaded on the first CUDA batch
         self.use_triton = os.environ.get("NANOVLLM_TRITON_SAMPLER", "1") != "0"
 
     def forward(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -36,7 +38,7 @@ class Sampler(nn.Module):
             return logits.argmax(-1)
         if st.top_ks is None and st.min_ps is None and not st.generators:  # the common case
             if logits.is_cuda and self.use_triton:
-                ids = self._triton_gumbel(logits, st.temperatures)
+                ids = self._triton_sample(logits, st.temperatures)
                 if ids is not None:
                     return ids
             return gumbel_sample(logits, st.temperatures)
@@ -55,15 +57,16 @@ class Sampler(nn.Module):
                 noise[row].exponential_(generator=generator)
         return race(probs, noise, st.temperatures, greedy_ids)
 
-    def _triton_gumbel(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor | None:
-        """The Triton kernel's draw (noise from a seed that torch's default generator picks, so torch.manual_seed
-        makes runs repeat), or None when Triton cannot run it: then the torch path is used from here on."""
+    def _triton_sample(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor | None:
+        """The Triton kernels' draw (inverse transform; uniforms from a seed that torch's default generator picks, so
+        torch.manual_seed makes runs repeat), or None when Triton cannot run it: then the torch path is used from
+        here on."""
         try:
-            if self.triton_gumbel is None:
-                from nanovllm.kernels.sampling import gumbel_argmax
-                self.triton_gumbel = gumbel_argmax
+            if self.triton_sample is None:
+                from nanovllm.kernels.sampling import sample_tempered
+                self.triton_sample = sample_tempered
             seed = int(torch.randint(1 << 30, (1,), device="cpu"))
-            return self.triton_gumbel(logits, temperatures, seed)
+            return self.triton_sample(logits, temperatures, seed)
         except Exception as e:  # noqa: BLE001 -- no Triton, or it fails to compile here: the torch path is exact too
             logger.warning("Triton sampler unavailable (%s: %s); sampling with torch", type(e).__name__,
                            str(e).splitlines()[0] if str(e) else "")
