@@ -27,7 +27,8 @@ def seed_workload(num_seqs: int, max_input_len: int = 1024, max_output_len: int 
 
 class HostTimer:
     """Wall time of the host-side work of decode-only steps: schedule, step plan, input tensors, sampling
-    parameters, advance and resolve (what postprocess was)."""
+    parameters, advance and resolve (what postprocess was); and on CUDA each step's GPU time (events around what
+    `launch` enqueues: from the end of the step before to the end of this one's sampler)."""
 
     POSTPROCESS = ("advance", "resolve")  # the rest is scheduling and input preparation
 
@@ -35,9 +36,12 @@ class HostTimer:
         self.seconds, self.num_steps = 0.0, 0
         self.postprocess_seconds = 0.0  # part of `seconds`: advance + resolve
         self.decode_wall_seconds = self.prefill_wall_seconds = 0.0
-        # per step: (is_decode, num_seqs, num_tokens, wall seconds, scheduling + input preparation seconds)
+        # per step: (is_decode, num_seqs, num_tokens, wall seconds, scheduling + input preparation seconds,
+        # GPU seconds (None without CUDA; filled in by gpu_seconds()))
         self.trace = []
         self.step_prep_seconds = 0.0
+        self.step_events = None
+        self.events = []  # per step: (start, end) CUDA events, or None
         step = llm.step
 
         def timed_step():
@@ -49,9 +53,24 @@ class HostTimer:
                 self.decode_wall_seconds += wall_seconds
             else:
                 self.prefill_wall_seconds += wall_seconds
-            self.trace.append((self.is_decode, self.num_seqs, self.num_tokens, wall_seconds, self.step_prep_seconds))
+            self.trace.append([self.is_decode, self.num_seqs, self.num_tokens, wall_seconds, self.step_prep_seconds,
+                               None])
+            self.events.append(self.step_events)
+            self.step_events = None
             return finished
         llm.step = timed_step
+        if llm.runner.device.type == "cuda":
+            import torch
+            launch = llm.runner.launch
+
+            def timed_launch(*args, **kwargs):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                result = launch(*args, **kwargs)
+                end.record()
+                self.step_events = (start, end)
+                return result
+            llm.runner.launch = timed_launch
         self._wrap(llm.scheduler, "schedule")
         self._wrap(llm_engine, "make_plan")
         self._wrap(llm.runner, "prepare")
@@ -79,6 +98,18 @@ class HostTimer:
             return result
         self.is_decode, self.num_seqs, self.num_tokens = False, 0, 0
         setattr(obj, name, timed)
+
+    def gpu_seconds(self) -> tuple[float, float] | None:
+        """(decode, prefill/mixed) GPU seconds summed over the steps, after the run; fills the trace's last column."""
+        if not any(self.events):
+            return None
+        self.events[-1][1].synchronize()
+        totals = [0.0, 0.0]
+        for row, events in zip(self.trace, self.events):
+            if events is not None:
+                row[5] = events[0].elapsed_time(events[1]) / 1e3
+                totals[0 if row[0] else 1] += row[5]
+        return totals[0], totals[1]
 
 
 def step_plan(num_decode: int, context_len: int, prefill_len: int, block_size: int, num_prompts: int = 1) -> StepPlan:
@@ -166,6 +197,9 @@ def run(llm, args):
     per_step_ms = 1e3 * timer.decode_wall_seconds / max(timer.num_steps, 1)
     print(f"wall time in decode steps {timer.decode_wall_seconds:.2f} s ({per_step_ms:.2f} ms/step), "
           f"in prefill/mixed steps {timer.prefill_wall_seconds:.2f} s")
+    gpu = timer.gpu_seconds()
+    if gpu is not None:
+        print(f"GPU time in decode steps {gpu[0]:.2f} s, in prefill/mixed steps {gpu[1]:.2f} s")
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(timer.trace, f)
@@ -192,7 +226,7 @@ def main():
                         help="schedule step N+1 while step N runs (default: on at TP 1)")
     parser.add_argument("--trace", default=None,
                         help="write per-step (is_decode, seqs, tokens, wall seconds, scheduling + input preparation "
-                             "seconds) JSON here")
+                             "seconds, GPU seconds) JSON here")
     args = parser.parse_args()
     llm = LLM(preset_dir(args.shape), load_format="dummy", max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
