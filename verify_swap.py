@@ -75,7 +75,8 @@ def check_resume_mid_decode(model, cuda):
         stats = llm.stats()
     assert got == expected, f"tokens differ after swap: first mismatch at {_first_mismatch(got, expected)}"
     assert stats["blocks_swapped_in"] > 0 and stats["recomputed_tokens"] == 0, stats
-    return f"swapped out after 20 tokens, resumed, {len(got)} tokens identical, {stats['blocks_swapped_in']} blocks in"
+    return (f"swapped out after 20 tokens, resumed, {len(got)} tokens identical, "
+            f"blocks swapped in: {stats['blocks_swapped_in']}")
 
 
 def _heavy_workload(cuda):
@@ -101,7 +102,7 @@ def check_heavy_swap(model, cuda, tp: int = 1):
     assert not bad, f"{len(bad)} of {len(prompts)} sequences differ from the unpressured run, e.g. seq {bad[0]}"
     assert stats["preemptions_swap"] > 0, f"no swap happened: {stats}"
     return (f"{len(prompts)} seqs, {stats['preemptions_swap']} swap preemptions, "
-            f"{stats['blocks_swapped_in']} blocks in, outputs identical, {time.perf_counter() - start:.1f} s")
+            f"blocks swapped in: {stats['blocks_swapped_in']}, outputs identical, {time.perf_counter() - start:.1f} s")
 
 
 def check_counters(model, cuda):
