@@ -11,6 +11,7 @@ attention on a 16k-token batch, with torch SDPA (flash) on contiguous tensors as
 
 import argparse
 import math
+import random
 
 import torch
 import triton
@@ -163,6 +164,11 @@ def main():
         bench_prefill(name, [(0, 4096)] * 4, sweep="prefill" in sweep)
         bench_prefill(name, [(0, 16384)])
         bench_prefill(name, [(3000, 1000)] * 4 + [(1000, 1)] * 64)  # chunked prefill + decodes
+    # a prefill step of bench.py: prompts of U[100, 1024] tokens up to the 16,384-token budget, block size 64
+    rng, step = random.Random(0), []
+    while sum(n for _, n in step) < 16384:
+        step.append((0, min(rng.randint(100, 1024), 16384 - sum(n for _, n in step))))
+    bench_prefill("Qwen3-0.6B", step, block_size=64, sweep="prefill" in sweep)
 
 
 if __name__ == "__main__":
