@@ -4,8 +4,9 @@
 
 Prints, for decode at batch 256 / context 1024 (Qwen3-0.6B and Qwen3-8B head shapes, bf16,
 block_size 256): kernel time, GB/s of KV read, the device-to-device copy bandwidth measured in the
-same run (read + write bytes of a large ``dst.copy_(src)``) and the ratio of the two. Then prefill
-attention on a 16k-token batch, with torch SDPA (flash) on contiguous tensors as a yardstick.
+same run (read + write bytes of a large ``dst.copy_(src)``) and the ratio of the two, and a read-only bandwidth
+(an ``amax`` over 4 GiB); the same at batch 128 / block_size 64 (the engine's default). Then prefill attention on a
+16k-token batch, with torch SDPA (flash) on contiguous tensors as a yardstick, and on a step of bench.py's prompts.
 ``--sweep`` also times a grid of decode (tile configs x split counts) and prefill tile configs.
 """
 
@@ -45,6 +46,15 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / (ms * 1e-3)
+
+
+def read_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Read-only bandwidth in bytes/s: a max-reduction over a large bf16 tensor (what the decode kernel does most)."""
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    ms = bench_ms(lambda: src.amax())
+    del src
+    torch.cuda.empty_cache()
+    return nbytes / (ms * 1e-3)
 
 
 def make_paged_cache(batch, ctx, num_kv_heads, head_dim, block_size, dtype):
@@ -151,9 +161,12 @@ def main():
           f"torch {torch.__version__}  triton {triton.__version__}")
     copy_bw = copy_bandwidth()
     print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)", flush=True)
+    print(f"read only (amax over 4 GiB of bf16): {read_bandwidth() / 1e9:.0f} GB/s", flush=True)
 
     for name in SHAPES:
         bench_decode(name, 256, 1024, 256, copy_bw, sweep="decode" in sweep)
+    # the engine's block size and bench.py's typical decode batch
+    bench_decode("Qwen3-0.6B", 128, 1024, 64, copy_bw, sweep="decode" in sweep)
     for name in SHAPES:  # other regimes: small batch / long context (split-K), block_size 16
         bench_decode(name, 8, 8192, 256, copy_bw, other_splits=(4, 16, 32, 64))
         bench_decode(name, 256, 1024, 16, copy_bw)
