@@ -67,7 +67,9 @@ class BlockPool:
         owners = [0] * self.num_blocks
         for table in block_tables:
             if len(set(table)) != len(table):
-                raise RuntimeError(f"a block table holds a {self.tier} twice: {table}")
+                twice = sorted({b for b in table if table.count(b) > 1})
+                raise RuntimeError(f"{type(self).__name__}.check_invariants: {self.tier}s {twice} appear twice in "
+                                   f"one block table {table}")
             for block_id in table:
                 owners[block_id] += 1
         if owners != self.ref_counts:
