@@ -1,0 +1,121 @@
+"""Microbenchmark of the decode-step GEMMs at small M: cuBLAS (`F.linear`) against Triton tiles, with split-K.
+
+    python -m nanovllm.kernels.bench_gemm [--shape qwen3-0.6b qwen3-8b] [--m 1 32 128 256]
+
+Why: in a Qwen3-0.6B decode step the four GEMMs of a layer take ~21-28 us at M <= 128 on an H200 while their
+weights (31 MB per layer) take ~8 us to read (docs/benchmarks.md, run N). Each of them reads a few MB with only
+N / BLOCK_N programs, too few to pull the weights at full bandwidth. Split-K gives each program a slice of K and
+writes fp32 partial sums [S, M, N]; in the engine the consumer of each GEMM (the add + RMSNorm after o_proj and
+down_proj, the rope + KV-store kernel after qkv_proj, SiLU-and-mul after gate_up_proj) could sum the S partials as
+it reads its input, so no extra kernel would run. This prints, per shape and M: cuBLAS; the best plain Triton tile;
+the best split-K tile alone ("fused reduce": what the engine would pay, plus reading the partials in the consumer);
+and split-K followed by a separate sum (`torch.sum` over S), all timed inside CUDA graphs.
+"""
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+SHAPES = {  # (N, K) of qkv_proj, o_proj, gate_up_proj, down_proj
+    "qwen3-0.6b": [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)],
+    "qwen3-8b": [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)],
+}
+
+
+@triton.jit
+def _splitk_kernel(a_ptr, w_ptr, part_ptr, M, N, K, k_per_split, stride_am, stride_wn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """part[s] = a[:, Ks] @ w[:, Ks].T over split s's K range Ks (fp32); one split is a plain GEMM."""
+    pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = split * k_per_split
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for _ in range(0, k_per_split, BLOCK_K):
+        a = tl.load(a_ptrs, mask=offs_m[:, None] < M, other=0.0)
+        w = tl.load(w_ptrs, mask=offs_n[:, None] < N, other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = part_ptr + (split * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+    tl.store(out, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def splitk_matmul(a: torch.Tensor, w: torch.Tensor, splits: int, block_m: int, block_n: int, block_k: int,
+                  num_warps: int = 4, num_stages: int = 3, part: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 partial sums [splits, M, N] of a [M, K] @ w[N, K].T; K must split into whole BLOCK_K steps."""
+    (m, k), n = a.shape, w.shape[0]
+    assert k % (splits * block_k) == 0, (k, splits, block_k)
+    if part is None:
+        part = torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits)
+    _splitk_kernel[grid](a, w, part, m, n, k, k // splits, a.stride(0), w.stride(0),
+                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+                         num_stages=num_stages)
+    return part
+
+
+def graph_us(fn) -> float:
+    from triton.testing import do_bench_cudagraph
+    return do_bench_cudagraph(fn, rep=10) * 1e3
+
+
+def configs(m: int, k: int):
+    """(splits, block_m, block_n, block_k) candidates for this M and K."""
+    block_ms = [bm for bm in (16, 32, 64, 128) if bm <= max(16, triton.next_power_of_2(m))]
+    for splits, bm, bn, bk in itertools.product((1, 2, 4, 8), block_ms, (16, 32, 64, 128), (128, 256)):
+        if k % (splits * bk) == 0 and (bm + bn) * bk <= 192 * 256 and (bn > 16 or bm <= 32):
+            yield splits, bm, bn, bk
+
+
+def bench_shape(n: int, k: int, m: int) -> str:
+    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+    a = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    ref = F.linear(a, w).float()
+    cublas = graph_us(lambda: F.linear(a, w))
+    best = {}  # "plain" / "split": (us, config)
+    for cfg in configs(m, k):
+        splits = cfg[0]
+        part = torch.empty((splits, m, n), dtype=torch.float32, device="cuda")
+        try:
+            got = splitk_matmul(a, w, *cfg, part=part).sum(0)
+            us = graph_us(lambda: splitk_matmul(a, w, *cfg, part=part))
+        except Exception:  # noqa: BLE001 -- a tile that does not fit (shared memory): skip it
+            continue
+        assert (got - ref).abs().max().item() <= 1e-2 * ref.abs().max().item() + 1e-3, cfg
+        key = "plain" if splits == 1 else "split"
+        if us < best.get(key, (float("inf"),))[0]:
+            best[key] = (us, cfg)
+    line = f"N={n:5d} K={k:5d} M={m:4d}: cuBLAS {cublas:6.1f} us"
+    weight_us = n * k * 2 / 4.3e12 * 1e6
+    if "plain" in best:
+        line += f" | Triton {best['plain'][0]:6.1f} us {best['plain'][1][1:]}"
+    if "split" in best:
+        us, cfg = best["split"]
+        part = torch.empty((cfg[0], m, n), dtype=torch.float32, device="cuda")
+        with_sum = graph_us(lambda: splitk_matmul(a, w, *cfg, part=part).sum(0, dtype=torch.float32).bfloat16())
+        line += f" | split-K {us:6.1f} us (S={cfg[0]}, {cfg[1:]}), + separate sum {with_sum:6.1f} us"
+    return line + f" | weights at 4.3 TB/s {weight_us:5.1f} us"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--m", nargs="*", type=int, default=[1, 32, 128, 256])
+    args = parser.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    torch.manual_seed(0)
+    for shape in args.shape:
+        print(f"## {shape}", flush=True)
+        for (n, k), m in itertools.product(SHAPES[shape], args.m):
+            print(bench_shape(n, k, m), flush=True)
+
+
+if __name__ == "__main__":
+    main()
