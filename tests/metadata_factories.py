@@ -74,7 +74,6 @@ class ShadowKV:
                                      f"{seq.token_ids[bad]} (gpu block {seq.block_table[bad // BLOCK_SIZE]}, "
                                      f"table {seq.block_table})")
 
-
     @staticmethod
     def _read(slot):
         if slot is None:
