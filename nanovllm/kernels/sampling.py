@@ -86,9 +86,11 @@ def sample_tempered(logits: torch.Tensor, temperatures: torch.Tensor, seed: int)
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch == 0:
         return out
-    stats = torch.empty((3, batch, num_chunks), dtype=torch.float32, device=logits.device)
+    # separate allocations, not views of one: a view's address alignment would follow the batch size, and Triton
+    # compiles a kernel variant per alignment (a compile in the middle of a run)
+    chunk_max, chunk_sum, chunk_best = (torch.empty((batch, num_chunks), dtype=torch.float32, device=logits.device)
+                                        for _ in range(3))
     chunk_best_id = torch.empty((batch, num_chunks), dtype=torch.int32, device=logits.device)
-    chunk_max, chunk_sum, chunk_best = stats[0], stats[1], stats[2]
     _chunk_stats_kernel[(batch, num_chunks)](logits, temperatures, chunk_max, chunk_sum, chunk_best, chunk_best_id,
                                              vocab, logits.stride(0), num_chunks, CHUNK=CHUNK, num_warps=4)
     _row_sample_kernel[(batch,)](logits, temperatures, chunk_max, chunk_sum, chunk_best, chunk_best_id, out, seed,
