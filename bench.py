@@ -101,9 +101,10 @@ class HostTimer:
 
     def gpu_seconds(self) -> tuple[float, float] | None:
         """(decode, prefill/mixed) GPU seconds summed over the steps, after the run; fills the trace's last column."""
-        if not any(self.events):
+        last = next((events for events in reversed(self.events) if events is not None), None)
+        if last is None:
             return None
-        self.events[-1][1].synchronize()
+        last[1].synchronize()
         totals = [0.0, 0.0]
         for row, events in zip(self.trace, self.events):
             if events is not None:

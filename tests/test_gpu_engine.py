@@ -57,12 +57,12 @@ else:
 """ % (PROMPT_LENS, MAX_TOKENS, MAX_TOKENS)
 
 
-def run(model: str, reference: bool = False, env: dict | None = None, **kwargs) -> dict:
+def run(model: str, reference: bool = False, env: dict | None = None, script: str = RUN, **kwargs) -> dict:
     # max_num_seqs 8 (the runs have 6 prompts): 4 decode graphs to capture at start-up instead of ~25; batches of
     # 5-6 rows still replay a padded graph
     kwargs = {**dict(device="cuda", dtype="float32", kvcache_block_size=16, max_model_len=1024, max_num_seqs=8),
               **kwargs}
-    proc = subprocess.run([sys.executable, "-c", RUN, model, json.dumps(kwargs), "hf" if reference else "engine"],
+    proc = subprocess.run([sys.executable, "-c", script, model, json.dumps(kwargs), "hf" if reference else "engine"],
                           capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -138,12 +138,7 @@ def test_host_prefix_cache_on_cuda_streams_gives_the_same_tokens(gpu_models):
     """The host tier as a prefix cache: evicted prefix blocks are written back to pinned memory on the copy stream
     and copied in again for the next prompt; its tokens equal a run without any prefix caching."""
     def host_cache_run(**kwargs):
-        kwargs = dict(device="cuda", dtype="float32", kvcache_block_size=16, max_model_len=1024, max_num_seqs=8,
-                      num_kvcache_blocks=24, swap_space=0.5, **kwargs)
-        proc = subprocess.run([sys.executable, "-c", HOST_CACHE_RUN, gpu_models["qwen3"], json.dumps(kwargs)],
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        return run(gpu_models["qwen3"], script=HOST_CACHE_RUN, num_kvcache_blocks=24, swap_space=0.5, **kwargs)
     base = host_cache_run(enable_prefix_caching=False)
     got = host_cache_run(host_cache_policy="write_back")
     assert got["token_ids"] == base["token_ids"]
