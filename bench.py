@@ -40,12 +40,15 @@ class HostTimer:
         # GPU seconds (None without CUDA; filled in by gpu_seconds()))
         self.trace = []
         self.step_prep_seconds = 0.0
+        self.step_parts = {}  # this step's seconds per wrapped function
+        self.full_batch = None  # set by run(): decode steps with at least this many seqs add to full_batch_parts
+        self.full_batch_parts, self.num_full_batch_steps = {}, 0
         self.step_events = None
         self.events = []  # per step: (start, end) CUDA events, or None
         step = llm.step
 
         def timed_step():
-            self.step_prep_seconds = 0.0
+            self.step_prep_seconds, self.step_parts = 0.0, {}
             start = time.perf_counter()
             finished = step()
             wall_seconds = time.perf_counter() - start
@@ -56,6 +59,10 @@ class HostTimer:
             self.trace.append([self.is_decode, self.num_seqs, self.num_tokens, wall_seconds, self.step_prep_seconds,
                                None])
             self.events.append(self.step_events)
+            if self.is_decode and self.full_batch is not None and self.num_seqs >= self.full_batch:
+                self.num_full_batch_steps += 1
+                for part, part_seconds in self.step_parts.items():
+                    self.full_batch_parts[part] = self.full_batch_parts.get(part, 0.0) + part_seconds
             self.step_events = None
             return finished
         llm.step = timed_step
@@ -91,6 +98,7 @@ class HostTimer:
             if self.is_decode:
                 seconds = time.perf_counter() - start
                 self.seconds += seconds
+                self.step_parts[name] = self.step_parts.get(name, 0.0) + seconds
                 if name in self.POSTPROCESS:
                     self.postprocess_seconds += seconds
                 else:
@@ -177,6 +185,7 @@ def run(llm, args):
     """The timed seed workload: prints throughput and host time per decode step."""
     prompts, params = seed_workload(args.num_seqs)
     timer = HostTimer(llm)
+    timer.full_batch = 0.9 * args.num_seqs
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -195,6 +204,9 @@ def run(llm, args):
         full_ms = 1e3 * sum(t[4] for t in full) / len(full)
         print(f"  scheduling + input preparation at batch >= {0.9 * args.num_seqs:.0f}: {full_ms:.3f} ms per step "
               f"over {len(full)} steps")
+        parts = ", ".join(f"{name} {1e3 * sec / timer.num_full_batch_steps:.3f}"
+                          for name, sec in timer.full_batch_parts.items())
+        print(f"    per function, ms per step: {parts}")
     per_step_ms = 1e3 * timer.decode_wall_seconds / max(timer.num_steps, 1)
     print(f"wall time in decode steps {timer.decode_wall_seconds:.2f} s ({per_step_ms:.2f} ms/step), "
           f"in prefill/mixed steps {timer.prefill_wall_seconds:.2f} s")

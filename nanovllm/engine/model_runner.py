@@ -47,6 +47,41 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
+class _PackedInputs:
+    """A step's integer inputs in one byte buffer: int64 parts, then int32 parts, then the int32 block table; every
+    part starts on a 16-byte boundary. One buffer means one host-to-device copy; the alignment keeps each part's
+    device address 16-byte aligned whatever the lengths before it, because Triton compiles a kernel variant per
+    pointer alignment (a part at an 8-byte offset one step and a 16-byte one the next would compile mid-run)."""
+
+    ALIGN_BYTES = 16
+
+    def __init__(self, int64_parts: list[list[int]], int32_parts: list[list[int]], num_table_entries: int,
+                 pin_memory: bool):
+        self.spans = []  # (byte offset, length, dtype) per part, the table last
+        offset = 0
+        for parts, dtype in ((int64_parts, torch.int64), (int32_parts, torch.int32)):
+            for part in parts:
+                self.spans.append((offset, len(part), dtype))
+                offset += self._padded_bytes(len(part) * dtype.itemsize)
+        self.spans.append((offset, num_table_entries, torch.int32))
+        offset += self._padded_bytes(num_table_entries * 4)
+        self.host = torch.empty(offset, dtype=torch.uint8, pin_memory=pin_memory)
+        buffer = self.host.numpy()
+        for (start, length, dtype), part in zip(self.spans, int64_parts + int32_parts):
+            np_dtype = np.int64 if dtype == torch.int64 else np.int32
+            buffer[start:start + length * dtype.itemsize].view(np_dtype)[:] = part
+        start, length, _ = self.spans[-1]
+        self.table = buffer[start:start + 4 * length].view(np.int32)  # filled in by the caller
+
+    def _padded_bytes(self, num_bytes: int) -> int:
+        return -(-num_bytes // self.ALIGN_BYTES) * self.ALIGN_BYTES
+
+    def to(self, device: torch.device) -> list[torch.Tensor]:
+        """The parts, as views of one device copy of the buffer."""
+        data = self.host if device.type == "cpu" else self.host.to(device, non_blocking=True)
+        return [data[start:start + length * dtype.itemsize].view(dtype) for start, length, dtype in self.spans]
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens]
@@ -219,36 +254,35 @@ class ModelRunner:
 
     # --- one step
     def prepare(self, plan: StepPlan, width: int | None = None) -> StepInputs:
-        """Tensors for one step, built in one numpy buffer and moved in one host-to-device copy; block tables are
-        padded with -1 to `width` columns (fixed under CUDA graphs)."""
+        """Tensors for one step, packed into one host buffer (pinned on CUDA) and moved in one host-to-device copy;
+        block tables are padded with -1 to `width` columns (fixed under CUDA graphs). What the attention kernels
+        read is int32 already, so no conversion kernels follow the copy."""
         width = width or max(len(t) for t in plan.block_tables)
-        cu_seqlens = [0]
-        for n in plan.query_lens:
-            cu_seqlens.append(cu_seqlens[-1] + n)
+        cu_seqlens = [0, *itertools.accumulate(plan.query_lens)]
         num_decode_rows = self._num_decode_rows(plan)
         prefill_cu_seqlens = [n - num_decode_rows for n in cu_seqlens[num_decode_rows:]] if num_decode_rows else []
-        parts = [plan.input_ids, plan.positions, plan.slot_mapping, plan.logits_indices, plan.seq_lens, cu_seqlens,
-                 plan.placeholder_rows, plan.placeholder_sources, prefill_cu_seqlens]
-        sizes = [len(p) for p in parts]
-        num_head = sum(sizes)
         table_lens = [len(t) for t in plan.block_tables]
-        buf = np.full(num_head + len(table_lens) * width, -1, dtype=np.int64)
-        buf[:num_head] = np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int64, count=num_head)
+        packed = _PackedInputs(
+            int64_parts=[plan.input_ids, plan.positions, plan.slot_mapping, plan.logits_indices,
+                         plan.placeholder_rows, plan.placeholder_sources],
+            int32_parts=[plan.seq_lens, cu_seqlens, prefill_cu_seqlens],
+            num_table_entries=len(table_lens) * width, pin_memory=self.device.type == "cuda")
+        tables = packed.table.reshape(-1, width)
+        tables.fill(-1)
         filled = np.arange(width)[None, :] < np.array(table_lens)[:, None]  # [B, width]
-        buf[num_head:].reshape(-1, width)[filled] = np.fromiter(
-            itertools.chain.from_iterable(plan.block_tables), dtype=np.int64, count=sum(table_lens))
-        data = self._to_device(buf)
-        (input_ids, positions, slots, logits_indices, seq_lens, cu_seqlens_q, rows, sources, prefill_cu_seqlens_q,
-         tables) = data.split(sizes + [len(table_lens) * width])
+        tables[filled] = np.fromiter(itertools.chain.from_iterable(plan.block_tables), dtype=np.int32,
+                                     count=sum(table_lens))
+        (input_ids, positions, slots, logits_indices, rows, sources, seq_lens, cu_seqlens_q, prefill_cu_seqlens_q,
+         tables) = packed.to(self.device)
         if plan.placeholder_rows:  # tokens the previous step sampled, never read back to the host
             input_ids[rows] = self._last_sampled[sources]
+        tables = tables.view(-1, width)
         md = AttentionMetadata(
-            is_decode_only=plan.is_decode_only, slot_mapping=slots, seq_lens=seq_lens.int(),
-            block_tables=tables.view(-1, width).int(), cu_seqlens_q=cu_seqlens_q.int(),
-            max_query_len=max(plan.query_lens), max_seq_len=max(plan.seq_lens),
+            is_decode_only=plan.is_decode_only, slot_mapping=slots, seq_lens=seq_lens, block_tables=tables,
+            cu_seqlens_q=cu_seqlens_q, max_query_len=max(plan.query_lens), max_seq_len=max(plan.seq_lens),
             query_lens_cpu=plan.query_lens, seq_lens_cpu=plan.seq_lens)
         if num_decode_rows:
-            self._split_mixed(md, num_decode_rows, prefill_cu_seqlens_q.int(), seq_lens, tables.view(-1, width))
+            self._split_mixed(md, num_decode_rows, prefill_cu_seqlens_q)
         return StepInputs(input_ids, positions, md, logits_indices)
 
     def _num_decode_rows(self, plan: StepPlan) -> int:
@@ -260,10 +294,9 @@ class ModelRunner:
         return next((i for i, n in enumerate(plan.query_lens) if n != 1), num_rows) % num_rows
 
     @staticmethod
-    def _split_mixed(md: AttentionMetadata, num_decode_rows: int, prefill_cu_seqlens_q: torch.Tensor,
-                     seq_lens: torch.Tensor, block_tables: torch.Tensor):
-        """The prefill part gets its own int32 copies of seq_lens and block_tables: a slice at row d would start
-        at an address Triton specializes on (16-byte alignment), so each new d % 4 would compile kernel variants
+    def _split_mixed(md: AttentionMetadata, num_decode_rows: int, prefill_cu_seqlens_q: torch.Tensor):
+        """The prefill part gets its own copies of seq_lens and block_tables: a slice at row d would start at an
+        address Triton specializes on (16-byte alignment), so each new d % 4 would compile kernel variants
         mid-run."""
         d = num_decode_rows
         md.decode_part = AttentionMetadata(
@@ -271,14 +304,14 @@ class ModelRunner:
             block_tables=md.block_tables[:d], max_seq_len=max(md.seq_lens_cpu[:d]),
             query_lens_cpu=md.query_lens_cpu[:d], seq_lens_cpu=md.seq_lens_cpu[:d])
         md.prefill_part = AttentionMetadata(
-            is_decode_only=False, slot_mapping=md.slot_mapping[d:], seq_lens=seq_lens[d:].int(),
-            block_tables=block_tables[d:].int(), cu_seqlens_q=prefill_cu_seqlens_q,
+            is_decode_only=False, slot_mapping=md.slot_mapping[d:], seq_lens=md.seq_lens[d:].clone(),
+            block_tables=md.block_tables[d:].clone(), cu_seqlens_q=prefill_cu_seqlens_q,
             max_query_len=max(md.query_lens_cpu[d:]), max_seq_len=max(md.seq_lens_cpu[d:]),
             query_lens_cpu=md.query_lens_cpu[d:], seq_lens_cpu=md.seq_lens_cpu[d:])
 
-    def _to_device(self, values, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        """A list or numpy array on the device; through pinned memory on CUDA so the copy is asynchronous."""
-        t = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A list on the device; through pinned memory on CUDA so the copy is asynchronous."""
+        t = torch.tensor(values, dtype=dtype)
         if self.device.type == "cpu":
             return t
         return t.pin_memory().to(self.device, non_blocking=True)

@@ -1,4 +1,5 @@
 """One step flattened to plain lists: what every tensor-parallel rank needs to run it (plain Python; no torch)."""
+import itertools
 from dataclasses import dataclass, field
 
 from nanovllm.engine.scheduler import SchedulerOutput
@@ -34,26 +35,38 @@ class StepPlan:
 
 def make_plan(out: SchedulerOutput, block_size: int) -> tuple[StepPlan, list[Sequence]]:
     """Returns the plan and the sequences that sample a token this step (in logits_indices order)."""
-    plan = StepPlan(swap_out=out.swap_out, swap_in=out.swap_in, new_gpu_block_ids=out.new_gpu_block_ids)
-    sample_seqs = []
-    bs = block_size
-    for seq, n, samples in zip(out.seqs, out.num_new_tokens, out.samples):
+    plan = StepPlan(swap_out=out.swap_out, swap_in=out.swap_in, new_gpu_block_ids=out.new_gpu_block_ids,
+                    query_lens=list(out.num_new_tokens), block_tables=[seq.block_table for seq in out.seqs])
+    sample_rows = [i for i, samples in enumerate(out.samples) if samples]
+    if out.num_new_tokens.count(1) == len(out.num_new_tokens):
+        _fill_decode_rows(plan, out.seqs, block_size)
+        plan.logits_indices = sample_rows  # one token per row: row i is token i
+    else:
+        _fill_rows(plan, out.seqs, out.num_new_tokens, block_size)
+        ends = list(itertools.accumulate(out.num_new_tokens))
+        plan.logits_indices = [ends[i] - 1 for i in sample_rows]
+    return plan, [out.seqs[i] for i in sample_rows]
+
+
+def _fill_decode_rows(plan: StepPlan, seqs: list[Sequence], bs: int):
+    """One token per sequence, the common step: whole-list comprehensions (about twice as fast as the loop below
+    at batch 256, and this runs on the host between two forwards)."""
+    starts = [seq.num_computed_tokens for seq in seqs]
+    plan.input_ids = [seq.token_ids[p] for seq, p in zip(seqs, starts)]
+    plan.positions = starts
+    plan.slot_mapping = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, starts)]
+    plan.seq_lens = [p + 1 for p in starts]
+    plan.placeholder_rows = [i for i, token_id in enumerate(plan.input_ids) if token_id == PLACEHOLDER_TOKEN]
+    plan.placeholder_sources = [seqs[i].sample_row for i in plan.placeholder_rows]
+
+
+def _fill_rows(plan: StepPlan, seqs: list[Sequence], num_new_tokens: list[int], bs: int):
+    for seq, n in zip(seqs, num_new_tokens):
         start, end, table = seq.num_computed_tokens, seq.num_computed_tokens + n, seq.block_table
-        if n == 1:
-            if seq.token_ids[start] == PLACEHOLDER_TOKEN:
-                plan.placeholder_rows.append(len(plan.input_ids))
-                plan.placeholder_sources.append(seq.sample_row)
-            plan.input_ids.append(seq.token_ids[start])
-            plan.positions.append(start)
-            plan.slot_mapping.append(table[start // bs] * bs + start % bs)
-        else:
-            plan.input_ids.extend(seq.token_ids[start:end])
-            plan.positions.extend(range(start, end))
-            plan.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-        plan.query_lens.append(n)
+        if n == 1 and seq.token_ids[start] == PLACEHOLDER_TOKEN:
+            plan.placeholder_rows.append(len(plan.input_ids))
+            plan.placeholder_sources.append(seq.sample_row)
+        plan.input_ids.extend(seq.token_ids[start:end])
+        plan.positions.extend(range(start, end))
+        plan.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         plan.seq_lens.append(end)
-        plan.block_tables.append(table)
-        if samples:
-            plan.logits_indices.append(len(plan.input_ids) - 1)
-            sample_seqs.append(seq)
-    return plan, sample_seqs
