@@ -318,7 +318,7 @@ class ModelRunner:
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         """Per-row sampling parameters; reused while the batch holds the same sequences in the same order."""
-        key = tuple(s.seq_id for s in seqs)
+        key = [s.seq_id for s in seqs]  # a list comprehension: twice as fast as tuple(generator)
         if key != self._sampling_key:
             self._sampling_key, self._sampling = key, self._build_sampling_tensors(seqs)
         return self._sampling
