@@ -68,5 +68,13 @@ def _fill_rows(plan: StepPlan, seqs: list[Sequence], num_new_tokens: list[int], 
             plan.placeholder_sources.append(seq.sample_row)
         plan.input_ids.extend(seq.token_ids[start:end])
         plan.positions.extend(range(start, end))
-        plan.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        plan.slot_mapping.extend(_slots(table, start, end, bs))
         plan.seq_lens.append(end)
+
+
+def _slots(table: list[int], start: int, end: int, bs: int):
+    """Cache slots of token positions [start, end): one range per block, not one Python step per token (a
+    16k-token prefill took 1.6 ms of host time the per-token way)."""
+    return itertools.chain.from_iterable(
+        range(table[i] * bs + max(start - i * bs, 0), table[i] * bs + min(end - i * bs, bs))
+        for i in range(start // bs, (end + bs - 1) // bs))
