@@ -48,38 +48,46 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
 
 
 class _PackedInputs:
-    """A step's integer inputs in one byte buffer: int64 parts, then int32 parts, then the int32 block table; every
-    part starts on a 16-byte boundary. One buffer means one host-to-device copy; the alignment keeps each part's
-    device address 16-byte aligned whatever the lengths before it, because Triton compiles a kernel variant per
-    pointer alignment (a part at an 8-byte offset one step and a 16-byte one the next would compile mid-run)."""
+    """A step's integer inputs in one byte buffer: int64 parts, then int32 parts, then the int32 block table
+    [rows, width] padded with -1; every part starts on a 16-byte boundary. One buffer means one host-to-device copy;
+    the alignment keeps each part's device address 16-byte aligned whatever the lengths before it, because Triton
+    compiles a kernel variant per pointer alignment (a part at an 8-byte offset one step and a 16-byte one the next
+    would compile mid-run)."""
 
     ALIGN_BYTES = 16
 
-    def __init__(self, int64_parts: list[list[int]], int32_parts: list[list[int]], num_table_entries: int,
-                 pin_memory: bool):
+    def __init__(self, int64_parts: list[list[int]], int32_parts: list[list[int]], block_tables: list[list[int]],
+                 width: int, pin_memory: bool):
         self.spans = []  # (byte offset, length, dtype) per part, the table last
         offset = 0
         for parts, dtype in ((int64_parts, torch.int64), (int32_parts, torch.int32)):
             for part in parts:
                 self.spans.append((offset, len(part), dtype))
                 offset += self._padded_bytes(len(part) * dtype.itemsize)
-        self.spans.append((offset, num_table_entries, torch.int32))
-        offset += self._padded_bytes(num_table_entries * 4)
+        self.table_shape = (len(block_tables), width)
+        self.spans.append((offset, len(block_tables) * width, torch.int32))
+        offset += self._padded_bytes(len(block_tables) * width * 4)
         self.host = torch.empty(offset, dtype=torch.uint8, pin_memory=pin_memory)
         buffer = self.host.numpy()
         for (start, length, dtype), part in zip(self.spans, int64_parts + int32_parts):
             np_dtype = np.int64 if dtype == torch.int64 else np.int32
             buffer[start:start + length * dtype.itemsize].view(np_dtype)[:] = part
         start, length, _ = self.spans[-1]
-        self.table = buffer[start:start + 4 * length].view(np.int32)  # filled in by the caller
+        table = buffer[start:start + 4 * length].view(np.int32).reshape(self.table_shape)
+        table.fill(-1)
+        table_lens = [len(t) for t in block_tables]
+        table[np.arange(width)[None, :] < np.array(table_lens)[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(block_tables), dtype=np.int32, count=sum(table_lens))
 
     def _padded_bytes(self, num_bytes: int) -> int:
         return -(-num_bytes // self.ALIGN_BYTES) * self.ALIGN_BYTES
 
     def to(self, device: torch.device) -> list[torch.Tensor]:
-        """The parts, as views of one device copy of the buffer."""
+        """The parts, as views of one device copy of the buffer; the table as [rows, width]."""
         data = self.host if device.type == "cpu" else self.host.to(device, non_blocking=True)
-        return [data[start:start + length * dtype.itemsize].view(dtype) for start, length, dtype in self.spans]
+        parts = [data[start:start + length * dtype.itemsize].view(dtype) for start, length, dtype in self.spans]
+        parts[-1] = parts[-1].view(self.table_shape)
+        return parts
 
 
 @dataclass
@@ -261,22 +269,15 @@ class ModelRunner:
         cu_seqlens = [0, *itertools.accumulate(plan.query_lens)]
         num_decode_rows = self._num_decode_rows(plan)
         prefill_cu_seqlens = [n - num_decode_rows for n in cu_seqlens[num_decode_rows:]] if num_decode_rows else []
-        table_lens = [len(t) for t in plan.block_tables]
         packed = _PackedInputs(
             int64_parts=[plan.input_ids, plan.positions, plan.slot_mapping, plan.logits_indices,
                          plan.placeholder_rows, plan.placeholder_sources],
             int32_parts=[plan.seq_lens, cu_seqlens, prefill_cu_seqlens],
-            num_table_entries=len(table_lens) * width, pin_memory=self.device.type == "cuda")
-        tables = packed.table.reshape(-1, width)
-        tables.fill(-1)
-        filled = np.arange(width)[None, :] < np.array(table_lens)[:, None]  # [B, width]
-        tables[filled] = np.fromiter(itertools.chain.from_iterable(plan.block_tables), dtype=np.int32,
-                                     count=sum(table_lens))
+            block_tables=plan.block_tables, width=width, pin_memory=self.device.type == "cuda")
         (input_ids, positions, slots, logits_indices, rows, sources, seq_lens, cu_seqlens_q, prefill_cu_seqlens_q,
          tables) = packed.to(self.device)
         if plan.placeholder_rows:  # tokens the previous step sampled, never read back to the host
             input_ids[rows] = self._last_sampled[sources]
-        tables = tables.view(-1, width)
         md = AttentionMetadata(
             is_decode_only=plan.is_decode_only, slot_mapping=slots, seq_lens=seq_lens, block_tables=tables,
             cu_seqlens_q=cu_seqlens_q, max_query_len=max(plan.query_lens), max_seq_len=max(plan.seq_lens),

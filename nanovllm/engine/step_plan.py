@@ -49,8 +49,8 @@ def make_plan(out: SchedulerOutput, block_size: int) -> tuple[StepPlan, list[Seq
 
 
 def _fill_decode_rows(plan: StepPlan, seqs: list[Sequence], bs: int):
-    """One token per sequence, the common step: whole-list comprehensions (about twice as fast as the loop below
-    at batch 256, and this runs on the host between two forwards)."""
+    """One token per sequence, the common step: whole-list comprehensions instead of the loop below (at batch 256
+    on the H200 machine's host, make_plan went from 0.12 to 0.10 ms per step)."""
     starts = [seq.num_computed_tokens for seq in seqs]
     plan.input_ids = [seq.token_ids[p] for seq, p in zip(seqs, starts)]
     plan.positions = starts
