@@ -12,6 +12,7 @@ yardstick, and on a step of bench.py's prompts.
 """
 
 import argparse
+import dataclasses
 import math
 import random
 
@@ -23,6 +24,7 @@ from triton.testing import do_bench
 from nanovllm.kernels.triton_attention import (
     KernelConfig,
     _SPLIT_PLAN_BLOCK_N,
+    _decode_config,
     _decode_split_plan,
     _sm_count,
     paged_decode_attention,
@@ -107,6 +109,10 @@ def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sw
     ms, bw = run()
     print(f"decode {name:11s} B={batch:3d} ctx={ctx:5d} bs={block_size:3d} splits={splits:2d}: "
           f"{ms * 1e3:8.1f} us  KV read {bw / 1e9:7.0f} GB/s  = {bw / copy_bw:6.1%} of copy bw", flush=True)
+    default = _decode_config(dtype, head_dim, block_size, splits > 1)
+    ms, bw = run(dataclasses.replace(default, heads_fastest=True))
+    print(f"    the same, kv heads fastest in the grid: {ms * 1e3:8.1f} us  {bw / 1e9:7.0f} GB/s  {bw / copy_bw:6.1%}",
+          flush=True)
     for s in other_splits:
         ms, bw = run(None, s)
         print(f"    splits={s:2d}: {ms * 1e3:8.1f} us  {bw / 1e9:7.0f} GB/s  {bw / copy_bw:6.1%}", flush=True)

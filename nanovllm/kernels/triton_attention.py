@@ -253,6 +253,10 @@ class KernelConfig:
     block_n: int  # keys per inner step
     num_warps: int
     num_stages: int
+    # decode: launch the grid with the kv heads of a sequence next to each other (program ids (kv_head, b)), so
+    # programs running at the same time read neighbouring bytes of the same cache rows (a token's row holds every
+    # kv head); the default order (b, kv_head) runs the same head of many sequences together. To be measured.
+    heads_fastest: bool = False
 
 
 def _prefill_config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
@@ -316,10 +320,14 @@ def _decode_kernel(
     stride_vb, stride_vt, stride_vh,
     stride_btb,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_FASTEST: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FASTEST:
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     start = split * tokens_per_split
@@ -474,7 +482,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
-    _decode_kernel[(batch, num_kv_heads, splits)](
+    grid = (num_kv_heads, batch, splits) if cfg.heads_fastest else (batch, num_kv_heads, splits)
+    _decode_kernel[grid](
         q, k_cache, v_cache, seq_lens, block_tables,
         out, part_o, part_lse,
         scale * _LOG2E, tokens_per_split, num_heads, splits,
@@ -483,7 +492,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0),
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=block_size, SPLIT=splits > 1,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HEADS_FASTEST=cfg.heads_fastest, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
