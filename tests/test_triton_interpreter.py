@@ -1,7 +1,7 @@
 """Small Triton kernels run by Triton's interpreter on CPU tensors, so they are checked without a GPU: the sampler
 (nanovllm/kernels/sampling.py), SiLU-and-mul (nanovllm/kernels/activation.py) and the decode attention kernel's
-two grid orders. The interpreter needs
-TRITON_INTERPRET=1 before triton is imported: each check runs in a subprocess."""
+two grid orders. The interpreter needs TRITON_INTERPRET=1 before triton is imported: each check runs in a
+subprocess."""
 import json
 import os
 import subprocess
