@@ -90,13 +90,18 @@ def make_paged_cache(batch, ctx, num_kv_heads, head_dim, block_size, dtype):
     return kv, kv[:, 0, 0], kv[:, 0, 1], tables
 
 
-def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sweep=False, other_splits=()):
+def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sweep=False, other_splits=(),
+                 ragged=False):
+    """`ragged`: context lengths uniform in [100, 2 * ctx - 100] (mean ctx) instead of all ctx, as in a run."""
     num_heads, num_kv_heads, head_dim = SHAPES[name]
-    kv, k_cache, v_cache, tables = make_paged_cache(batch, ctx, num_kv_heads, head_dim, block_size, dtype)
+    max_ctx = 2 * ctx - 100 if ragged else ctx
+    kv, k_cache, v_cache, tables = make_paged_cache(batch, max_ctx, num_kv_heads, head_dim, block_size, dtype)
     q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device="cuda")  # [B, H, D]
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    rng = random.Random(0)
+    lens_list = [rng.randint(100, max_ctx) if ragged else ctx for _ in range(batch)]
+    lens = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
-    kv_bytes = batch * ctx * num_kv_heads * head_dim * 2 * dtype.itemsize
+    kv_bytes = sum(lens_list) * num_kv_heads * head_dim * 2 * dtype.itemsize
     scale = head_dim ** -0.5
 
     def run(cfg=None, splits=None):
@@ -107,7 +112,8 @@ def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sw
     _, splits = _decode_split_plan(batch, num_kv_heads, tables.shape[1], block_size, _SPLIT_PLAN_BLOCK_N,
                                    _sm_count(q.device))
     ms, bw = run()
-    print(f"decode {name:11s} B={batch:3d} ctx={ctx:5d} bs={block_size:3d} splits={splits:2d}: "
+    print(f"decode {name:11s} B={batch:3d} ctx={ctx:5d}{' (ragged)' if ragged else ''} bs={block_size:3d} "
+          f"splits={splits:2d}: "
           f"{ms * 1e3:8.1f} us  KV read {bw / 1e9:7.0f} GB/s  = {bw / copy_bw:6.1%} of copy bw", flush=True)
     default = _decode_config(dtype, head_dim, block_size, splits > 1)
     ms, bw = run(dataclasses.replace(default, heads_fastest=True))
@@ -197,6 +203,11 @@ def main():
         bench_decode(name, 256, 1024, 256, copy_bw, sweep="decode" in sweep)
     # the engine's block size and bench.py's typical decode batch
     bench_decode("Qwen3-0.6B", 128, 1024, 64, copy_bw, sweep="decode" in sweep)
+    # how the kernel's share of the read bandwidth follows the batch (bench.py's decode batch falls from 256 to 1),
+    # and with ragged contexts as in a run
+    for batch in (32, 64, 192):
+        bench_decode("Qwen3-0.6B", batch, 1024, 64, copy_bw)
+    bench_decode("Qwen3-0.6B", 128, 1024, 64, copy_bw, ragged=True)
     for name in SHAPES:  # other regimes: small batch / long context (split-K), block_size 16
         bench_decode(name, 8, 8192, 256, copy_bw, other_splits=(4, 16, 32, 64))
         bench_decode(name, 256, 1024, 16, copy_bw)
