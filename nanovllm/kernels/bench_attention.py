@@ -125,14 +125,16 @@ def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sw
     if sweep:
         configs = [KernelConfig(16, bn, w, st) for bn in (32, 64, 128) for (w, st) in ((4, 2), (4, 3), (8, 3))]
         configs += [KernelConfig(16, 32, 4, 4), KernelConfig(16, 64, 4, 4), KernelConfig(16, 64, 2, 3)]
-        for c in configs:
-            for s in (1, 2):
-                try:
-                    ms, bw = run(c, s)
-                    print(f"    sweep bn={c.block_n:3d} warps={c.num_warps} stages={c.num_stages} splits={s}: "
-                          f"{ms * 1e3:8.1f} us  {bw / 1e9:6.0f} GB/s  {bw / copy_bw:6.1%}", flush=True)
-                except Exception as e:  # e.g. out of shared memory
-                    print(f"    sweep {c} splits={s}: failed ({type(e).__name__})", flush=True)
+        runs = [(c, 1) for c in configs] + [(dataclasses.replace(c, heads_fastest=True), 1) for c in configs]
+        runs += [(c, 2) for c in configs]
+        for c, s in runs:
+            order = " heads-fastest" if c.heads_fastest else ""
+            try:
+                ms, bw = run(c, s)
+                print(f"    sweep bn={c.block_n:3d} warps={c.num_warps} stages={c.num_stages} splits={s}{order}: "
+                      f"{ms * 1e3:8.1f} us  {bw / 1e9:6.0f} GB/s  {bw / copy_bw:6.1%}", flush=True)
+            except Exception as e:  # e.g. out of shared memory
+                print(f"    sweep {c} splits={s}: failed ({type(e).__name__})", flush=True)
     del kv, k_cache, v_cache
     torch.cuda.empty_cache()
 
