@@ -109,14 +109,22 @@ for fastest in (False, True):
         res[f"{fastest}/{splits}"] = ((out.float() - ref).norm() / ref.norm()).item()
         res.setdefault("outs", []).append(out.float().tolist())
 res["same_outputs"] = all(o == res["outs"][0] for o in res["outs"][::2]) and res["outs"][1] == res["outs"][3]
+longest_first = torch.argsort(lens, descending=True).to(torch.int32)  # [1, 2, 0]
+for fastest in (False, True):
+    cfg = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, heads_fastest=fastest)
+    for splits in (1, 2):
+        out = paged_decode_attention(q, k_cache, v_cache, lens, tables, D ** -0.5, num_splits=splits, config=cfg,
+                                     row_order=longest_first)
+        res["same_outputs"] &= out.float().tolist() == res["outs"][splits - 1]
 del res["outs"]
 print(json.dumps(res))
 """
 
 
 def test_decode_grid_orders_give_the_same_attention():
-    """The decode kernel with kv heads fastest in the grid (KernelConfig.heads_fastest, a layout experiment) computes
-    exactly what the default order does, with and without splits, and both match a torch reference."""
+    """The decode kernel with kv heads fastest in the grid (KernelConfig.heads_fastest) and with its rows launched
+    longest first (row_order), layout experiments, computes exactly what the default order does, with and without
+    splits, and matches a torch reference."""
     res = interpret(DECODE_GRID_ORDER)
     assert res.pop("same_outputs"), res
     assert all(err < 1e-2 for err in res.values()), res

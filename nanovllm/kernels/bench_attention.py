@@ -104,9 +104,9 @@ def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sw
     kv_bytes = sum(lens_list) * num_kv_heads * head_dim * 2 * dtype.itemsize
     scale = head_dim ** -0.5
 
-    def run(cfg=None, splits=None):
+    def run(cfg=None, splits=None, row_order=None):
         ms = bench_ms(lambda: paged_decode_attention(q, k_cache, v_cache, lens, tables, scale, out=out,
-                                                     num_splits=splits, config=cfg))
+                                                     num_splits=splits, config=cfg, row_order=row_order))
         return ms, kv_bytes / (ms * 1e-3)
 
     _, splits = _decode_split_plan(batch, num_kv_heads, tables.shape[1], block_size, _SPLIT_PLAN_BLOCK_N,
@@ -119,6 +119,12 @@ def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sw
     ms, bw = run(dataclasses.replace(default, heads_fastest=True))
     print(f"    the same, kv heads fastest in the grid: {ms * 1e3:8.1f} us  {bw / 1e9:7.0f} GB/s  {bw / copy_bw:6.1%}",
           flush=True)
+    if ragged:  # rows launched longest context first
+        longest_first = torch.argsort(lens, descending=True).to(torch.int32)
+        for fastest in (False, True):
+            ms, bw = run(dataclasses.replace(default, heads_fastest=fastest), row_order=longest_first)
+            print(f"    longest first{', kv heads fastest' if fastest else ''}: {ms * 1e3:8.1f} us  "
+                  f"{bw / 1e9:7.0f} GB/s  {bw / copy_bw:6.1%}", flush=True)
     for s in other_splits:
         ms, bw = run(None, s)
         print(f"    splits={s:2d}: {ms * 1e3:8.1f} us  {bw / 1e9:7.0f} GB/s  {bw / copy_bw:6.1%}", flush=True)

@@ -24,7 +24,9 @@ Kernels
   the context and writes a partial output and its log-sum-exp; the reduce kernel merges the slices.
   The split size depends only on shapes (batch, kv heads, block-table width), never on
   ``seq_lens`` values, so the launch is CUDA-graph capturable; slices past a sequence's end exit at
-  once. With a single split the first kernel writes the output directly (no reduce launch).
+  once. With a single split the first kernel writes the output directly (no reduce launch). Two launch
+  orders are experiments, off by default until measured: a sequence's kv heads side by side in the grid
+  (``KernelConfig.heads_fastest``) and rows in a given order (``row_order``, e.g. longest context first).
 
 All softmax math is fp32 in the log2 domain (``exp2`` with ``scale * log2(e)``).
 """
@@ -311,7 +313,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 @triton.jit(do_not_specialize=["tokens_per_split", "num_splits", "stride_btb"])
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr, row_order_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,
     qk_scale, tokens_per_split, num_heads, num_splits,
     stride_qb, stride_qh, stride_qd,
@@ -321,6 +323,7 @@ def _decode_kernel(
     stride_btb,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_FASTEST: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
     if HEADS_FASTEST:
         kvh = tl.program_id(0)
@@ -328,6 +331,8 @@ def _decode_kernel(
     else:
         b = tl.program_id(0)
         kvh = tl.program_id(1)
+    if ORDERED:  # the grid's row index -> batch row (e.g. longest context first)
+        b = tl.load(row_order_ptr + b)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     start = split * tokens_per_split
@@ -454,11 +459,14 @@ def _decode_config(dtype: torch.dtype, head_dim: int, block_size: int, split: bo
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                           num_splits: int | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, config: KernelConfig | None = None,
+                           row_order: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence (at its last position) over its paged context. Returns [B, H, D].
 
     CUDA-graph safe: no host sync, scratch sized from shapes only. ``num_splits``/``config``
-    override the heuristics (tests and benchmarks).
+    override the heuristics (tests and benchmarks). ``row_order`` [B] int32, a permutation of the rows: programs
+    are launched for the rows in this order (an experiment: longest context first, so that no long row starts
+    last and leaves the GPU to a few programs at the end; with ``config.heads_fastest`` a row's kv heads follow it).
     """
     batch, num_heads, head_dim = q.shape  # [B, H, D]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -484,7 +492,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_o = part_lse = out  # unused
     grid = (num_kv_heads, batch, splits) if cfg.heads_fastest else (batch, num_kv_heads, splits)
     _decode_kernel[grid](
-        q, k_cache, v_cache, seq_lens, block_tables,
+        q, k_cache, v_cache, seq_lens, block_tables, row_order if row_order is not None else seq_lens,
         out, part_o, part_lse,
         scale * _LOG2E, tokens_per_split, num_heads, splits,
         *q.stride(), *out.stride(),
@@ -492,7 +500,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0),
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=block_size, SPLIT=splits > 1,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        HEADS_FASTEST=cfg.heads_fastest, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HEADS_FASTEST=cfg.heads_fastest, ORDERED=row_order is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
