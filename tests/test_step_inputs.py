@@ -76,3 +76,34 @@ def test_packed_parts_are_aligned_and_exact(seed):
         assert tensor.dtype == torch.int32 and tensor.tolist() == values
     assert parts[-1].dtype == torch.int32
     assert parts[-1].tolist() == [t + [-1] * (width - len(t)) for t in tables]
+
+
+class RecordingDecodeBackend:
+    """Stands in for the Triton backend: records the row order each decode call gets."""
+    longest_first = True
+
+    def __init__(self):
+        self.orders = []
+
+    def decode(self, q, k_cache, v_cache, md, scale, out=None):
+        self.orders.append(md.decode_row_order.tolist())
+        return q
+
+
+def test_the_first_layer_orders_decode_rows_longest_first_once_per_forward():
+    from nanovllm.layers.attention import Attention
+    from nanovllm.utils.context import AttentionMetadata
+
+    backend = RecordingDecodeBackend()
+    layers = [Attention(2, 4, 0.5, 1) for _ in range(3)]
+    for i, layer in enumerate(layers):
+        layer.backend, layer.is_first_layer = backend, i == 0
+    seq_lens = torch.tensor([5, 9, 1, 7], dtype=torch.int32)
+    md = AttentionMetadata(True, torch.zeros(4, dtype=torch.int64), seq_lens, torch.zeros(4, 1, dtype=torch.int32))
+    q = torch.zeros(4, 2, 4)
+    for layer in layers:
+        layer._attend(q, md)
+    seq_lens.copy_(torch.tensor([2, 1, 8, 3]))  # the next step reuses the metadata object, as a CUDA graph does
+    for layer in layers:
+        layer._attend(q, md)
+    assert backend.orders == [[1, 3, 0, 2]] * 3 + [[2, 3, 0, 1]] * 3

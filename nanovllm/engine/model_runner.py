@@ -242,6 +242,7 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]
             attn.backend = self.backend
             attn.fused_rope_store = fused
+            attn.is_first_layer = i == 0
 
     def use_fused_rope_store(self) -> bool:
         """(q/k norm +) rope + KV store in one Triton kernel per layer instead of four to seven small kernels: on an

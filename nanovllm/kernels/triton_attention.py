@@ -32,6 +32,7 @@ All softmax math is fp32 in the log2 domain (``exp2`` with ``scale * log2(e)``).
 """
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -443,18 +444,21 @@ def _decode_split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_siz
     return tokens, triton.cdiv(max_ctx, tokens)
 
 
+# an experiment, off until measured (docs/benchmarks.md): the kv heads of a sequence side by side in the grid
+_DECODE_HEADS_FASTEST = os.environ.get("NANOVLLM_DECODE_HEADS_FASTEST", "0") == "1"
 _SPLIT_PLAN_BLOCK_N = 64  # split sizes are multiples of this (every default decode block_n divides it)
 
 
 def _decode_config(dtype: torch.dtype, head_dim: int, block_size: int, split: bool) -> KernelConfig:
+    heads_fastest = _DECODE_HEADS_FASTEST
     if dtype == torch.float32 or head_dim > 128:
-        return KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
+        return KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, heads_fastest=heads_fastest)
     # H200 sweep, bf16 D=128 B=256 ctx=1024: (128, 4 warps, 2 stages) ~96% of copy bw with block_size 256
     # but ~92% with block_size 16, where (64, 4, 3) gives ~96%. The big tile fits one program per SM,
     # so for split (small-batch) launches, where the wave tail matters, the smaller tile is used.
     if split or block_size < 128:
-        return KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
-    return KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=2)
+        return KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, heads_fastest=heads_fastest)
+    return KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=2, heads_fastest=heads_fastest)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,

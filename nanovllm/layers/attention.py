@@ -11,6 +11,8 @@ prefill and decode write into `out` when given. In a mixed step (some rows decod
 metadata); flash-attn's varlen kernel takes the whole mixed batch, as in vLLM.
 `TorchBackend` is the reference: plain torch, CPU and GPU; the Triton and flash-attn backends are tested against it.
 """
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,7 @@ from nanovllm.utils.context import AttentionMetadata, get_context
 class TorchBackend:
     name = "torch"
     splits_mixed_steps = True  # it gains nothing (its prefill loops over sequences), but CPU tests cover the split
+    longest_first = False  # wants md.decode_row_order (the Triton decode kernel's launch-order experiment)
 
     def store_kv(self, k, v, k_cache, v_cache, md: AttentionMetadata):
         valid = md.slot_mapping >= 0
@@ -74,6 +77,8 @@ class TritonBackend:
     def __init__(self):
         from nanovllm.kernels import triton_attention
         self.ops = triton_attention
+        # an experiment, off until measured (docs/benchmarks.md): launch decode rows longest context first
+        self.longest_first = os.environ.get("NANOVLLM_DECODE_LONGEST_FIRST", "0") == "1"
 
     def store_kv(self, k, v, k_cache, v_cache, md: AttentionMetadata):
         self.ops.store_kvcache(k, v, k_cache, v_cache, md.slot_mapping)
@@ -83,7 +88,8 @@ class TritonBackend:
                                                 md.max_query_len, scale, out=out)
 
     def decode(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
-        return self.ops.paged_decode_attention(q, k_cache, v_cache, md.seq_lens, md.block_tables, scale, out=out)
+        return self.ops.paged_decode_attention(q, k_cache, v_cache, md.seq_lens, md.block_tables, scale, out=out,
+                                               row_order=md.decode_row_order if self.longest_first else None)
 
 
 class FlashBackend(TritonBackend):
@@ -93,6 +99,7 @@ class FlashBackend(TritonBackend):
 
     def __init__(self):
         super().__init__()
+        self.longest_first = False
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
 
@@ -137,6 +144,7 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend = None
         self.fused_rope_store = False  # the runner turns it on with the cache (Triton or flash backend)
+        self.is_first_layer = False  # set by the runner: computes the step's per-forward attention metadata
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out=None) -> torch.Tensor:
         md = get_context()
@@ -160,14 +168,22 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, md: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, num_heads, head_dim], written into `out` when given."""
         if md.is_decode_only:
+            self._order_decode_rows(md)
             return self.backend.decode(q, self.k_cache, self.v_cache, md, self.scale, out=out)
         if md.decode_part is None:
             return self.backend.prefill(q, self.k_cache, self.v_cache, md, self.scale, out=out)
         # a mixed step: the leading one-token rows through decode, the prompt chunks through prefill
         d, out = len(md.decode_part.seq_lens_cpu), torch.empty_like(q) if out is None else out
+        self._order_decode_rows(md.decode_part)
         self.backend.decode(q[:d], self.k_cache, self.v_cache, md.decode_part, self.scale, out=out[:d])
         self.backend.prefill(q[d:], self.k_cache, self.v_cache, md.prefill_part, self.scale, out=out[d:])
         return out
+
+    def _order_decode_rows(self, md: AttentionMetadata):
+        """The first layer sorts the rows by context length, on the device, once per forward: inside a CUDA graph
+        the sort is captured with the forward, so a replay sorts the replay's lengths."""
+        if self.backend.longest_first and (self.is_first_layer or md.decode_row_order is None):
+            md.decode_row_order = torch.argsort(md.seq_lens, descending=True).to(torch.int32)
 
     def _profile_attention(self, q, k, v, seq_len: int) -> torch.Tensor:
         """Attention without a cache, for the profiling run that sizes the KV cache: the tokens are
