@@ -99,6 +99,15 @@ def test_mixed_steps_match_hf_in_float32(gpu_models, env):
     assert num_same(got["token_ids"], ref) == len(ref), (got["token_ids"], ref)
 
 
+def test_decode_launch_order_experiments_match_hf_in_float32(gpu_models):
+    """NANOVLLM_DECODE_LONGEST_FIRST (rows sorted by context length inside the decode graphs and before the
+    decode part of mixed steps) and NANOVLLM_DECODE_HEADS_FASTEST (grid order): only the launch order changes."""
+    ref = run(gpu_models["qwen3"], reference=True)["token_ids"]
+    env = {"NANOVLLM_DECODE_LONGEST_FIRST": "1", "NANOVLLM_DECODE_HEADS_FASTEST": "1"}
+    got = run(gpu_models["qwen3"], env=env, max_num_batched_tokens=64)
+    assert got["graphs"] > 0 and num_same(got["token_ids"], ref) == len(ref), (got["token_ids"], ref)
+
+
 def test_swap_on_cuda_streams_matches_the_unpressured_run(gpu_models):
     model = gpu_models["qwen3"]
     base = run(model, enforce_eager=True)["token_ids"]
