@@ -3,6 +3,9 @@
 Families differ only in: q/k RMSNorm before rope (Qwen3), bias on q/k/v (Qwen2 always, Llama/Qwen3 when
 `attention_bias`), bias on the MLP (Llama `mlp_bias`), and whether the LM head is tied to the embedding.
 """
+import contextlib
+import os
+
 import torch
 from torch import nn
 
@@ -13,6 +16,7 @@ from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, qk_norm_rope
+from nanovllm.utils.context import AttentionMetadata, get_context, set_context
 from nanovllm.utils.distributed import tp_size
 
 
@@ -98,13 +102,70 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(hf, family) for _ in range(hf.num_hidden_layers))
         self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+        # an experiment, off until measured: decode steps of at least this many rows run as two nano-batches
+        # (NANOVLLM_NANO_BATCHES=2; see _forward_nano_batches); 0 is off
+        nano = os.environ.get("NANOVLLM_NANO_BATCHES", "1") == "2" and tp_size() == 1
+        self.nano_batch_min_rows = int(os.environ.get("NANOVLLM_NANO_BATCH_MIN_ROWS", "64")) if nano else 0
+        self.side_stream = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        md = get_context()
+        if (self.nano_batch_min_rows and md is not None and md.is_decode_only
+                and input_ids.size(0) >= max(self.nano_batch_min_rows, 32)):
+            return self._forward_nano_batches(input_ids, positions, md)
         hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _forward_nano_batches(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                              md: AttentionMetadata) -> torch.Tensor:
+        """A decode step as two halves whose layers alternate between the current CUDA stream and a side stream,
+        so that one half's attention (reading KV: memory-bound) can run while the other half's GEMMs (compute-bound
+        at large batches) do: NanoFlow's nano-batches, without its SM partitioning. The halves split at a multiple
+        of 16 rows, so every slice keeps the 16-byte alignment Triton specializes on. Everything a half allocates
+        is allocated on its own stream; the side stream joins back before the final norm (a CUDA graph captures
+        the fork and the join). Without CUDA the halves run one after the other (the CPU tests check the split)."""
+        num_rows = input_ids.size(0)
+        split = max(16, num_rows // 32 * 16)
+        halves = [(slice(0, split), _decode_rows(md, 0, split)),
+                  (slice(split, num_rows), _decode_rows(md, split, num_rows))]
+        main = torch.cuda.current_stream() if input_ids.is_cuda else None
+        if main is not None and self.side_stream is None:
+            self.side_stream = torch.cuda.Stream(input_ids.device)
+        streams = [main, self.side_stream if main is not None else None]
+        if main is not None:
+            streams[1].wait_stream(main)
+        states = []
+        for (rows, _), stream in zip(halves, streams):
+            with _on(stream):
+                states.append([self.embed_tokens(input_ids[rows]), None])
+        try:
+            for layer in self.layers:
+                for (rows, half_md), stream, state in zip(halves, streams, states):
+                    set_context(half_md)
+                    with _on(stream):
+                        state[0], state[1] = layer(positions[rows], state[0], state[1])
+        finally:
+            set_context(md)
+        if main is not None:
+            main.wait_stream(streams[1])
+        hidden, _ = self.norm(torch.cat([s[0] for s in states]), torch.cat([s[1] for s in states]))
+        return hidden
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _decode_rows(md: AttentionMetadata, start: int, end: int) -> AttentionMetadata:
+    """The metadata of decode rows [start, end)."""
+    return AttentionMetadata(
+        is_decode_only=True, slot_mapping=md.slot_mapping[start:end], seq_lens=md.seq_lens[start:end],
+        block_tables=md.block_tables[start:end], max_seq_len=md.max_seq_len,
+        query_lens_cpu=md.query_lens_cpu[start:end] if md.query_lens_cpu is not None else None,
+        seq_lens_cpu=md.seq_lens_cpu[start:end] if md.seq_lens_cpu is not None else None)
 
 
 class DecoderForCausalLM(nn.Module):
