@@ -121,37 +121,44 @@ class DecoderModel(nn.Module):
 
     def _forward_nano_batches(self, input_ids: torch.Tensor, positions: torch.Tensor,
                               md: AttentionMetadata) -> torch.Tensor:
-        """A decode step as two halves whose layers alternate between the current CUDA stream and a side stream,
-        so that one half's attention (reading KV: memory-bound) can run while the other half's GEMMs (compute-bound
-        at large batches) do: NanoFlow's nano-batches, without its SM partitioning. The halves split at a multiple
-        of 16 rows, so every slice keeps the 16-byte alignment Triton specializes on. Everything a half allocates
-        is allocated on its own stream; the side stream joins back before the final norm (a CUDA graph captures
-        the fork and the join). Without CUDA the halves run one after the other (the CPU tests check the split)."""
+        """A decode step as two halves, A on the current CUDA stream and B on a side stream, so that one half's
+        attention (reading KV: memory-bound) can run while the other half's GEMMs (compute-bound at large batches)
+        do: NanoFlow's nano-batches, without its SM partitioning. A starts alone with its first qkv projection,
+        then B starts: from there the halves are half a layer apart, so one's GEMMs tend to meet the other's
+        attention. The split is at a multiple of 16 rows, so every slice keeps the 16-byte alignment Triton
+        specializes on; what a half allocates, it allocates on its own stream; B joins A before the final norm (a
+        CUDA graph captures the fork and the join). Without CUDA the halves run one after the other (the CPU tests
+        check the split)."""
         num_rows = input_ids.size(0)
         split = max(16, num_rows // 32 * 16)
-        halves = [(slice(0, split), _decode_rows(md, 0, split)),
-                  (slice(split, num_rows), _decode_rows(md, split, num_rows))]
+        a, b = slice(0, split), slice(split, num_rows)
+        md_a, md_b = _decode_rows(md, 0, split), _decode_rows(md, split, num_rows)
         main = torch.cuda.current_stream() if input_ids.is_cuda else None
         if main is not None and self.side_stream is None:
             self.side_stream = torch.cuda.Stream(input_ids.device)
-        streams = [main, self.side_stream if main is not None else None]
-        if main is not None:
-            streams[1].wait_stream(main)
-        states = []
-        for (rows, _), stream in zip(halves, streams):
-            with _on(stream):
-                states.append([self.embed_tokens(input_ids[rows]), None])
+        side = self.side_stream if main is not None else None
+        first = self.layers[0]
         try:
-            for layer in self.layers:
-                for (rows, half_md), stream, state in zip(halves, streams, states):
-                    set_context(half_md)
-                    with _on(stream):
-                        state[0], state[1] = layer(positions[rows], state[0], state[1])
+            set_context(md_a)
+            qkv_a, residual_a = first.pre_attention(self.embed_tokens(input_ids[a]), None)
+            if side is not None:
+                side.wait_stream(main)
+            set_context(md_b)
+            with _on(side):
+                hidden_b, residual_b = first(positions[b], self.embed_tokens(input_ids[b]), None)
+            set_context(md_a)
+            hidden_a, residual_a = first.post_attention(first.self_attn.attend(qkv_a, positions[a]), residual_a)
+            for layer in self.layers[1:]:
+                set_context(md_b)
+                with _on(side):
+                    hidden_b, residual_b = layer(positions[b], hidden_b, residual_b)
+                set_context(md_a)
+                hidden_a, residual_a = layer(positions[a], hidden_a, residual_a)
         finally:
             set_context(md)
-        if main is not None:
-            main.wait_stream(streams[1])
-        hidden, _ = self.norm(torch.cat([s[0] for s in states]), torch.cat([s[1] for s in states]))
+        if side is not None:
+            main.wait_stream(side)
+        hidden, _ = self.norm(torch.cat([hidden_a, hidden_b]), torch.cat([residual_a, residual_b]))
         return hidden
 
 
