@@ -5,10 +5,17 @@
     python bench.py --profile-decode 32 256           # also: decode-step time and kernels at these batch sizes
     python bench.py --profile-mixed 32:1024 0:560x29  # ... and of steps with 32 decode rows + a 1,024-token prompt,
                                                       # and of a prefill of 29 prompts of 560 tokens
+    python bench.py --variants "" "NANOVLLM_NANO_BATCHES=2" --repeat 2
+                                                      # each variant (environment settings) in its own process,
+                                                      # alternating, then tok/s against the first
 """
 import argparse
 import json
+import os
 import random
+import re
+import subprocess
+import sys
 import time
 
 from nanovllm import LLM, SamplingParams
@@ -240,7 +247,13 @@ def main():
     parser.add_argument("--trace", default=None,
                         help="write per-step (is_decode, seqs, tokens, wall seconds, scheduling + input preparation "
                              "seconds, GPU seconds) JSON here")
+    parser.add_argument("--variants", nargs="+", default=None, metavar="ENV",
+                        help="run the benchmark once per variant, each a space-separated list of NAME=VALUE "
+                             "environment settings (\"\" is the default), in separate processes, alternating")
+    parser.add_argument("--repeat", type=int, default=1, help="with --variants: rounds over the variants")
     args = parser.parse_args()
+    if args.variants:
+        return run_variants(args.variants, args.repeat)
     llm = LLM(preset_dir(args.shape), load_format="dummy", max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
               attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
@@ -256,6 +269,36 @@ def main():
         prefill_len, _, num_prompts = prompts.partition("x")
         profile_step(llm.runner, int(num_decode), int(prefill_len), num_prompts=int(num_prompts or 1))
     llm.close()
+
+
+def run_variants(variants: list[str], repeat: int):
+    """Side by side: this benchmark in a fresh process per variant (environment settings), alternating, so that
+    a drifting machine hits every variant alike; prints each run's output and then tok/s against the first."""
+    argv = sys.argv[1:]
+    i = argv.index("--variants")
+    j = i + 1
+    while j < len(argv) and not argv[j].startswith("--"):
+        j += 1
+    argv = argv[:i] + argv[j:]
+    if "--repeat" in argv:
+        k = argv.index("--repeat")
+        argv = argv[:k] + argv[k + 2:]
+    results = {v: [] for v in variants}
+    for round_index in range(repeat):
+        for variant in variants:
+            env = dict(os.environ, **dict(item.split("=", 1) for item in variant.split()))
+            proc = subprocess.run([sys.executable, __file__, *argv], env=env, capture_output=True, text=True)
+            print(f"## [{variant or 'default'}] round {round_index + 1}\n{proc.stdout}", flush=True)
+            if proc.returncode:
+                print(proc.stderr[-3000:], flush=True)
+            found = re.search(r"Throughput: (\d+) tok/s", proc.stdout)
+            if found:
+                results[variant].append(int(found.group(1)))
+    base = results[variants[0]]
+    for variant, values in results.items():
+        mean = sum(values) / max(len(values), 1)
+        ratio = f"{mean / (sum(base) / len(base)):.3f}x" if base and values else "-"
+        print(f"{variant or 'default':60s} tok/s {values}  mean {mean:,.0f}  ({ratio} the first)")
 
 
 if __name__ == "__main__":
