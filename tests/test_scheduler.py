@@ -1,7 +1,9 @@
 """Scheduler state machine with the host tier: every step checks all invariants (no torch needed).
 
 Block size 4 throughout; `run_step` samples token 7 for every sequence that completes its prompt."""
-from metadata_factories import check, make_scheduler, make_seq, run_step
+import pytest
+
+from metadata_factories import check, make_scheduler, make_seq, run_step, run_step_async
 
 
 def test_prefill_then_decode_with_exact_blocks():
@@ -265,3 +267,23 @@ def test_a_sequence_waiting_for_its_kv_runs_when_nothing_else_can():
     s.kv_ready = lambda seq: False
     out, _ = run_step(s)
     assert out.seqs == [b]  # alone: the forward waits for the copies (rule 3) rather than stepping empty
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_max_model_len_ends_a_sequence_before_max_tokens(asynchronous):
+    """A sequence stops for "length" at max_model_len tokens even when max_tokens allows more, and with
+    asynchronous scheduling nothing is scheduled for it past that length."""
+    s = make_scheduler(num_gpu_blocks=16, max_model_len=12)
+    seq = make_seq(num_tokens=6, max_tokens=20)
+    s.add(seq)
+    in_flight, num_scheduled = [], 0
+    for _ in range(12):
+        if asynchronous:
+            out = run_step_async(s, in_flight)
+        else:
+            out, _ = run_step(s)
+        num_scheduled += sum(out.num_new_tokens)
+        if seq.is_finished and not in_flight:
+            break
+    assert seq.finish_reason == "length" and seq.num_tokens == 12
+    assert num_scheduled == 11  # the 6 prompt tokens, then one per decode step up to the 11th token

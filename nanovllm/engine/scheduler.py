@@ -99,6 +99,7 @@ class Scheduler:
                    eos_token_ids, host_pool, policy, config.host_prefix_cache)
 
     def add(self, seq: Sequence):
+        seq.max_num_tokens = min(seq.max_num_tokens, self.max_model_len)
         self.waiting.append(seq)
 
     def is_finished(self) -> bool:
@@ -256,7 +257,7 @@ class Scheduler:
         out.seqs.append(seq)
         out.num_new_tokens.append(num_new)
         end = seq.num_computed_tokens + num_new
-        out.samples.append(end == seq.num_tokens)
+        out.samples.append(end == len(seq.token_ids))
         if num_new > 1 and end <= seq.num_tokens - seq.num_unresolved_tokens:
             # a chunk of known tokens: its full blocks are shared from now on (sequences admitted after it in this
             # step hit them instead of computing the same prefix, e.g. a system prompt of many new requests)
@@ -372,13 +373,14 @@ class Scheduler:
         params = seq.sampling_params
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
             return "stop"
-        if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
+        if num_tokens >= seq.max_num_tokens:  # max_tokens generated, or max_model_len reached
             return "length"
         return None
 
-    def _is_done_sampling(self, seq: Sequence) -> bool:
+    @staticmethod
+    def _is_done_sampling(seq: Sequence) -> bool:
         """All its tokens are sampled, the last ones not read back yet: nothing more to compute."""
-        return seq.num_completion_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_model_len
+        return len(seq.token_ids) >= seq.max_num_tokens
 
     def finish(self, seq: Sequence, reason: str):
         """Remove seq from its queue and release its blocks on both tiers (also used for aborts)."""

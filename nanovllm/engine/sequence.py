@@ -32,6 +32,8 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         self.block_size = block_size
         self.sampling_params = sampling_params
+        # the length at which it stops for "length" (the scheduler also caps it at max_model_len)
+        self.max_num_tokens = self.num_prompt_tokens + sampling_params.max_tokens
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.block_table: list[int] = []  # gpu_block_ids
         self.cpu_block_table: list[int] = []  # cpu_block_ids while SWAPPED
