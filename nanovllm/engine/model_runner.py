@@ -52,42 +52,46 @@ class _PackedInputs:
     [rows, width] padded with -1; every part starts on a 16-byte boundary. One buffer means one host-to-device copy;
     the alignment keeps each part's device address 16-byte aligned whatever the lengths before it, because Triton
     compiles a kernel variant per pointer alignment (a part at an 8-byte offset one step and a 16-byte one the next
-    would compile mid-run)."""
+    would compile mid-run). On the device the parts come out of one `split` per dtype (each torch call costs a few
+    microseconds of host time on a GPU machine)."""
 
     ALIGN_BYTES = 16
 
     def __init__(self, int64_parts: list[list[int]], int32_parts: list[list[int]], block_tables: list[list[int]],
                  width: int, pin_memory: bool):
-        self.spans = []  # (byte offset, length, dtype) per part, the table last
-        offset = 0
-        for parts, dtype in ((int64_parts, torch.int64), (int32_parts, torch.int32)):
-            for part in parts:
-                self.spans.append((offset, len(part), dtype))
-                offset += self._padded_bytes(len(part) * dtype.itemsize)
+        # per dtype: [len 0, padding 0, len 1, padding 1, ...] in elements; `split` by it, every other chunk is a part
+        self.int64_sizes = self._sizes_with_padding(int64_parts, 8)
+        self.int32_sizes = self._sizes_with_padding(int32_parts, 4)
+        self.int64_bytes, self.int32_bytes = 8 * sum(self.int64_sizes), 4 * sum(self.int32_sizes)
         self.table_shape = (len(block_tables), width)
-        self.spans.append((offset, len(block_tables) * width, torch.int32))
-        offset += self._padded_bytes(len(block_tables) * width * 4)
-        self.host = torch.empty(offset, dtype=torch.uint8, pin_memory=pin_memory)
+        self.host = torch.empty(self.int64_bytes + self.int32_bytes + 4 * len(block_tables) * width,
+                                dtype=torch.uint8, pin_memory=pin_memory)
         buffer = self.host.numpy()
-        for (start, length, dtype), part in zip(self.spans, int64_parts + int32_parts):
-            np_dtype = np.int64 if dtype == torch.int64 else np.int32
-            buffer[start:start + length * dtype.itemsize].view(np_dtype)[:] = part
-        start, length, _ = self.spans[-1]
-        table = buffer[start:start + 4 * length].view(np.int32).reshape(self.table_shape)
+        for region, parts, sizes, np_dtype in ((buffer[:self.int64_bytes], int64_parts, self.int64_sizes, np.int64),
+                                               (buffer[self.int64_bytes:self.int64_bytes + self.int32_bytes],
+                                                int32_parts, self.int32_sizes, np.int32)):
+            values, start = region.view(np_dtype), 0
+            for part, length, padding in zip(parts, sizes[::2], sizes[1::2]):
+                values[start:start + length] = part
+                start += length + padding
+        table = buffer[self.int64_bytes + self.int32_bytes:].view(np.int32).reshape(self.table_shape)
         table.fill(-1)
         table_lens = [len(t) for t in block_tables]
         table[np.arange(width)[None, :] < np.array(table_lens)[:, None]] = np.fromiter(
             itertools.chain.from_iterable(block_tables), dtype=np.int32, count=sum(table_lens))
 
-    def _padded_bytes(self, num_bytes: int) -> int:
-        return -(-num_bytes // self.ALIGN_BYTES) * self.ALIGN_BYTES
+    @classmethod
+    def _sizes_with_padding(cls, parts: list[list[int]], itemsize: int) -> list[int]:
+        multiple = cls.ALIGN_BYTES // itemsize
+        return [n for part in parts for n in (len(part), -len(part) % multiple)]
 
     def to(self, device: torch.device) -> list[torch.Tensor]:
         """The parts, as views of one device copy of the buffer; the table as [rows, width]."""
         data = self.host if device.type == "cpu" else self.host.to(device, non_blocking=True)
-        parts = [data[start:start + length * dtype.itemsize].view(dtype) for start, length, dtype in self.spans]
-        parts[-1] = parts[-1].view(self.table_shape)
-        return parts
+        int32_end = self.int64_bytes + self.int32_bytes
+        int64 = data[:self.int64_bytes].view(torch.int64).split(self.int64_sizes)[::2]
+        int32 = data[self.int64_bytes:int32_end].view(torch.int32).split(self.int32_sizes)[::2]
+        return [*int64, *int32, data[int32_end:].view(torch.int32).view(self.table_shape)]
 
 
 @dataclass
@@ -277,7 +281,9 @@ class ModelRunner:
             block_tables=plan.block_tables, width=width, pin_memory=self.device.type == "cuda")
         (input_ids, positions, slots, logits_indices, rows, sources, seq_lens, cu_seqlens_q, prefill_cu_seqlens_q,
          tables) = packed.to(self.device)
-        if plan.placeholder_rows:  # tokens the previous step sampled, never read back to the host
+        if len(plan.placeholder_rows) == len(plan.input_ids):  # every row's token: sampled by the previous step
+            torch.index_select(self._last_sampled, 0, sources, out=input_ids)  # one kernel, no index_put
+        elif plan.placeholder_rows:  # tokens the previous step sampled, never read back to the host
             input_ids[rows] = self._last_sampled[sources]
         md = AttentionMetadata(
             is_decode_only=plan.is_decode_only, slot_mapping=slots, seq_lens=seq_lens, block_tables=tables,
