@@ -72,7 +72,7 @@ class _PackedInputs:
                                                 int32_parts, self.int32_sizes, np.int32)):
             values, start = region.view(np_dtype), 0
             for part, length, padding in zip(parts, sizes[::2], sizes[1::2]):
-                values[start:start + length] = part
+                values[start:start + length] = np.fromiter(part, dtype=np_dtype, count=length)  # faster than a list
                 start += length + padding
         table = buffer[self.int64_bytes + self.int32_bytes:].view(np.int32).reshape(self.table_shape)
         table.fill(-1)
