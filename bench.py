@@ -48,8 +48,7 @@ class HostTimer:
         self.trace = []
         self.step_prep_seconds = 0.0
         self.step_parts = {}  # this step's seconds per wrapped function
-        self.full_batch = None  # set by run(): decode steps with at least this many seqs add to full_batch_parts
-        self.full_batch_parts, self.num_full_batch_steps = {}, 0
+        self.parts = []  # per step (as the trace): step_parts
         self.step_events = None
         self.events = []  # per step: (start, end) CUDA events, or None
         step = llm.step
@@ -66,10 +65,7 @@ class HostTimer:
             self.trace.append([self.is_decode, self.num_seqs, self.num_tokens, wall_seconds, self.step_prep_seconds,
                                None])
             self.events.append(self.step_events)
-            if self.is_decode and self.full_batch is not None and self.num_seqs >= self.full_batch:
-                self.num_full_batch_steps += 1
-                for part, part_seconds in self.step_parts.items():
-                    self.full_batch_parts[part] = self.full_batch_parts.get(part, 0.0) + part_seconds
+            self.parts.append(self.step_parts)
             self.step_events = None
             return finished
         llm.step = timed_step
@@ -192,7 +188,6 @@ def run(llm, args):
     """The timed seed workload: prints throughput and host time per decode step."""
     prompts, params = seed_workload(args.num_seqs)
     timer = HostTimer(llm)
-    timer.full_batch = 0.9 * args.num_seqs
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -206,13 +201,14 @@ def run(llm, args):
     prep_ms = 1e3 * (timer.seconds - timer.postprocess_seconds) / max(timer.num_steps, 1)
     post_ms = 1e3 * timer.postprocess_seconds / max(timer.num_steps, 1)
     print(f"  of which scheduling + input preparation {prep_ms:.3f} ms, advance + read-back {post_ms:.3f} ms")
-    full = [t for t in timer.trace if t[0] and t[1] >= 0.9 * args.num_seqs]  # decode steps at (nearly) full batch
+    full = [i for i, t in enumerate(timer.trace) if t[0] and t[1] >= 0.9 * args.num_seqs]  # decode, (nearly) full
     if full:
-        full_ms = 1e3 * sum(t[4] for t in full) / len(full)
+        full_ms = 1e3 * sum(timer.trace[i][4] for i in full) / len(full)
         print(f"  scheduling + input preparation at batch >= {0.9 * args.num_seqs:.0f}: {full_ms:.3f} ms per step "
               f"over {len(full)} steps")
-        parts = ", ".join(f"{name} {1e3 * sec / timer.num_full_batch_steps:.3f}"
-                          for name, sec in timer.full_batch_parts.items())
+        names = dict.fromkeys(name for i in full for name in timer.parts[i])
+        parts = ", ".join(f"{name} {1e3 * sum(timer.parts[i].get(name, 0.0) for i in full) / len(full):.3f}"
+                          for name in names)
         print(f"    per function, ms per step: {parts}")
     per_step_ms = 1e3 * timer.decode_wall_seconds / max(timer.num_steps, 1)
     print(f"wall time in decode steps {timer.decode_wall_seconds:.2f} s ({per_step_ms:.2f} ms/step), "

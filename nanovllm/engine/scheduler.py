@@ -256,9 +256,9 @@ class Scheduler:
     def _add_to_batch(self, out: SchedulerOutput, seq: Sequence, num_new: int):
         out.seqs.append(seq)
         out.num_new_tokens.append(num_new)
-        end = seq.num_computed_tokens + num_new
-        out.samples.append(end == len(seq.token_ids))
-        if num_new > 1 and end <= seq.num_tokens - seq.num_unresolved_tokens:
+        end, num_tokens = seq.num_computed_tokens + num_new, len(seq.token_ids)
+        out.samples.append(end == num_tokens)
+        if num_new > 1 and end <= num_tokens - seq.num_unresolved_tokens:
             # a chunk of known tokens: its full blocks are shared from now on (sequences admitted after it in this
             # step hit them instead of computing the same prefix, e.g. a system prompt of many new requests)
             self.block_manager.cache_full_blocks(seq, end)

@@ -132,7 +132,7 @@ class DecoderModel(nn.Module):
         num_rows = input_ids.size(0)
         split = max(16, num_rows // 32 * 16)
         a, b = slice(0, split), slice(split, num_rows)
-        md_a, md_b = _decode_rows(md, 0, split), _decode_rows(md, split, num_rows)
+        md_a, md_b = md.decode_rows(0, split), md.decode_rows(split, num_rows)
         main = torch.cuda.current_stream() if input_ids.is_cuda else None
         if main is not None and self.side_stream is None:
             self.side_stream = torch.cuda.Stream(input_ids.device)
@@ -164,15 +164,6 @@ class DecoderModel(nn.Module):
 
 def _on(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def _decode_rows(md: AttentionMetadata, start: int, end: int) -> AttentionMetadata:
-    """The metadata of decode rows [start, end)."""
-    return AttentionMetadata(
-        is_decode_only=True, slot_mapping=md.slot_mapping[start:end], seq_lens=md.seq_lens[start:end],
-        block_tables=md.block_tables[start:end], max_seq_len=md.max_seq_len,
-        query_lens_cpu=md.query_lens_cpu[start:end] if md.query_lens_cpu is not None else None,
-        seq_lens_cpu=md.seq_lens_cpu[start:end] if md.seq_lens_cpu is not None else None)
 
 
 class DecoderForCausalLM(nn.Module):
