@@ -74,7 +74,7 @@ for dtype, head_dim, block_size, (num_heads, num_kv_heads) in CASES:
                                    block_tables, max_query_len, 0.1)
     for num_splits in (1, 3):
         ta.paged_decode_attention(q[:2], k_cache, v_cache, seq_lens, block_tables, 0.1, num_splits=num_splits)
-    # the launch-order experiments (off by default)
+    # the default launch order: kv heads fastest, rows in a given order
     cfg = ta.KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, heads_fastest=True)
     ta.paged_decode_attention(q[:2], k_cache, v_cache, seq_lens, block_tables, 0.1, config=cfg,
                               row_order=torch.tensor([1, 0], dtype=torch.int32))

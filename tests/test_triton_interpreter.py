@@ -123,7 +123,7 @@ print(json.dumps(res))
 
 def test_decode_grid_orders_give_the_same_attention():
     """The decode kernel with kv heads fastest in the grid (KernelConfig.heads_fastest) and with its rows launched
-    longest first (row_order), layout experiments, computes exactly what the default order does, with and without
+    longest first (row_order), the engine's launch order, computes exactly what the plain order does, with and without
     splits, and matches a torch reference."""
     res = interpret(DECODE_GRID_ORDER)
     assert res.pop("same_outputs"), res

@@ -1,6 +1,6 @@
 """Microbenchmark of the Triton paged-attention kernels.
 
-    python -m nanovllm.kernels.bench_attention [--sweep [decode] [prefill]]
+    python -m nanovllm.kernels.bench_attention [--sweep [decode] [prefill]] [--overlap]
 
 Prints, for decode at batch 256 / context 1024 (Qwen3-0.6B and Qwen3-8B head shapes, bf16,
 block_size 256): kernel time, GB/s of KV read, the device-to-device copy bandwidth measured in the
@@ -9,6 +9,8 @@ bandwidth (the best streaming-read Triton kernel over 4 GiB); the same at batch 
 default). Then prefill attention on a 16k-token batch, with torch SDPA (flash) on contiguous tensors as a
 yardstick, and on a step of bench.py's prompts.
 ``--sweep`` also times a grid of decode (tile configs x split counts) and prefill tile configs.
+``--overlap`` times only whether decode attention (memory-bound) and a layer's GEMMs (compute-bound) run faster
+side by side on two CUDA streams than one after the other (Qwen3-8B shapes): the premise of nano-batches.
 """
 
 import argparse
@@ -192,11 +194,80 @@ def bench_prefill(name, seqs, block_size=256, dtype=torch.bfloat16, sweep=False)
     torch.cuda.empty_cache()
 
 
+def bench_overlap(batch: int = 288, ctx: int = 1024, repeats: int = 20):
+    """Qwen3-8B decode at `batch` rows (half of bench.py's 8B batch): one layer's attention over ragged contexts,
+    and one layer's GEMMs (qkv, o, gate_up, down), each `repeats` times, one after the other and then on two
+    streams at once. Overlap = (serial - concurrent) / min(attention, GEMMs): 0 is none, 1 is perfect."""
+    num_heads, num_kv_heads, head_dim = SHAPES["Qwen3-8B"]
+    hidden, inter, dtype = 4096, 12288, torch.bfloat16
+    kv, k_cache, v_cache, tables = make_paged_cache(batch, 2 * ctx - 100, num_kv_heads, head_dim, 64, dtype)
+    rng = random.Random(0)
+    lens = torch.tensor([rng.randint(100, 2 * ctx - 100) for _ in range(batch)], dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device="cuda")
+    out = torch.empty_like(q)
+    x = torch.randn(batch, hidden, dtype=dtype, device="cuda")
+    weights = [torch.randn(n, k, dtype=dtype, device="cuda") * 0.02 for n, k in
+               (((num_heads + 2 * num_kv_heads) * head_dim, hidden), (hidden, num_heads * head_dim),
+                (2 * inter, hidden), (hidden, inter))]
+    acts = [x, torch.randn(batch, num_heads * head_dim, dtype=dtype, device="cuda"), x,
+            torch.randn(batch, inter, dtype=dtype, device="cuda")]
+
+    def attention():
+        for _ in range(repeats):
+            paged_decode_attention(q, k_cache, v_cache, lens, tables, head_dim ** -0.5, out=out)
+
+    def gemms():
+        for _ in range(repeats):
+            for a, w in zip(acts, weights):
+                torch.nn.functional.linear(a, w)
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / repeats
+
+    streams = {"equal priority": (torch.cuda.Stream(), torch.cuda.Stream()),
+               "attention stream high priority": (torch.cuda.Stream(priority=-1), torch.cuda.Stream())}
+
+    def concurrent(s_attn, s_gemm):
+        main = torch.cuda.current_stream()
+        s_attn.wait_stream(main)
+        s_gemm.wait_stream(main)
+        with torch.cuda.stream(s_attn):
+            attention()
+        with torch.cuda.stream(s_gemm):
+            gemms()
+        main.wait_stream(s_attn)
+        main.wait_stream(s_gemm)
+
+    t_attn, t_gemm = timed(attention), timed(gemms)
+    t_serial = timed(lambda: (attention(), gemms()))
+    print(f"overlap, Qwen3-8B decode B={batch} ragged ctx (mean {ctx}), per layer: attention {t_attn * 1e3:.1f} us, "
+          f"GEMMs {t_gemm * 1e3:.1f} us, one after the other {t_serial * 1e3:.1f} us", flush=True)
+    for name, pair in streams.items():
+        t = timed(lambda: concurrent(*pair))
+        print(f"    two streams, {name}: {t * 1e3:.1f} us  overlap {(t_serial - t) / min(t_attn, t_gemm):.0%}",
+              flush=True)
+    del kv, k_cache, v_cache
+    torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", nargs="*", choices=["decode", "prefill"], default=None,
                         help="also time a grid of kernel configs (default: both kernels)")
+    parser.add_argument("--overlap", action="store_true", help="only the two-stream overlap test")
     args = parser.parse_args()
+    if args.overlap:
+        torch.manual_seed(0)
+        for batch in (144, 288, 512):
+            bench_overlap(batch)
+        return
     sweep = set(args.sweep or ["decode", "prefill"]) if args.sweep is not None else set()
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  ({_sm_count(torch.device('cuda'))} SMs)  "

@@ -24,9 +24,10 @@ Kernels
   the context and writes a partial output and its log-sum-exp; the reduce kernel merges the slices.
   The split size depends only on shapes (batch, kv heads, block-table width), never on
   ``seq_lens`` values, so the launch is CUDA-graph capturable; slices past a sequence's end exit at
-  once. With a single split the first kernel writes the output directly (no reduce launch). Two launch
-  orders are experiments, off by default until measured: a sequence's kv heads side by side in the grid
-  (``KernelConfig.heads_fastest``) and rows in a given order (``row_order``, e.g. longest context first).
+  once. With a single split the first kernel writes the output directly (no reduce launch). The launch
+  order: a sequence's kv heads side by side in the grid (``KernelConfig.heads_fastest``, the default without
+  splits) and rows in a given order (``row_order``: the engine passes longest context first, so that no long
+  row starts last and leaves the GPU to a few programs; on ragged contexts both together took 165 -> 146 us).
 
 All softmax math is fp32 in the log2 domain (``exp2`` with ``scale * log2(e)``).
 """
@@ -444,13 +445,14 @@ def _decode_split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_siz
     return tokens, triton.cdiv(max_ctx, tokens)
 
 
-# an experiment, off until measured (docs/benchmarks.md): the kv heads of a sequence side by side in the grid
-_DECODE_HEADS_FASTEST = os.environ.get("NANOVLLM_DECODE_HEADS_FASTEST", "0") == "1"
+# the kv heads of a sequence side by side in the grid, for launches without splits (=0 turns it off): with rows
+# launched longest first, bench.py 0.6B 1.056x (H200, docs/benchmarks.md run V); with splits it was slower
+_DECODE_HEADS_FASTEST = os.environ.get("NANOVLLM_DECODE_HEADS_FASTEST", "1") == "1"
 _SPLIT_PLAN_BLOCK_N = 64  # split sizes are multiples of this (every default decode block_n divides it)
 
 
 def _decode_config(dtype: torch.dtype, head_dim: int, block_size: int, split: bool) -> KernelConfig:
-    heads_fastest = _DECODE_HEADS_FASTEST
+    heads_fastest = _DECODE_HEADS_FASTEST and not split
     if dtype == torch.float32 or head_dim > 128:
         return KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, heads_fastest=heads_fastest)
     # H200 sweep, bf16 D=128 B=256 ctx=1024: (128, 4 warps, 2 stages) ~96% of copy bw with block_size 256

@@ -23,7 +23,7 @@ from nanovllm.utils.context import AttentionMetadata, get_context
 class TorchBackend:
     name = "torch"
     splits_mixed_steps = True  # it gains nothing (its prefill loops over sequences), but CPU tests cover the split
-    longest_first = False  # wants md.decode_row_order (the Triton decode kernel's launch-order experiment)
+    longest_first = False  # wants md.decode_row_order (the Triton decode kernel's launch order)
 
     def store_kv(self, k, v, k_cache, v_cache, md: AttentionMetadata):
         valid = md.slot_mapping >= 0
@@ -77,8 +77,9 @@ class TritonBackend:
     def __init__(self):
         from nanovllm.kernels import triton_attention
         self.ops = triton_attention
-        # an experiment, off until measured (docs/benchmarks.md): launch decode rows longest context first
-        self.longest_first = os.environ.get("NANOVLLM_DECODE_LONGEST_FIRST", "0") == "1"
+        # launch decode rows longest context first, so no long row starts last and leaves the GPU to a few
+        # programs (=0 turns it off; measured with heads_fastest, docs/benchmarks.md run V)
+        self.longest_first = os.environ.get("NANOVLLM_DECODE_LONGEST_FIRST", "1") == "1"
 
     def store_kv(self, k, v, k_cache, v_cache, md: AttentionMetadata):
         self.ops.store_kvcache(k, v, k_cache, v_cache, md.slot_mapping)
