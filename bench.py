@@ -5,7 +5,7 @@
     python bench.py --profile-decode 32 256           # also: decode-step time and kernels at these batch sizes
     python bench.py --profile-mixed 32:1024 0:560x29  # ... and of steps with 32 decode rows + a 1,024-token prompt,
                                                       # and of a prefill of 29 prompts of 560 tokens
-    python bench.py --variants "" "NANOVLLM_NANO_BATCHES=2" --repeat 2
+    python bench.py --variants "" "NANOVLLM_DECODE_LONGEST_FIRST=0" --repeat 2
                                                       # each variant (environment settings) in its own process,
                                                       # alternating, then tok/s against the first
 """

@@ -360,24 +360,3 @@ def test_cli_generate_text_smollm2(smollm2_dir):
                 console_script=True)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout, r.stdout
-
-
-def test_nano_batches_give_the_same_tokens(qwen3_dir, monkeypatch):
-    """NANOVLLM_NANO_BATCHES=2 (an experiment, off by default): decode steps of >= 32 rows run as two halves
-    (on two CUDA streams on a GPU; one after the other here). Same greedy tokens, and the split really ran."""
-    from nanovllm.models.decoder import DecoderModel
-
-    prompts = random_prompts([5 + i % 13 for i in range(40)], seed=3)
-    kwargs = tiny_llm_kwargs(max_num_seqs=48)
-    with LLM(qwen3_dir, **kwargs) as llm:
-        base = [o["token_ids"] for o in llm.generate(prompts, greedy(10), use_tqdm=False)]
-    calls = []
-    split_forward = DecoderModel._forward_nano_batches
-    monkeypatch.setattr(DecoderModel, "_forward_nano_batches",
-                        lambda self, *args: calls.append(args[0].size(0)) or split_forward(self, *args))
-    monkeypatch.setenv("NANOVLLM_NANO_BATCHES", "2")
-    monkeypatch.setenv("NANOVLLM_NANO_BATCH_MIN_ROWS", "32")
-    with LLM(qwen3_dir, **kwargs) as llm:
-        got = [o["token_ids"] for o in llm.generate(prompts, greedy(10), use_tqdm=False)]
-    assert got == base
-    assert calls and min(calls) >= 32, calls

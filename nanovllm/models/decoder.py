@@ -3,9 +3,6 @@
 Families differ only in: q/k RMSNorm before rope (Qwen3), bias on q/k/v (Qwen2 always, Llama/Qwen3 when
 `attention_bias`), bias on the MLP (Llama `mlp_bias`), and whether the LM head is tied to the embedding.
 """
-import contextlib
-import os
-
 import torch
 from torch import nn
 
@@ -16,7 +13,6 @@ from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, qk_norm_rope
-from nanovllm.utils.context import AttentionMetadata, get_context, set_context
 from nanovllm.utils.distributed import tp_size
 
 
@@ -102,68 +98,13 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(hf, family) for _ in range(hf.num_hidden_layers))
         self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
-        # an experiment, off until measured: decode steps of at least this many rows run as two nano-batches
-        # (NANOVLLM_NANO_BATCHES=2; see _forward_nano_batches); 0 is off
-        nano = os.environ.get("NANOVLLM_NANO_BATCHES", "1") == "2" and tp_size() == 1
-        self.nano_batch_min_rows = int(os.environ.get("NANOVLLM_NANO_BATCH_MIN_ROWS", "64")) if nano else 0
-        self.side_stream = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        md = get_context()
-        if (self.nano_batch_min_rows and md is not None and md.is_decode_only
-                and input_ids.size(0) >= max(self.nano_batch_min_rows, 32)):
-            return self._forward_nano_batches(input_ids, positions, md)
         hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
-
-    def _forward_nano_batches(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                              md: AttentionMetadata) -> torch.Tensor:
-        """A decode step as two halves, A on the current CUDA stream and B on a side stream, so that one half's
-        attention (reading KV: memory-bound) can run while the other half's GEMMs (compute-bound at large batches)
-        do: NanoFlow's nano-batches, without its SM partitioning. A starts alone with its first qkv projection,
-        then B starts: from there the halves are half a layer apart, so one's GEMMs tend to meet the other's
-        attention. The split is at a multiple of 16 rows, so every slice keeps the 16-byte alignment Triton
-        specializes on; what a half allocates, it allocates on its own stream; B joins A before the final norm (a
-        CUDA graph captures the fork and the join). Without CUDA the halves run one after the other (the CPU tests
-        check the split)."""
-        num_rows = input_ids.size(0)
-        split = max(16, num_rows // 32 * 16)
-        a, b = slice(0, split), slice(split, num_rows)
-        md_a, md_b = md.decode_rows(0, split), md.decode_rows(split, num_rows)
-        main = torch.cuda.current_stream() if input_ids.is_cuda else None
-        if main is not None and self.side_stream is None:
-            self.side_stream = torch.cuda.Stream(input_ids.device)
-        side = self.side_stream if main is not None else None
-        first = self.layers[0]
-        try:
-            set_context(md_a)
-            qkv_a, residual_a = first.pre_attention(self.embed_tokens(input_ids[a]), None)
-            if side is not None:
-                side.wait_stream(main)
-            set_context(md_b)
-            with _on(side):
-                hidden_b, residual_b = first(positions[b], self.embed_tokens(input_ids[b]), None)
-            set_context(md_a)
-            hidden_a, residual_a = first.post_attention(first.self_attn.attend(qkv_a, positions[a]), residual_a)
-            for layer in self.layers[1:]:
-                set_context(md_b)
-                with _on(side):
-                    hidden_b, residual_b = layer(positions[b], hidden_b, residual_b)
-                set_context(md_a)
-                hidden_a, residual_a = layer(positions[a], hidden_a, residual_a)
-        finally:
-            set_context(md)
-        if side is not None:
-            main.wait_stream(side)
-        hidden, _ = self.norm(torch.cat([hidden_a, hidden_b]), torch.cat([residual_a, residual_b]))
-        return hidden
-
-
-def _on(stream):
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 class DecoderForCausalLM(nn.Module):

@@ -27,8 +27,7 @@ class AttentionMetadata:
     decode_row_order: torch.Tensor | None = None
 
     def decode_rows(self, start: int, end: int) -> "AttentionMetadata":
-        """The metadata of one-token rows [start, end) (views, no copies): a mixed step's decode part, or half of
-        a decode step."""
+        """The metadata of one-token rows [start, end) (views, no copies): a mixed step's decode part."""
         seq_lens_cpu = self.seq_lens_cpu[start:end] if self.seq_lens_cpu is not None else None
         return AttentionMetadata(
             is_decode_only=True, slot_mapping=self.slot_mapping[start:end], seq_lens=self.seq_lens[start:end],
