@@ -194,10 +194,21 @@ def bench_prefill(name, seqs, block_size=256, dtype=torch.bfloat16, sweep=False)
     torch.cuda.empty_cache()
 
 
+def _green_streams(*num_sms: int):
+    """((contexts), (one stream per context)) for CUDA green contexts of these SM counts, or (None, why)."""
+    try:
+        from torch.cuda.green_contexts import GreenContext
+        contexts = tuple(GreenContext.create(num_sms=n, device_id=torch.cuda.current_device()) for n in num_sms)
+        return (contexts, tuple(c.Stream() for c in contexts)), ""
+    except Exception as e:  # an older torch (no Stream()), a driver without green contexts, a bad SM count
+        return None, f"{type(e).__name__}: {e}"
+
+
 def bench_overlap(batch: int = 288, ctx: int = 1024, repeats: int = 20):
     """Qwen3-8B decode at `batch` rows (half of bench.py's 8B batch): one layer's attention over ragged contexts,
     and one layer's GEMMs (qkv, o, gate_up, down), each `repeats` times, one after the other and then on two
-    streams at once. Overlap = (serial - concurrent) / min(attention, GEMMs): 0 is none, 1 is perfect."""
+    streams at once. Overlap = (serial - concurrent) / min(attention, GEMMs): 0 is none, 1 is perfect. Then with
+    the SMs split between the two streams (CUDA green contexts, where torch has them)."""
     num_heads, num_kv_heads, head_dim = SHAPES["Qwen3-8B"]
     hidden, inter, dtype = 4096, 12288, torch.bfloat16
     kv, k_cache, v_cache, tables = make_paged_cache(batch, 2 * ctx - 100, num_kv_heads, head_dim, 64, dtype)
@@ -253,6 +264,23 @@ def bench_overlap(batch: int = 288, ctx: int = 1024, repeats: int = 20):
         t = timed(lambda: concurrent(*pair))
         print(f"    two streams, {name}: {t * 1e3:.1f} us  overlap {(t_serial - t) / min(t_attn, t_gemm):.0%}",
               flush=True)
+    # SM partitions: attention's stream on num_sms SMs, the GEMMs' on the rest (CUDA green contexts; two separate
+    # create() calls are not promised disjoint SMs, so the alone-times below say what each really got)
+    total_sms = _sm_count(q.device)
+    for num_sms in (32, 48, 64, 80):
+        pair, why = _green_streams(num_sms, total_sms - num_sms)
+        if pair is None:
+            print(f"    green contexts: not available ({why})", flush=True)
+            break
+        s_attn, s_gemm = pair[1]
+        with torch.cuda.stream(s_attn):
+            t_a = timed(attention)
+        with torch.cuda.stream(s_gemm):
+            t_g = timed(gemms)
+        t = timed(lambda: concurrent(s_attn, s_gemm))
+        print(f"    green contexts, attention on {num_sms} SMs ({t_a * 1e3:.1f} us alone), GEMMs on "
+              f"{total_sms - num_sms} ({t_g * 1e3:.1f} us alone): {t * 1e3:.1f} us together, "
+              f"{t_serial / t:.2f}x one after the other on all SMs", flush=True)
     del kv, k_cache, v_cache
     torch.cuda.empty_cache()
 
