@@ -78,6 +78,7 @@ for dtype, head_dim, block_size, (num_heads, num_kv_heads) in CASES:
     cfg = ta.KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, heads_fastest=True)
     ta.paged_decode_attention(q[:2], k_cache, v_cache, seq_lens, block_tables, 0.1, config=cfg,
                               row_order=torch.tensor([1, 0], dtype=torch.int32))
+    ta.paged_decode_attention(q[:2], k_cache, v_cache, seq_lens, block_tables, 0.1, num_splits=3, row_splits=True)
     if head_dim != 96:  # the fused kernel needs head_dim / 2 a power of two (the runner checks)
         qkv = torch.randn(T, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
         cos_sin = torch.randn(64, head_dim)

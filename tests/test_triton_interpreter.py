@@ -1,6 +1,6 @@
 """Small Triton kernels run by Triton's interpreter on CPU tensors, so they are checked without a GPU: the sampler
 (nanovllm/kernels/sampling.py), SiLU-and-mul (nanovllm/kernels/activation.py) and the decode attention kernel's
-two grid orders. The interpreter needs TRITON_INTERPRET=1 before triton is imported: each check runs in a
+grid orders and split plans. The interpreter needs TRITON_INTERPRET=1 before triton is imported: each check runs in a
 subprocess."""
 import json
 import os
@@ -128,3 +128,59 @@ def test_decode_grid_orders_give_the_same_attention():
     res = interpret(DECODE_GRID_ORDER)
     assert res.pop("same_outputs"), res
     assert all(err < 1e-2 for err in res.values()), res
+
+
+DECODE_ROW_SPLITS = """
+import json
+import torch
+from nanovllm.kernels.triton_attention import KernelConfig, paged_decode_attention
+torch.manual_seed(0)
+B, H, KVH, D, BS, NB = 4, 4, 2, 64, 16, 40
+kv = torch.randn(NB, 2, BS, KVH, D, dtype=torch.float16)
+k_cache, v_cache = kv[:, 0], kv[:, 1]
+q = torch.randn(B, H, D, dtype=torch.float16)
+lens = torch.tensor([5, 40, 17, 0], dtype=torch.int32)  # a table 8 blocks (128 tokens) wide, as under a graph
+tables = torch.full((B, 8), -1, dtype=torch.int32)
+tables[0, :1], tables[1, :3], tables[2, :2] = torch.tensor([3]), torch.tensor([7, 0, 9]), torch.tensor([11, 2])
+ref = []
+for b in range(B):
+    n = int(lens[b])
+    if n == 0:
+        ref.append(torch.zeros(H, D))
+        continue
+    blocks = tables[b, :(n + BS - 1) // BS].long()
+    k = k_cache[blocks].reshape(-1, KVH, D)[:n].float().repeat_interleave(H // KVH, 1)  # [n, H, D]
+    v = v_cache[blocks].reshape(-1, KVH, D)[:n].float().repeat_interleave(H // KVH, 1)
+    p = torch.einsum("hd,nhd->hn", q[b].float(), k).mul(D ** -0.5).softmax(-1)
+    ref.append(torch.einsum("hn,nhd->hd", p, v))
+ref = torch.stack(ref)
+res = {}
+cfg = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+for splits in (2, 3, 8):
+    out = paged_decode_attention(q, k_cache, v_cache, lens, tables, D ** -0.5, num_splits=splits, config=cfg,
+                                 row_splits=True)
+    res[str(splits)] = ((out.float() - ref).norm() / ref.norm()).item()
+    res[f"{splits}/empty_row"] = out[3].abs().max().item()
+print(json.dumps(res))
+"""
+
+
+def test_decode_row_splits_match_a_reference():
+    """NANOVLLM_DECODE_ROW_SPLITS (an experiment): each row cuts its own context into the splits, in a table wider
+    than any row (as under a CUDA graph, max_model_len wide): the 40-token row in 2, 3 and 8 slices of >= 16
+    tokens, the 5-token row in one, and an empty row gives zeros."""
+    res = interpret(DECODE_ROW_SPLITS)
+    assert all(res[f"{s}/empty_row"] == 0.0 for s in (2, 3, 8)), res
+    assert all(res[str(s)] < 1e-2 for s in (2, 3, 8)), res
+
+
+def test_row_split_plan_follows_the_batch_not_the_table_width():
+    from nanovllm.kernels.triton_attention import _decode_split_plan
+    # 32 rows x 8 kv heads on 132 SMs: 3 splits wanted; the table-width plan cuts a 4,096-token table into four
+    # 1,024-token slices (a 1,000-token row has one live slice), the row plan keeps 3 slices of each row
+    assert _decode_split_plan(32, 8, 64, 64, 64, 132) == (1024, 4)
+    assert _decode_split_plan(32, 8, 64, 64, 64, 132, row_splits=True) == (0, 3)
+    # no more slices than BLOCK_N-token pieces of the table; a full GPU takes no split either way
+    assert _decode_split_plan(1, 8, 2, 64, 64, 132, row_splits=True) == (0, 2)
+    assert _decode_split_plan(256, 8, 64, 64, 64, 132, row_splits=True) == (0, 1)
+    assert _decode_split_plan(4, 8, 64, 64, 64, 132, num_splits=5, row_splits=True) == (0, 5)

@@ -93,11 +93,15 @@ def make_paged_cache(batch, ctx, num_kv_heads, head_dim, block_size, dtype):
 
 
 def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sweep=False, other_splits=(),
-                 ragged=False):
-    """`ragged`: context lengths uniform in [100, 2 * ctx - 100] (mean ctx) instead of all ctx, as in a run."""
+                 ragged=False, table_ctx=None):
+    """`ragged`: context lengths uniform in [100, 2 * ctx - 100] (mean ctx) instead of all ctx, as in a run.
+    `table_ctx`: block tables this many tokens wide (padded), as the engine's decode graphs pass them
+    (max_model_len wide); then only the split plans are compared: the table-width plan and per-row splits."""
     num_heads, num_kv_heads, head_dim = SHAPES[name]
     max_ctx = 2 * ctx - 100 if ragged else ctx
     kv, k_cache, v_cache, tables = make_paged_cache(batch, max_ctx, num_kv_heads, head_dim, block_size, dtype)
+    if table_ctx is not None:
+        tables = torch.nn.functional.pad(tables, (0, math.ceil(table_ctx / block_size) - tables.shape[1]))
     q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device="cuda")  # [B, H, D]
     rng = random.Random(0)
     lens_list = [rng.randint(100, max_ctx) if ragged else ctx for _ in range(batch)]
@@ -106,10 +110,25 @@ def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sw
     kv_bytes = sum(lens_list) * num_kv_heads * head_dim * 2 * dtype.itemsize
     scale = head_dim ** -0.5
 
-    def run(cfg=None, splits=None, row_order=None):
+    def run(cfg=None, splits=None, row_order=None, row_splits=False):
         ms = bench_ms(lambda: paged_decode_attention(q, k_cache, v_cache, lens, tables, scale, out=out,
-                                                     num_splits=splits, config=cfg, row_order=row_order))
+                                                     num_splits=splits, config=cfg, row_order=row_order,
+                                                     row_splits=row_splits))
         return ms, kv_bytes / (ms * 1e-3)
+
+    if table_ctx is not None:
+        longest_first = torch.argsort(lens, descending=True).to(torch.int32)
+        line = f"decode {name:11s} B={batch:3d} ctx={ctx:5d}{' (ragged)' if ragged else ''} bs={block_size:3d} " \
+               f"table {table_ctx} tokens wide, longest first:"
+        for row_splits in (False, True):
+            _, splits = _decode_split_plan(batch, num_kv_heads, tables.shape[1], block_size, _SPLIT_PLAN_BLOCK_N,
+                                           _sm_count(q.device), row_splits=row_splits)
+            ms, bw = run(row_order=longest_first, row_splits=row_splits)
+            line += f"  {'per-row' if row_splits else 'table'} splits={splits}: {ms * 1e3:6.1f} us {bw / copy_bw:6.1%}"
+        print(line, flush=True)
+        del kv, k_cache, v_cache
+        torch.cuda.empty_cache()
+        return
 
     _, splits = _decode_split_plan(batch, num_kv_heads, tables.shape[1], block_size, _SPLIT_PLAN_BLOCK_N,
                                    _sm_count(q.device))
@@ -315,6 +334,11 @@ def main():
     for batch in (32, 64, 192):
         bench_decode("Qwen3-0.6B", batch, 1024, 64, copy_bw)
     bench_decode("Qwen3-0.6B", 128, 1024, 64, copy_bw, ragged=True)
+    # split plans where they matter: small batches under the engine's graphs, whose tables are max_model_len wide
+    # (bench.py and bench_swap.py: 4,096; a model's default: 40,960 for Qwen3), e.g. bench_swap's rtx4070 (~33 rows)
+    for batch in (1, 8, 16, 32, 48, 64):
+        for table_ctx in (4096, 40960):
+            bench_decode("Qwen3-0.6B", batch, 1024, 64, copy_bw, ragged=True, table_ctx=table_ctx)
     for name in SHAPES:  # other regimes: small batch / long context (split-K), block_size 16
         bench_decode(name, 8, 8192, 256, copy_bw, other_splits=(4, 16, 32, 64))
         bench_decode(name, 256, 1024, 16, copy_bw)

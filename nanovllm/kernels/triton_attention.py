@@ -325,7 +325,7 @@ def _decode_kernel(
     stride_btb,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_FASTEST: tl.constexpr,
-    ORDERED: tl.constexpr,
+    ORDERED: tl.constexpr, ROW_SPLITS: tl.constexpr,
 ):
     if HEADS_FASTEST:
         kvh = tl.program_id(0)
@@ -337,6 +337,8 @@ def _decode_kernel(
         b = tl.load(row_order_ptr + b)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    if ROW_SPLITS:  # this row's own context in num_splits slices (tokens_per_split is unused)
+        tokens_per_split = _row_split_tokens(seq_len, num_splits, BLOCK_N)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
     if SPLIT:
@@ -374,16 +376,25 @@ def _decode_kernel(
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_safe), mask=g_mask)
 
 
+@triton.jit
+def _row_split_tokens(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Slice length when each row cuts its own context into num_splits slices: a multiple of BLOCK_N, >= BLOCK_N."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N), 1) * BLOCK_N
+
+
 @triton.jit(do_not_specialize=["tokens_per_split", "num_splits"])
 def _decode_reduce_kernel(
     part_o_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
     tokens_per_split, num_heads, num_splits,
     stride_ob, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROW_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
+    if ROW_SPLITS:
+        tokens_per_split = _row_split_tokens(seq_len, num_splits, BLOCK_N)
     num_valid = (seq_len + tokens_per_split - 1) // tokens_per_split
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -423,22 +434,28 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _decode_split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, block_n: int,
-                       num_sms: int, num_splits: int | None = None) -> tuple[int, int]:
+                       num_sms: int, num_splits: int | None = None, row_splits: bool = False) -> tuple[int, int]:
     """(tokens_per_split, num_splits) from shapes only — never from seq_lens values (graph capture).
 
     Programs are (batch x kv_heads x splits). When batch x kv_heads alone fills the GPU there is
     one split. Otherwise the table width (max_blocks * block_size tokens) is cut into enough
     slices to reach ~_TARGET_CTAS_PER_SM programs per SM, each at most _MAX_SPLIT_TOKENS long (so
     sequences much shorter than the table width still split) and at most _MAX_SPLITS slices.
+    With `row_splits` each row cuts its own context into num_splits slices in the kernel (a table as wide as
+    max_model_len no longer leaves a short row one live slice); tokens_per_split is then 0.
     """
     max_ctx = max(1, max_blocks * block_size)
     if num_splits is None:
         ctas = max(1, batch * num_kv_heads)
         target = _TARGET_CTAS_PER_SM * num_sms
         num_splits = 1 if ctas >= target else min(triton.cdiv(target, ctas), _MAX_SPLITS)
+        if row_splits:
+            return 0, min(num_splits, triton.cdiv(max_ctx, block_n))
         tokens = triton.cdiv(max_ctx, num_splits)
         if num_splits > 1:
             tokens = max(min(tokens, _MAX_SPLIT_TOKENS), triton.cdiv(max_ctx, _MAX_SPLITS))
+    elif row_splits:
+        return 0, max(1, min(num_splits, _MAX_SPLITS))
     else:
         tokens = triton.cdiv(max_ctx, max(1, min(num_splits, _MAX_SPLITS)))
     tokens = triton.cdiv(tokens, block_n) * block_n
@@ -449,6 +466,8 @@ def _decode_split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_siz
 # launched longest first, bench.py 0.6B 1.056x (H200, docs/benchmarks.md run V); with splits it was slower
 _DECODE_HEADS_FASTEST = os.environ.get("NANOVLLM_DECODE_HEADS_FASTEST", "1") == "1"
 _SPLIT_PLAN_BLOCK_N = 64  # split sizes are multiples of this (every default decode block_n divides it)
+# an experiment, off until measured (docs/benchmarks.md): each row splits its own context (see _decode_split_plan)
+_DECODE_ROW_SPLITS = os.environ.get("NANOVLLM_DECODE_ROW_SPLITS", "0") == "1"
 
 
 def _decode_config(dtype: torch.dtype, head_dim: int, block_size: int, split: bool) -> KernelConfig:
@@ -466,13 +485,15 @@ def _decode_config(dtype: torch.dtype, head_dim: int, block_size: int, split: bo
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                            num_splits: int | None = None, config: KernelConfig | None = None,
-                           row_order: torch.Tensor | None = None) -> torch.Tensor:
+                           row_order: torch.Tensor | None = None, row_splits: bool | None = None) -> torch.Tensor:
     """One query per sequence (at its last position) over its paged context. Returns [B, H, D].
 
     CUDA-graph safe: no host sync, scratch sized from shapes only. ``num_splits``/``config``
     override the heuristics (tests and benchmarks). ``row_order`` [B] int32, a permutation of the rows: programs
     are launched for the rows in this order (an experiment: longest context first, so that no long row starts
     last and leaves the GPU to a few programs at the end; with ``config.heads_fastest`` a row's kv heads follow it).
+    ``row_splits``: each row cuts its own context into the splits instead of the table width (None: the
+    NANOVLLM_DECODE_ROW_SPLITS switch).
     """
     batch, num_heads, head_dim = q.shape  # [B, H, D]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -486,9 +507,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
 
     block_d = triton.next_power_of_2(head_dim)
+    row_splits = _DECODE_ROW_SPLITS if row_splits is None else row_splits
     plan_block_n = config.block_n if config is not None else _SPLIT_PLAN_BLOCK_N
     tokens_per_split, splits = _decode_split_plan(batch, num_kv_heads, block_tables.shape[1], block_size,
-                                                  plan_block_n, _sm_count(q.device), num_splits)
+                                                  plan_block_n, _sm_count(q.device), num_splits, row_splits)
     cfg = config or _decode_config(q.dtype, head_dim, block_size, splits > 1)
     assert splits == 1 or tokens_per_split % cfg.block_n == 0
     if splits > 1:
@@ -506,7 +528,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0),
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=block_size, SPLIT=splits > 1,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        HEADS_FASTEST=cfg.heads_fastest, ORDERED=row_order is not None,
+        HEADS_FASTEST=cfg.heads_fastest, ORDERED=row_order is not None, ROW_SPLITS=row_splits and splits > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
@@ -514,7 +536,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             part_o, part_lse, seq_lens, out,
             tokens_per_split, num_heads, splits,
             *out.stride(),
-            HEAD_DIM=head_dim, BLOCK_S=_REDUCE_BLOCK_S, BLOCK_D=block_d,
+            HEAD_DIM=head_dim, BLOCK_S=_REDUCE_BLOCK_S, BLOCK_D=block_d, ROW_SPLITS=row_splits, BLOCK_N=cfg.block_n,
             num_warps=4,
         )
     return out
