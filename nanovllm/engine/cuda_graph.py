@@ -9,7 +9,9 @@ class DecodeGraph:
 
     Padding rows write to slot -1 (skipped by the KV store) and attend over a context of length 0 is avoided by
     giving them seq_len 1 on block 0; their outputs are discarded.
-    NOTE: `width` (block-table columns) is fixed at capture; the runner pads every table to it.
+    `width` (block-table columns, max_model_len's blocks) is fixed at capture. A replay copies only the step's own
+    columns: the kernels read a row's table only below its seq_len, so the columns past them (left from earlier
+    steps) are never read, and the host does not build and send max_model_len-wide tables every step.
     """
 
     def __init__(self, model, batch_size: int, width: int, device: torch.device, pool=None):
@@ -39,7 +41,7 @@ class DecodeGraph:
         self.slot_mapping[:n] = md.slot_mapping
         self.seq_lens.fill_(1)
         self.seq_lens[:n] = md.seq_lens
-        self.block_tables[:n] = md.block_tables.clamp(min=0)
+        self.block_tables[:n, :md.block_tables.size(1)] = md.block_tables.clamp(min=0)
         self.graph.replay()
         return self.hidden[:n]
 

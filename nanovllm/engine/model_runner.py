@@ -266,11 +266,11 @@ class ModelRunner:
         return num_host_blocks(self.config.swap_space, self.block_bytes, tp_size())
 
     # --- one step
-    def prepare(self, plan: StepPlan, width: int | None = None) -> StepInputs:
+    def prepare(self, plan: StepPlan) -> StepInputs:
         """Tensors for one step, packed into one host buffer (pinned on CUDA) and moved in one host-to-device copy;
-        block tables are padded with -1 to `width` columns (fixed under CUDA graphs). What the attention kernels
-        read is int32 already, so no conversion kernels follow the copy."""
-        width = width or max(len(t) for t in plan.block_tables)
+        block tables are padded with -1 to the step's longest table (a decode graph copies them into its wider
+        static table). What the attention kernels read is int32 already, so no conversion kernels follow the copy."""
+        width = max(len(t) for t in plan.block_tables)
         cu_seqlens = [0, *itertools.accumulate(plan.query_lens)]
         num_decode_rows = self._num_decode_rows(plan)
         prefill_cu_seqlens = [n - num_decode_rows for n in cu_seqlens[num_decode_rows:]] if num_decode_rows else []
@@ -389,7 +389,7 @@ class ModelRunner:
     def _forward(self, plan: StepPlan) -> torch.Tensor | None:
         """Logits of the sampled rows (rank 0; None elsewhere or when nothing is sampled)."""
         graph = self._graph_for(plan)
-        inputs = self.prepare(plan, width=graph.width if graph else None)
+        inputs = self.prepare(plan)
         if graph is not None:
             hidden = graph.replay(inputs)
         else:
