@@ -122,6 +122,30 @@ def test_piecewise_mixed_step_forward_matches_hf(qwen3_dir, monkeypatch):
     assert all(n <= bucket <= 48 for n, bucket in buckets) and len(buckets) > 10, buckets
 
 
+def test_decode_graph_static_buffers_match_hf(qwen3_dir, monkeypatch):
+    """Decode steps through DecodeGraph's static buffers (engine/cuda_graph.py), run eagerly on CPU: padding rows,
+    slot -1, and block tables copied into the left columns of a max_model_len-wide table whose other columns keep
+    earlier steps' ids (never read past a row's seq_len)."""
+    from nanovllm.engine.cuda_graph import DecodeGraph
+    replays = []
+    replay = DecodeGraph.replay
+    monkeypatch.setattr(DecodeGraph, "replay", lambda self, inputs: (
+        replays.append((inputs.input_ids.size(0), self.batch_size, inputs.metadata.block_tables.size(1),
+                        self.width)), replay(self, inputs))[1])
+    monkeypatch.setenv("NANOVLLM_DECODE_GRAPHS", "1")
+    prompts = random_prompts((40, 7, 23, 5, 12), seed=32)
+    max_new = (6, 20, 20, 20, 6)  # the longest row finishes first: the tables get narrower mid-run
+    with LLM(qwen3_dir, **tiny_llm_kwargs()) as llm:
+        outs = llm.generate(prompts, [greedy(n) for n in max_new], use_tqdm=False)
+    for n in set(max_new):
+        rows = [i for i, m in enumerate(max_new) if m == n]
+        assert_matches_hf(qwen3_dir, [prompts[i] for i in rows], [outs[i] for i in rows], n, what="decode graphs")
+    assert any(n < size for n, size, _, _ in replays), replays  # padded batches
+    widths = [w for _, _, w, _ in replays]
+    assert all(w < width for _, _, w, width in replays), replays  # never the graph's whole width
+    assert any(later < earlier for earlier, later in zip(widths, widths[1:])), widths  # stale columns left
+
+
 # 4 sequences of up to 14 + 24 = 38 tokens need 10 blocks each (40 in all);
 # 12 blocks hold one at a time plus a bit, so the scheduler must preempt.
 PREEMPT_LENGTHS = (10, 12, 14, 11)

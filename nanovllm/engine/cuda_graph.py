@@ -14,14 +14,17 @@ class DecodeGraph:
     steps) are never read, and the host does not build and send max_model_len-wide tables every step.
     """
 
-    def __init__(self, model, batch_size: int, width: int, device: torch.device, pool=None):
-        self.batch_size, self.width = batch_size, width
+    def __init__(self, model, batch_size: int, width: int, device: torch.device, pool=None, capture: bool = True):
+        self.batch_size, self.width, self.model = batch_size, width, model
         self.input_ids = torch.zeros(batch_size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(batch_size, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((batch_size,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(batch_size, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(batch_size, width, dtype=torch.int32, device=device)
         self.metadata = AttentionMetadata(True, self.slot_mapping, self.seq_lens, self.block_tables, max_seq_len=1)
+        self.graph = self.pool = None
+        if not capture:  # CPU tests: the same static buffers, the forward run eagerly on them
+            return
         set_context(self.metadata)
         try:
             model(self.input_ids, self.positions)  # warm-up: compiles kernels outside the capture
@@ -42,8 +45,14 @@ class DecodeGraph:
         self.seq_lens.fill_(1)
         self.seq_lens[:n] = md.seq_lens
         self.block_tables[:n, :md.block_tables.size(1)] = md.block_tables.clamp(min=0)
-        self.graph.replay()
-        return self.hidden[:n]
+        if self.graph is not None:
+            self.graph.replay()
+            return self.hidden[:n]
+        set_context(self.metadata)
+        try:
+            return self.model(self.input_ids, self.positions)[:n]
+        finally:
+            reset_context()
 
 
 class MixedStepBuffers:

@@ -471,13 +471,23 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_cuda_graphs(self):
         """Warm up, then capture decode forwards for batch sizes up to max_num_seqs (1, 2, 4, 8, 16, 32, ...) and
-        piecewise prefill/mixed forwards for token buckets up to 2,048."""
+        piecewise prefill/mixed forwards for token buckets up to 2,048. On CPU, NANOVLLM_DECODE_GRAPHS=1 and
+        NANOVLLM_PIECEWISE_GRAPHS=1 build the same graphs without capturing them: their static buffers, run
+        eagerly (the CPU tests)."""
         self.warmup()
         piecewise = os.environ.get("NANOVLLM_PIECEWISE_GRAPHS")
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name == "torch":
+            if self.device.type == "cpu" and os.environ.get("NANOVLLM_DECODE_GRAPHS") == "1":
+                self._capture_decode_graphs(capture=False)
             if piecewise == "1" and self.device.type == "cpu":
-                self._capture_mixed_graphs(None, capture=False)  # CPU tests: the pieces run eagerly
+                self._capture_mixed_graphs(None, capture=False)
             return
+        pool = self._capture_decode_graphs()
+        if piecewise != "0":
+            self._capture_mixed_graphs(pool)
+
+    def _capture_decode_graphs(self, capture: bool = True):
+        """Returns the graphs' memory pool."""
         from nanovllm.engine.cuda_graph import DecodeGraph
         max_bs = min(self.config.max_num_seqs, 512)
         sizes = [1, 2, 4, 8] + list(range(16, 128, 16)) + list(range(128, max_bs, 32))
@@ -485,11 +495,10 @@ class ModelRunner:
         width = (self.config.max_model_len + self.block_size - 1) // self.block_size
         pool = None
         for size in reversed(self.graph_batch_sizes):
-            graph = DecodeGraph(self.model, size, width, self.device, pool)
+            graph = DecodeGraph(self.model, size, width, self.device, pool, capture)
             pool = graph.pool
             self.graphs[size] = graph
-        if piecewise != "0":
-            self._capture_mixed_graphs(pool)
+        return pool
 
     MIXED_GRAPH_TOKENS = (16, 32, 64, 128, 192) + tuple(range(256, 2049, 256))  # padding: at most 25% from 256 up
 
