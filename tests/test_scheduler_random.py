@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from metadata_factories import BLOCK_SIZE, ShadowKV, check, make_scheduler, make_seq, run_step, run_step_async
+from metadata_factories import ShadowKV, check, make_scheduler, make_seq, run_step, run_step_async
 
 
 def run_random_workload(seed: int):
