@@ -289,8 +289,8 @@ def bench_overlap(batch: int = 288, ctx: int = 1024, repeats: int = 20):
     for num_sms in (32, 48, 64, 80):
         pair, why = _green_streams(num_sms, total_sms - num_sms)
         if pair is None:
-            print(f"    green contexts: not available ({why})", flush=True)
-            break
+            print(f"    green contexts of {num_sms} + {total_sms - num_sms} SMs: not available ({why})", flush=True)
+            continue
         s_attn, s_gemm = pair[1]
         with torch.cuda.stream(s_attn):
             t_a = timed(attention)
