@@ -92,62 +92,66 @@ def make_paged_cache(batch, ctx, num_kv_heads, head_dim, block_size, dtype):
     return kv, kv[:, 0, 0], kv[:, 0, 1], tables
 
 
-def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sweep=False, other_splits=(),
-                 ragged=False, table_ctx=None):
-    """`ragged`: context lengths uniform in [100, 2 * ctx - 100] (mean ctx) instead of all ctx, as in a run.
-    `table_ctx`: block tables this many tokens wide (padded), as the engine's decode graphs pass them
-    (max_model_len wide); then only the split plans are compared: the table-width plan and per-row splits."""
-    num_heads, num_kv_heads, head_dim = SHAPES[name]
-    max_ctx = 2 * ctx - 100 if ragged else ctx
-    kv, k_cache, v_cache, tables = make_paged_cache(batch, max_ctx, num_kv_heads, head_dim, block_size, dtype)
-    if table_ctx is not None:
-        tables = torch.nn.functional.pad(tables, (0, math.ceil(table_ctx / block_size) - tables.shape[1]))
-    q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device="cuda")  # [B, H, D]
-    rng = random.Random(0)
-    lens_list = [rng.randint(100, max_ctx) if ragged else ctx for _ in range(batch)]
-    lens = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
-    out = torch.empty_like(q)
-    kv_bytes = sum(lens_list) * num_kv_heads * head_dim * 2 * dtype.itemsize
-    scale = head_dim ** -0.5
+class DecodeCase:
+    """Inputs of one decode-attention measurement. `ragged`: context lengths uniform in [100, 2 * ctx - 100] (mean
+    ctx) instead of all ctx, as in a run; `table_ctx`: block tables this many tokens wide (padded), as the engine's
+    decode graphs pass them (max_model_len wide)."""
 
-    def run(cfg=None, splits=None, row_order=None, row_splits=False):
-        ms = bench_ms(lambda: paged_decode_attention(q, k_cache, v_cache, lens, tables, scale, out=out,
-                                                     num_splits=splits, config=cfg, row_order=row_order,
-                                                     row_splits=row_splits))
-        return ms, kv_bytes / (ms * 1e-3)
+    def __init__(self, name, batch, ctx, block_size, dtype=torch.bfloat16, ragged=False, table_ctx=None):
+        num_heads, self.num_kv_heads, self.head_dim = SHAPES[name]
+        self.batch, self.block_size, self.dtype = batch, block_size, dtype
+        max_ctx = 2 * ctx - 100 if ragged else ctx
+        self.kv, self.k_cache, self.v_cache, self.tables = make_paged_cache(batch, max_ctx, self.num_kv_heads,
+                                                                            self.head_dim, block_size, dtype)
+        if table_ctx is not None:
+            self.tables = torch.nn.functional.pad(self.tables,
+                                                  (0, math.ceil(table_ctx / block_size) - self.tables.shape[1]))
+        self.q = torch.randn(batch, num_heads, self.head_dim, dtype=dtype, device="cuda")  # [B, H, D]
+        rng = random.Random(0)
+        lens = [rng.randint(100, max_ctx) if ragged else ctx for _ in range(batch)]
+        self.lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        self.longest_first = torch.argsort(self.lens, descending=True).to(torch.int32)
+        self.out = torch.empty_like(self.q)
+        self.kv_bytes = sum(lens) * self.num_kv_heads * self.head_dim * 2 * dtype.itemsize
+        self.label = (f"decode {name:11s} B={batch:3d} ctx={ctx:5d}{' (ragged)' if ragged else ''} "
+                      f"bs={block_size:3d}{f' table {table_ctx} tokens wide' if table_ctx else ''}")
 
-    if table_ctx is not None:
-        longest_first = torch.argsort(lens, descending=True).to(torch.int32)
-        line = f"decode {name:11s} B={batch:3d} ctx={ctx:5d}{' (ragged)' if ragged else ''} bs={block_size:3d} " \
-               f"table {table_ctx} tokens wide, longest first:"
-        for row_splits in (False, True):
-            _, splits = _decode_split_plan(batch, num_kv_heads, tables.shape[1], block_size, _SPLIT_PLAN_BLOCK_N,
-                                           _sm_count(q.device), row_splits=row_splits)
-            ms, bw = run(row_order=longest_first, row_splits=row_splits)
-            line += f"  {'per-row' if row_splits else 'table'} splits={splits}: {ms * 1e3:6.1f} us {bw / copy_bw:6.1%}"
-        print(line, flush=True)
-        del kv, k_cache, v_cache
+    def split_plan(self, row_splits=False) -> int:
+        return _decode_split_plan(self.batch, self.num_kv_heads, self.tables.shape[1], self.block_size,
+                                  _SPLIT_PLAN_BLOCK_N, _sm_count(self.q.device), row_splits=row_splits)[1]
+
+    def run(self, cfg=None, splits=None, row_order=None, row_splits=False) -> tuple[float, float]:
+        """(ms, KV bytes read per second)."""
+        ms = bench_ms(lambda: paged_decode_attention(
+            self.q, self.k_cache, self.v_cache, self.lens, self.tables, self.head_dim ** -0.5, out=self.out,
+            num_splits=splits, config=cfg, row_order=row_order, row_splits=row_splits))
+        return ms, self.kv_bytes / (ms * 1e-3)
+
+    def free(self):
+        del self.kv, self.k_cache, self.v_cache
         torch.cuda.empty_cache()
-        return
 
-    _, splits = _decode_split_plan(batch, num_kv_heads, tables.shape[1], block_size, _SPLIT_PLAN_BLOCK_N,
-                                   _sm_count(q.device))
-    ms, bw = run()
-    print(f"decode {name:11s} B={batch:3d} ctx={ctx:5d}{' (ragged)' if ragged else ''} bs={block_size:3d} "
-          f"splits={splits:2d}: "
+
+def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sweep=False, other_splits=(),
+                 ragged=False):
+    """The default kernel, the other grid order, longest first (ragged contexts), other split counts, a sweep."""
+    case = DecodeCase(name, batch, ctx, block_size, dtype, ragged)
+    splits = case.split_plan()
+    ms, bw = case.run()
+    print(f"{case.label} splits={splits:2d}: "
           f"{ms * 1e3:8.1f} us  KV read {bw / 1e9:7.0f} GB/s  = {bw / copy_bw:6.1%} of copy bw", flush=True)
-    default = _decode_config(dtype, head_dim, block_size, splits > 1)
-    ms, bw = run(dataclasses.replace(default, heads_fastest=True))
-    print(f"    the same, kv heads fastest in the grid: {ms * 1e3:8.1f} us  {bw / 1e9:7.0f} GB/s  {bw / copy_bw:6.1%}",
+    default = _decode_config(dtype, case.head_dim, block_size, splits > 1)
+    ms, bw = case.run(dataclasses.replace(default, heads_fastest=not default.heads_fastest))
+    other = "kv heads fastest" if not default.heads_fastest else "kv heads apart (the plain order)"
+    print(f"    the same, {other} in the grid: {ms * 1e3:8.1f} us  {bw / 1e9:7.0f} GB/s  {bw / copy_bw:6.1%}",
           flush=True)
     if ragged:  # rows launched longest context first
-        longest_first = torch.argsort(lens, descending=True).to(torch.int32)
         for fastest in (False, True):
-            ms, bw = run(dataclasses.replace(default, heads_fastest=fastest), row_order=longest_first)
+            ms, bw = case.run(dataclasses.replace(default, heads_fastest=fastest), row_order=case.longest_first)
             print(f"    longest first{', kv heads fastest' if fastest else ''}: {ms * 1e3:8.1f} us  "
                   f"{bw / 1e9:7.0f} GB/s  {bw / copy_bw:6.1%}", flush=True)
     for s in other_splits:
-        ms, bw = run(None, s)
+        ms, bw = case.run(None, s)
         print(f"    splits={s:2d}: {ms * 1e3:8.1f} us  {bw / 1e9:7.0f} GB/s  {bw / copy_bw:6.1%}", flush=True)
     if sweep:
         configs = [KernelConfig(16, bn, w, st) for bn in (32, 64, 128) for (w, st) in ((4, 2), (4, 3), (8, 3))]
@@ -157,13 +161,25 @@ def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sw
         for c, s in runs:
             order = " heads-fastest" if c.heads_fastest else ""
             try:
-                ms, bw = run(c, s)
+                ms, bw = case.run(c, s)
                 print(f"    sweep bn={c.block_n:3d} warps={c.num_warps} stages={c.num_stages} splits={s}{order}: "
                       f"{ms * 1e3:8.1f} us  {bw / 1e9:6.0f} GB/s  {bw / copy_bw:6.1%}", flush=True)
             except Exception as e:  # e.g. out of shared memory
                 print(f"    sweep {c} splits={s}: failed ({type(e).__name__})", flush=True)
-    del kv, k_cache, v_cache
-    torch.cuda.empty_cache()
+    case.free()
+
+
+def bench_split_plans(batch, table_ctx, copy_bw, name="Qwen3-0.6B", ctx=1024, block_size=64):
+    """Ragged contexts in tables `table_ctx` tokens wide, rows longest first as in the engine: the split plan that
+    cuts the table width against per-row splits (NANOVLLM_DECODE_ROW_SPLITS)."""
+    case = DecodeCase(name, batch, ctx, block_size, ragged=True, table_ctx=table_ctx)
+    line = f"{case.label}:"
+    for row_splits in (False, True):
+        ms, bw = case.run(row_order=case.longest_first, row_splits=row_splits)
+        line += (f"  {'per-row' if row_splits else 'table'} splits={case.split_plan(row_splits)}: "
+                 f"{ms * 1e3:6.1f} us {bw / copy_bw:6.1%}")
+    print(line, flush=True)
+    case.free()
 
 
 def bench_prefill(name, seqs, block_size=256, dtype=torch.bfloat16, sweep=False):
@@ -338,7 +354,7 @@ def main():
     # (bench.py and bench_swap.py: 4,096; a model's default: 40,960 for Qwen3), e.g. bench_swap's rtx4070 (~33 rows)
     for batch in (1, 8, 16, 32, 48, 64):
         for table_ctx in (4096, 40960):
-            bench_decode("Qwen3-0.6B", batch, 1024, 64, copy_bw, ragged=True, table_ctx=table_ctx)
+            bench_split_plans(batch, table_ctx, copy_bw)
     for name in SHAPES:  # other regimes: small batch / long context (split-K), block_size 16
         bench_decode(name, 8, 8192, 256, copy_bw, other_splits=(4, 16, 32, 64))
         bench_decode(name, 256, 1024, 16, copy_bw)
