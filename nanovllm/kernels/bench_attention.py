@@ -239,6 +239,29 @@ def _green_streams(*num_sms: int):
         return None, f"{type(e).__name__}: {e}"
 
 
+def _graph_replay_us(fn, repeats: int) -> str:
+    """fn captured in a CUDA graph, replayed: us per repeat, or why the capture failed."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return f"{start.elapsed_time(end) / 3 / repeats * 1e3:.1f} us"
+    except Exception as e:  # e.g. a capture across contexts refused
+        return f"failed ({type(e).__name__}: {str(e)[:200]})"
+
+
 def bench_overlap(batch: int = 288, ctx: int = 1024, repeats: int = 20):
     """Qwen3-8B decode at `batch` rows (half of bench.py's 8B batch): one layer's attention over ragged contexts,
     and one layer's GEMMs (qkv, o, gate_up, down), each `repeats` times, one after the other and then on two
@@ -316,6 +339,9 @@ def bench_overlap(batch: int = 288, ctx: int = 1024, repeats: int = 20):
         print(f"    green contexts, attention on {num_sms} SMs ({t_a * 1e3:.1f} us alone), GEMMs on "
               f"{total_sms - num_sms} ({t_g * 1e3:.1f} us alone): {t * 1e3:.1f} us together, "
               f"{t_serial / t:.2f}x one after the other on all SMs", flush=True)
+        if num_sms == 64:  # the engine's decode steps replay CUDA graphs: does a capture keep the partition?
+            print(f"        the same captured in one CUDA graph: "
+                  f"{_graph_replay_us(lambda: concurrent(s_attn, s_gemm), repeats)}", flush=True)
     del kv, k_cache, v_cache
     torch.cuda.empty_cache()
 
