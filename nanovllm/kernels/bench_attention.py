@@ -322,6 +322,9 @@ def bench_overlap(batch: int = 288, ctx: int = 1024, repeats: int = 20):
         t = timed(lambda: concurrent(*pair))
         print(f"    two streams, {name}: {t * 1e3:.1f} us  overlap {(t_serial - t) / min(t_attn, t_gemm):.0%}",
               flush=True)
+    print(f"    one after the other, captured in one CUDA graph: "
+          f"{_graph_replay_us(lambda: (attention(), gemms()), repeats)}; two streams, captured: "
+          f"{_graph_replay_us(lambda: concurrent(*streams['equal priority']), repeats)}", flush=True)
     # SM partitions: attention's stream on num_sms SMs, the GEMMs' on the rest (CUDA green contexts; two separate
     # create() calls are not promised disjoint SMs, so the alone-times below say what each really got)
     total_sms = _sm_count(q.device)
