@@ -67,7 +67,7 @@ def test_packed_parts_are_aligned_and_exact(seed):
     int32_parts = [[rng.randint(-1, 1 << 20) for _ in range(rng.randint(0, 9))] for _ in range(3)]
     tables = [rng.sample(range(100), rng.randint(0, 5)) for _ in range(rng.randint(1, 6))]
     width = 6
-    parts = _PackedInputs(int64_parts, int32_parts, tables, width, pin_memory=False).to(torch.device("cpu"))
+    parts = _PackedInputs(int64_parts, int32_parts, tables, pin_memory=False, width=width).to(torch.device("cpu"))
     for tensor in parts:
         assert tensor.data_ptr() % _PackedInputs.ALIGN_BYTES == 0
     for tensor, values in zip(parts, int64_parts):

@@ -81,10 +81,29 @@ def test_triton_silu_and_mul_matches_torch():
     assert res["empty"] == [0, 4]
 
 
+DECODE_REFERENCE = """
+def reference(q, k_cache, v_cache, lens, tables):  # decode attention in float32 torch, [B, H, D]; empty row: zeros
+    B, H, D = q.shape
+    BS, KVH = k_cache.shape[1], k_cache.shape[2]
+    ref = []
+    for b in range(B):
+        n = int(lens[b])
+        if n == 0:
+            ref.append(torch.zeros(H, D))
+            continue
+        blocks = tables[b, :(n + BS - 1) // BS].long()
+        k = k_cache[blocks].reshape(-1, KVH, D)[:n].float().repeat_interleave(H // KVH, 1)  # [n, H, D]
+        v = v_cache[blocks].reshape(-1, KVH, D)[:n].float().repeat_interleave(H // KVH, 1)
+        p = torch.einsum("hd,nhd->hn", q[b].float(), k).mul(D ** -0.5).softmax(-1)
+        ref.append(torch.einsum("hn,nhd->hd", p, v))
+    return torch.stack(ref)
+"""
+
 DECODE_GRID_ORDER = """
 import json
 import torch
 from nanovllm.kernels.triton_attention import KernelConfig, paged_decode_attention
+""" + DECODE_REFERENCE + """
 torch.manual_seed(0)
 B, H, KVH, D, BS, NB = 3, 4, 2, 64, 16, 12
 kv = torch.randn(NB, 2, BS, KVH, D, dtype=torch.float16)
@@ -93,19 +112,11 @@ q = torch.randn(B, H, D, dtype=torch.float16)
 lens = torch.tensor([5, 40, 17], dtype=torch.int32)
 tables = torch.tensor([[3, -1, -1], [7, 0, 9], [11, 2, -1]], dtype=torch.int32)
 res = {}
+ref = reference(q, k_cache, v_cache, lens, tables)
 for fastest in (False, True):
     cfg = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, heads_fastest=fastest)
     for splits in (1, 2):
         out = paged_decode_attention(q, k_cache, v_cache, lens, tables, D ** -0.5, num_splits=splits, config=cfg)
-        ref = []
-        for b in range(B):
-            n = int(lens[b])
-            blocks = tables[b, :(n + BS - 1) // BS].long()
-            k = k_cache[blocks].reshape(-1, KVH, D)[:n].float().repeat_interleave(H // KVH, 1)  # [n, H, D]
-            v = v_cache[blocks].reshape(-1, KVH, D)[:n].float().repeat_interleave(H // KVH, 1)
-            p = torch.einsum("hd,nhd->hn", q[b].float(), k).mul(D ** -0.5).softmax(-1)
-            ref.append(torch.einsum("hn,nhd->hd", p, v))
-        ref = torch.stack(ref)
         res[f"{fastest}/{splits}"] = ((out.float() - ref).norm() / ref.norm()).item()
         res.setdefault("outs", []).append(out.float().tolist())
 res["same_outputs"] = all(o == res["outs"][0] for o in res["outs"][::2]) and res["outs"][1] == res["outs"][3]
@@ -134,6 +145,7 @@ DECODE_ROW_SPLITS = """
 import json
 import torch
 from nanovllm.kernels.triton_attention import KernelConfig, paged_decode_attention
+""" + DECODE_REFERENCE + """
 torch.manual_seed(0)
 B, H, KVH, D, BS, NB = 4, 4, 2, 64, 16, 40
 kv = torch.randn(NB, 2, BS, KVH, D, dtype=torch.float16)
@@ -142,18 +154,7 @@ q = torch.randn(B, H, D, dtype=torch.float16)
 lens = torch.tensor([5, 40, 17, 0], dtype=torch.int32)  # a table 8 blocks (128 tokens) wide, as under a graph
 tables = torch.full((B, 8), -1, dtype=torch.int32)
 tables[0, :1], tables[1, :3], tables[2, :2] = torch.tensor([3]), torch.tensor([7, 0, 9]), torch.tensor([11, 2])
-ref = []
-for b in range(B):
-    n = int(lens[b])
-    if n == 0:
-        ref.append(torch.zeros(H, D))
-        continue
-    blocks = tables[b, :(n + BS - 1) // BS].long()
-    k = k_cache[blocks].reshape(-1, KVH, D)[:n].float().repeat_interleave(H // KVH, 1)  # [n, H, D]
-    v = v_cache[blocks].reshape(-1, KVH, D)[:n].float().repeat_interleave(H // KVH, 1)
-    p = torch.einsum("hd,nhd->hn", q[b].float(), k).mul(D ** -0.5).softmax(-1)
-    ref.append(torch.einsum("hn,nhd->hd", p, v))
-ref = torch.stack(ref)
+ref = reference(q, k_cache, v_cache, lens, tables)
 res = {}
 cfg = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 for splits in (2, 3, 8):

@@ -58,11 +58,13 @@ class _PackedInputs:
     ALIGN_BYTES = 16
 
     def __init__(self, int64_parts: list[list[int]], int32_parts: list[list[int]], block_tables: list[list[int]],
-                 width: int, pin_memory: bool):
+                 pin_memory: bool, width: int | None = None):
         # per dtype: [len 0, padding 0, len 1, padding 1, ...] in elements; `split` by it, every other chunk is a part
         self.int64_sizes = self._sizes_with_padding(int64_parts, 8)
         self.int32_sizes = self._sizes_with_padding(int32_parts, 4)
         self.int64_bytes, self.int32_bytes = 8 * sum(self.int64_sizes), 4 * sum(self.int32_sizes)
+        table_lens = [len(t) for t in block_tables]
+        width = width or max(table_lens)  # default: the longest table
         self.table_shape = (len(block_tables), width)
         self.host = torch.empty(self.int64_bytes + self.int32_bytes + 4 * len(block_tables) * width,
                                 dtype=torch.uint8, pin_memory=pin_memory)
@@ -76,7 +78,6 @@ class _PackedInputs:
                 start += length + padding
         table = buffer[self.int64_bytes + self.int32_bytes:].view(np.int32).reshape(self.table_shape)
         table.fill(-1)
-        table_lens = [len(t) for t in block_tables]
         table[np.arange(width)[None, :] < np.array(table_lens)[:, None]] = np.fromiter(
             itertools.chain.from_iterable(block_tables), dtype=np.int32, count=sum(table_lens))
 
@@ -270,7 +271,6 @@ class ModelRunner:
         """Tensors for one step, packed into one host buffer (pinned on CUDA) and moved in one host-to-device copy;
         block tables are padded with -1 to the step's longest table (a decode graph copies them into its wider
         static table). What the attention kernels read is int32 already, so no conversion kernels follow the copy."""
-        width = max(len(t) for t in plan.block_tables)
         cu_seqlens = [0, *itertools.accumulate(plan.query_lens)]
         num_decode_rows = self._num_decode_rows(plan)
         prefill_cu_seqlens = [n - num_decode_rows for n in cu_seqlens[num_decode_rows:]] if num_decode_rows else []
@@ -278,7 +278,7 @@ class ModelRunner:
             int64_parts=[plan.input_ids, plan.positions, plan.slot_mapping, plan.logits_indices,
                          plan.placeholder_rows, plan.placeholder_sources],
             int32_parts=[plan.seq_lens, cu_seqlens, prefill_cu_seqlens],
-            block_tables=plan.block_tables, width=width, pin_memory=self.device.type == "cuda")
+            block_tables=plan.block_tables, pin_memory=self.device.type == "cuda")
         (input_ids, positions, slots, logits_indices, rows, sources, seq_lens, cu_seqlens_q, prefill_cu_seqlens_q,
          tables) = packed.to(self.device)
         if len(plan.placeholder_rows) == len(plan.input_ids):  # every row's token: sampled by the previous step
