@@ -111,9 +111,11 @@ def test_plain_decode_launch_order_matches_hf_in_float32(gpu_models):
 
 def test_decode_row_splits_match_hf_in_float32(gpu_models):
     """NANOVLLM_DECODE_ROW_SPLITS=1 (an experiment): each row cuts its own context into the decode kernel's splits
-    (at most 8 rows here: every decode launch splits), in the graphs and in mixed steps."""
+    (at most 8 rows here: every decode launch splits), in the graphs and in mixed steps; with
+    NANOVLLM_DECODE_HEADS_FASTEST=all, a row's kv heads side by side in split launches too."""
     ref = run(gpu_models["qwen3"], reference=True)["token_ids"]
-    got = run(gpu_models["qwen3"], env={"NANOVLLM_DECODE_ROW_SPLITS": "1"}, max_num_batched_tokens=64)
+    env = {"NANOVLLM_DECODE_ROW_SPLITS": "1", "NANOVLLM_DECODE_HEADS_FASTEST": "all"}
+    got = run(gpu_models["qwen3"], env=env, max_num_batched_tokens=64)
     assert got["graphs"] > 0 and num_same(got["token_ids"], ref) == len(ref), (got["token_ids"], ref)
 
 

@@ -83,52 +83,72 @@ def read_bandwidth(nbytes: int = 4 << 30) -> tuple[float, str]:
     return best
 
 
-def make_paged_cache(batch, ctx, num_kv_heads, head_dim, block_size, dtype):
-    """Cache views of kv[N, L, 2, bs, H, D] (layer 0) and a permuted block table [B, width]."""
+def make_paged_cache(batch, ctx, num_kv_heads, head_dim, block_size, dtype, copies=1):
+    """Cache views of kv[N, L, 2, bs, H, D] (layer 0) and a permuted block table [B, width] (with `copies`: that
+    many tables [copies, B, width], on disjoint blocks)."""
     width = math.ceil(ctx / block_size)
-    num_blocks = batch * width
+    num_blocks = copies * batch * width
     kv = torch.randn(num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device="cuda")
-    tables = torch.randperm(num_blocks, device="cuda").view(batch, width).to(torch.int32)
-    return kv, kv[:, 0, 0], kv[:, 0, 1], tables
+    tables = torch.randperm(num_blocks, device="cuda").view(copies, batch, width).to(torch.int32)
+    return kv, kv[:, 0, 0], kv[:, 0, 1], tables if copies > 1 else tables[0]
+
+
+# A timed decode graph reads at least this much KV, more than the L2 cache holds (50 MB on an H200).
+_GRAPH_KV_BYTES = 256 << 20
 
 
 class DecodeCase:
     """Inputs of one decode-attention measurement. `ragged`: context lengths uniform in [100, 2 * ctx - 100] (mean
     ctx) instead of all ctx, as in a run; `table_ctx`: block tables this many tokens wide (padded), as the engine's
-    decode graphs pass them (max_model_len wide)."""
+    decode graphs pass them (max_model_len wide).
+
+    Timed as the engine runs it, in CUDA-graph replays: launched one by one from Python, a small batch's kernel
+    time is the launch overhead (~0.1 ms for kernel, reduce and scratch). A graph holds one call per copy of the
+    block tables, each copy on its own blocks, so that together they read more than the L2 cache holds."""
 
     def __init__(self, name, batch, ctx, block_size, dtype=torch.bfloat16, ragged=False, table_ctx=None):
         num_heads, self.num_kv_heads, self.head_dim = SHAPES[name]
         self.batch, self.block_size, self.dtype = batch, block_size, dtype
         max_ctx = 2 * ctx - 100 if ragged else ctx
-        self.kv, self.k_cache, self.v_cache, self.tables = make_paged_cache(batch, max_ctx, self.num_kv_heads,
-                                                                            self.head_dim, block_size, dtype)
-        if table_ctx is not None:
-            self.tables = torch.nn.functional.pad(self.tables,
-                                                  (0, math.ceil(table_ctx / block_size) - self.tables.shape[1]))
-        self.q = torch.randn(batch, num_heads, self.head_dim, dtype=dtype, device="cuda")  # [B, H, D]
         rng = random.Random(0)
         lens = [rng.randint(100, max_ctx) if ragged else ctx for _ in range(batch)]
+        self.kv_bytes = sum(lens) * self.num_kv_heads * self.head_dim * 2 * dtype.itemsize
+        copies = math.ceil(_GRAPH_KV_BYTES / self.kv_bytes)
+        self.kv, self.k_cache, self.v_cache, tables = make_paged_cache(batch, max_ctx, self.num_kv_heads,
+                                                                       self.head_dim, block_size, dtype, copies)
+        tables = tables.view(copies, batch, -1)
+        if table_ctx is not None:
+            tables = torch.nn.functional.pad(tables, (0, math.ceil(table_ctx / block_size) - tables.shape[2]))
+        self.tables = list(tables.unbind(0))  # one [B, width] table per copy
+        self.q = torch.randn(batch, num_heads, self.head_dim, dtype=dtype, device="cuda")  # [B, H, D]
         self.lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         self.longest_first = torch.argsort(self.lens, descending=True).to(torch.int32)
         self.out = torch.empty_like(self.q)
-        self.kv_bytes = sum(lens) * self.num_kv_heads * self.head_dim * 2 * dtype.itemsize
         self.label = (f"decode {name:11s} B={batch:3d} ctx={ctx:5d}{' (ragged)' if ragged else ''} "
                       f"bs={block_size:3d}{f' table {table_ctx} tokens wide' if table_ctx else ''}")
 
     def split_plan(self, row_splits=False) -> int:
-        return _decode_split_plan(self.batch, self.num_kv_heads, self.tables.shape[1], self.block_size,
+        return _decode_split_plan(self.batch, self.num_kv_heads, self.tables[0].shape[1], self.block_size,
                                   _SPLIT_PLAN_BLOCK_N, _sm_count(self.q.device), row_splits=row_splits)[1]
 
     def run(self, cfg=None, splits=None, row_order=None, row_splits=False) -> tuple[float, float]:
-        """(ms, KV bytes read per second)."""
-        ms = bench_ms(lambda: paged_decode_attention(
-            self.q, self.k_cache, self.v_cache, self.lens, self.tables, self.head_dim ** -0.5, out=self.out,
-            num_splits=splits, config=cfg, row_order=row_order, row_splits=row_splits))
+        """(ms of one call, KV bytes read per second), from replays of a graph of one call per table copy."""
+        def calls():
+            for tables in self.tables:
+                paged_decode_attention(self.q, self.k_cache, self.v_cache, self.lens, tables, self.head_dim ** -0.5,
+                                       out=self.out, num_splits=splits, config=cfg, row_order=row_order,
+                                       row_splits=row_splits)
+        calls()  # compiles outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            calls()
+        ms = bench_ms(graph.replay) / len(self.tables)
+        del graph
         return ms, self.kv_bytes / (ms * 1e-3)
 
     def free(self):
-        del self.kv, self.k_cache, self.v_cache
+        del self.kv, self.k_cache, self.v_cache, self.tables
         torch.cuda.empty_cache()
 
 
@@ -171,14 +191,19 @@ def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sw
 
 def bench_split_plans(batch, table_ctx, copy_bw, name="Qwen3-0.6B", ctx=1024, block_size=64):
     """Ragged contexts in tables `table_ctx` tokens wide, rows longest first as in the engine: the split plan that
-    cuts the table width against per-row splits (NANOVLLM_DECODE_ROW_SPLITS)."""
+    cuts the table width against per-row splits (NANOVLLM_DECODE_ROW_SPLITS), each with a row's kv heads apart in
+    the grid (the default for split launches) and side by side (NANOVLLM_DECODE_HEADS_FASTEST=all)."""
     case = DecodeCase(name, batch, ctx, block_size, ragged=True, table_ctx=table_ctx)
-    line = f"{case.label}:"
+    print(f"{case.label}:", flush=True)
     for row_splits in (False, True):
-        ms, bw = case.run(row_order=case.longest_first, row_splits=row_splits)
-        line += (f"  {'per-row' if row_splits else 'table'} splits={case.split_plan(row_splits)}: "
-                 f"{ms * 1e3:6.1f} us {bw / copy_bw:6.1%}")
-    print(line, flush=True)
+        splits = case.split_plan(row_splits)
+        line = f"    {'per-row' if row_splits else 'table'} splits={splits:2d}:"
+        for fastest in (False, True):
+            cfg = dataclasses.replace(_decode_config(case.dtype, case.head_dim, block_size, splits > 1),
+                                      heads_fastest=fastest)
+            ms, bw = case.run(cfg, row_order=case.longest_first, row_splits=row_splits)
+            line += f"  heads {'fastest' if fastest else 'apart'} {ms * 1e3:6.1f} us {bw / copy_bw:6.1%}"
+        print(line, flush=True)
     case.free()
 
 
