@@ -442,7 +442,8 @@ def _decode_split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_siz
     slices to reach ~_TARGET_CTAS_PER_SM programs per SM, each at most _MAX_SPLIT_TOKENS long (so
     sequences much shorter than the table width still split) and at most _MAX_SPLITS slices.
     With `row_splits` each row cuts its own context into num_splits slices in the kernel (a table as wide as
-    max_model_len no longer leaves a short row one live slice); tokens_per_split is then 0.
+    max_model_len no longer leaves a short row one live slice); tokens_per_split is then the table cut into
+    num_splits, which the kernel reads only when it does not split (one slice: the whole table).
     """
     max_ctx = max(1, max_blocks * block_size)
     if num_splits is None:
@@ -450,12 +451,14 @@ def _decode_split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_siz
         target = _TARGET_CTAS_PER_SM * num_sms
         num_splits = 1 if ctas >= target else min(triton.cdiv(target, ctas), _MAX_SPLITS)
         if row_splits:
-            return 0, min(num_splits, triton.cdiv(max_ctx, block_n))
+            num_splits = min(num_splits, triton.cdiv(max_ctx, block_n))
+            return triton.cdiv(triton.cdiv(max_ctx, num_splits), block_n) * block_n, num_splits
         tokens = triton.cdiv(max_ctx, num_splits)
         if num_splits > 1:
             tokens = max(min(tokens, _MAX_SPLIT_TOKENS), triton.cdiv(max_ctx, _MAX_SPLITS))
     elif row_splits:
-        return 0, max(1, min(num_splits, _MAX_SPLITS))
+        num_splits = max(1, min(num_splits, _MAX_SPLITS))
+        return triton.cdiv(triton.cdiv(max_ctx, num_splits), block_n) * block_n, num_splits
     else:
         tokens = triton.cdiv(max_ctx, max(1, min(num_splits, _MAX_SPLITS)))
     tokens = triton.cdiv(tokens, block_n) * block_n
