@@ -465,19 +465,17 @@ def _decode_split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_siz
     return tokens, triton.cdiv(max_ctx, tokens)
 
 
-# the kv heads of a sequence side by side in the grid, for launches without splits (=0 turns it off, =all also
-# for split launches, an experiment): with rows launched longest first, bench.py 0.6B 1.056x (H200,
-# docs/benchmarks.md run V); with splits it was slower
-_DECODE_HEADS_FASTEST = os.environ.get("NANOVLLM_DECODE_HEADS_FASTEST", "1")
-if _DECODE_HEADS_FASTEST not in ("0", "1", "all"):
-    raise ValueError(f"NANOVLLM_DECODE_HEADS_FASTEST={_DECODE_HEADS_FASTEST!r}: use 0, 1 or all")
+# the kv heads of a sequence side by side in the grid (=0 turns it off): with rows launched longest first, bench.py
+# 0.6B 1.056x (H200, docs/benchmarks.md run V); with per-row splits, split launches gain too (run AB)
+_DECODE_HEADS_FASTEST = os.environ.get("NANOVLLM_DECODE_HEADS_FASTEST", "1") == "1"
 _SPLIT_PLAN_BLOCK_N = 64  # split sizes are multiples of this (every default decode block_n divides it)
-# an experiment, off until measured (docs/benchmarks.md): each row splits its own context (see _decode_split_plan)
-_DECODE_ROW_SPLITS = os.environ.get("NANOVLLM_DECODE_ROW_SPLITS", "0") == "1"
+# each row splits its own context (see _decode_split_plan; =0: the table width is cut): at 1-32 rows a decode step
+# 1.05-1.29x faster with max_model_len 40,960, bench_swap rtx4070 1.037x (H200, docs/benchmarks.md run AB)
+_DECODE_ROW_SPLITS = os.environ.get("NANOVLLM_DECODE_ROW_SPLITS", "1") == "1"
 
 
 def _decode_config(dtype: torch.dtype, head_dim: int, block_size: int, split: bool) -> KernelConfig:
-    heads_fastest = _DECODE_HEADS_FASTEST == "all" or (_DECODE_HEADS_FASTEST == "1" and not split)
+    heads_fastest = _DECODE_HEADS_FASTEST
     if dtype == torch.float32 or head_dim > 128:
         return KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, heads_fastest=heads_fastest)
     # H200 sweep, bf16 D=128 B=256 ctx=1024: (128, 4 warps, 2 stages) ~96% of copy bw with block_size 256
