@@ -191,8 +191,8 @@ def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sw
 
 def bench_split_plans(batch, table_ctx, copy_bw, name="Qwen3-0.6B", ctx=1024, block_size=64):
     """Ragged contexts in tables `table_ctx` tokens wide, rows longest first as in the engine: the split plan that
-    cuts the table width against per-row splits (NANOVLLM_DECODE_ROW_SPLITS), each with a row's kv heads apart in
-    the grid (the default for split launches) and side by side (NANOVLLM_DECODE_HEADS_FASTEST=all)."""
+    cuts the table width (NANOVLLM_DECODE_ROW_SPLITS=0) against per-row splits (the default), each with a row's kv
+    heads apart in the grid (NANOVLLM_DECODE_HEADS_FASTEST=0) and side by side (the default)."""
     case = DecodeCase(name, batch, ctx, block_size, ragged=True, table_ctx=table_ctx)
     print(f"{case.label}:", flush=True)
     for row_splits in (False, True):
