@@ -1,4 +1,5 @@
-"""nano-vllm's seed benchmark with dummy weights: output tokens, seconds, tok/s, host time per decode step.
+"""nano-vllm's seed benchmark with dummy weights: output tokens, seconds, tok/s, host time per decode step, and the
+least time the decode steps' KV and weight reads allow at the copy bandwidth measured in the same process.
 
     python bench.py                                   # Qwen3-0.6B shape, 256 seqs
     python bench.py --shape qwen3-8b --num-seqs 1024  # the H800 workload
@@ -43,6 +44,7 @@ class HostTimer:
         self.seconds, self.num_steps = 0.0, 0
         self.postprocess_seconds = 0.0  # part of `seconds`: advance + resolve
         self.decode_wall_seconds = self.prefill_wall_seconds = 0.0
+        self.decode_context_tokens = 0  # KV tokens the decode steps read, summed over steps (every layer reads them)
         # per step: (is_decode, num_seqs, num_tokens, wall seconds, scheduling + input preparation seconds,
         # GPU seconds (None without CUDA; filled in by gpu_seconds()))
         self.trace = []
@@ -100,6 +102,8 @@ class HostTimer:
                 self.num_steps += self.is_decode
             if self.is_decode:
                 seconds = time.perf_counter() - start
+                if name == "make_plan":  # outside the timed part: every row reads its whole context
+                    self.decode_context_tokens += sum(result[0].seq_lens)
                 self.seconds += seconds
                 self.step_parts[name] = self.step_parts.get(name, 0.0) + seconds
                 if name in self.POSTPROCESS:
@@ -216,9 +220,49 @@ def run(llm, args):
     gpu = timer.gpu_seconds()
     if gpu is not None:
         print(f"GPU time in decode steps {gpu[0]:.2f} s, in prefill/mixed steps {gpu[1]:.2f} s")
+    print(decode_traffic_bound(llm, timer))
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(timer.trace, f)
+
+
+def copy_bandwidth(device, num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes read + written per second by a large `copy_` on the device, the best of a few."""
+    import torch
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * num_bytes / best
+
+
+def decode_traffic_bound(llm, timer) -> str:
+    """The least time the decode steps could take: every step reads each row's whole context of KV (all layers)
+    and the weights once (the input embedding excepted: a lookup reads only its rows), at this device's copy
+    bandwidth measured here. The decode kernel reaches ~98% of that rate and a read-only kernel ~106%, so a run
+    well above 100% of the bound skipped reads it needed: check its outputs."""
+    runner = llm.runner
+    kv_bytes = timer.decode_context_tokens * runner.block_bytes / runner.block_size
+    model = runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.tie_word_embeddings:
+        weight_bytes -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+    bandwidth = copy_bandwidth(runner.device)
+    least_seconds = (kv_bytes + timer.num_steps * weight_bytes) / bandwidth
+    share = least_seconds / max(timer.decode_wall_seconds, 1e-9)
+    line = (f"decode steps read {kv_bytes / 1e12:.2f} TB of KV and {timer.num_steps} x {weight_bytes / 1e9:.2f} GB "
+            f"of weights: at least {least_seconds:.2f} s at the {bandwidth / 1e9:.0f} GB/s copy bandwidth measured "
+            f"here; they took {timer.decode_wall_seconds:.2f} s ({share:.0%} of that bound)")
+    if share > 1.1:
+        line += "\n  FASTER THAN THE BOUND ALLOWS: some kernel skipped reads it needed; check the outputs"
+    return line
 
 
 def main():

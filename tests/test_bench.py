@@ -1,0 +1,31 @@
+"""bench.py's own arithmetic on a tiny model on CPU: the KV the decode steps read and the bound it puts on them."""
+import os
+import sys
+
+from conftest import close_llm, random_prompts, tiny_llm_kwargs
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench  # noqa: E402
+from nanovllm import LLM, SamplingParams  # noqa: E402
+
+
+def test_decode_traffic_counts_every_context_token_of_every_decode_step(qwen3_dir):
+    """Prompts of 12, 30 and 7 tokens, 9, 5 and 16 new tokens, all prefilled in the first step: a sequence with a
+    P-token prompt and N new tokens has N - 1 decode steps, reading P + 1, ..., P + N - 1 tokens of context."""
+    lengths, new_tokens = [12, 30, 7], [9, 5, 16]
+    llm = LLM(qwen3_dir, **tiny_llm_kwargs())
+    try:
+        timer = bench.HostTimer(llm)
+        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in new_tokens]
+        llm.generate(random_prompts(lengths), params, use_tqdm=False)
+        assert timer.decode_context_tokens == sum((n - 1) * p + n * (n - 1) // 2 for p, n in zip(lengths, new_tokens))
+        assert timer.num_steps == max(new_tokens) - 1
+        line = bench.decode_traffic_bound(llm, timer)
+        # tiny qwen3 in float32: 2 layers x K,V x 2 kv heads x 32 dims x 4 bytes a token
+        kv_bytes = timer.decode_context_tokens * 2 * 2 * 2 * 32 * 4
+        assert f"read {kv_bytes / 1e12:.2f} TB of KV and {timer.num_steps} x " in line
+        assert "FASTER THAN THE BOUND" not in line  # a tiny model on CPU is far from its bandwidth bound
+        timer.decode_wall_seconds = 1e-9  # a "run" faster than its reads allow is flagged
+        assert "FASTER THAN THE BOUND ALLOWS" in bench.decode_traffic_bound(llm, timer)
+    finally:
+        close_llm(llm)
