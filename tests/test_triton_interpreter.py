@@ -172,8 +172,9 @@ def test_decode_row_splits_match_a_reference():
     """Per-row splits (the default; NANOVLLM_DECODE_ROW_SPLITS=0 is the table plan): each row cuts its own
     context into the splits, in a table wider than any row (as under a CUDA graph, max_model_len wide): the
     40-token row in 2, 3 and 8 slices of >= 16 tokens, the 5-token row in one, and an empty row gives zeros, in
-    the plain grid and in the engine's (kv heads side by side, rows longest first). With one split (a full GPU) the kernel reads
-    the whole table: a plan that gave it no tokens to read made the outputs zeros (bench.py "2x faster")."""
+    the plain grid and in the engine's (kv heads side by side, rows longest first). With one split (a full GPU)
+    the kernel reads the whole table: a plan that gave it no tokens to read made the outputs zeros (bench.py "2x
+    faster")."""
     res = interpret(DECODE_ROW_SPLITS)
     assert len(res) == 16 and all(err == 0.0 for key, err in res.items() if key.endswith("empty_row")), res
     assert all(err < 1e-2 for key, err in res.items() if not key.endswith("empty_row")), res
