@@ -22,12 +22,14 @@ Kernels
 * ``_decode_kernel`` + ``_decode_reduce_kernel``: flash-decoding. Program ``(b, kv_head, split)``
   runs the ``GROUP`` query heads of one kv head (padded to 16 rows for ``tl.dot``) over one slice of
   the context and writes a partial output and its log-sum-exp; the reduce kernel merges the slices.
-  The split size depends only on shapes (batch, kv heads, block-table width), never on
-  ``seq_lens`` values, so the launch is CUDA-graph capturable; slices past a sequence's end exit at
-  once. With a single split the first kernel writes the output directly (no reduce launch). The launch
-  order: a sequence's kv heads side by side in the grid (``KernelConfig.heads_fastest``, the default without
-  splits) and rows in a given order (``row_order``: the engine passes longest context first, so that no long
-  row starts last and leaves the GPU to a few programs; on ragged contexts both together took 165 -> 146 us).
+  The number of splits depends only on shapes (batch, kv heads, block-table width), never on
+  ``seq_lens`` values, so the launch is CUDA-graph capturable. By default each row cuts its own length into
+  that many slices in the kernel (``row_splits``; a graph's table is max_model_len wide, and cutting that
+  width left a short row one live slice); slices past a sequence's end exit at once. With a single split
+  the first kernel writes the output directly (no reduce launch). The launch order: a sequence's kv heads
+  side by side in the grid (``KernelConfig.heads_fastest``, the default) and rows in a given order
+  (``row_order``: the engine passes longest context first, so that no long row starts last and leaves the
+  GPU to a few programs; on ragged contexts both together took 165 -> 146 us).
 
 All softmax math is fp32 in the log2 domain (``exp2`` with ``scale * log2(e)``).
 """
