@@ -81,7 +81,7 @@ def test_triton_silu_and_mul_matches_torch():
     assert res["empty"] == [0, 4]
 
 
-DECODE_REFERENCE = """
+DECODE_HELPERS = """
 def reference(q, k_cache, v_cache, lens, tables):  # decode attention in float32 torch, [B, H, D]; empty row: zeros
     B, H, D = q.shape
     BS, KVH = k_cache.shape[1], k_cache.shape[2]
@@ -97,18 +97,21 @@ def reference(q, k_cache, v_cache, lens, tables):  # decode attention in float32
         p = torch.einsum("hd,nhd->hn", q[b].float(), k).mul(D ** -0.5).softmax(-1)
         ref.append(torch.einsum("hn,nhd->hd", p, v))
     return torch.stack(ref)
+
+
+def decode_inputs(B, NB, H=4, KVH=2, D=64, BS=16):  # seeded fp16 k_cache, v_cache [NB, BS, KVH, D] and q [B, H, D]
+    torch.manual_seed(0)
+    kv = torch.randn(NB, 2, BS, KVH, D, dtype=torch.float16)
+    return kv[:, 0], kv[:, 1], torch.randn(B, H, D, dtype=torch.float16)
 """
 
 DECODE_GRID_ORDER = """
 import json
 import torch
 from nanovllm.kernels.triton_attention import KernelConfig, paged_decode_attention
-""" + DECODE_REFERENCE + """
-torch.manual_seed(0)
-B, H, KVH, D, BS, NB = 3, 4, 2, 64, 16, 12
-kv = torch.randn(NB, 2, BS, KVH, D, dtype=torch.float16)
-k_cache, v_cache = kv[:, 0], kv[:, 1]
-q = torch.randn(B, H, D, dtype=torch.float16)
+""" + DECODE_HELPERS + """
+B, D = 3, 64
+k_cache, v_cache, q = decode_inputs(B, NB=12)
 lens = torch.tensor([5, 40, 17], dtype=torch.int32)
 tables = torch.tensor([[3, -1, -1], [7, 0, 9], [11, 2, -1]], dtype=torch.int32)
 res = {}
@@ -145,12 +148,9 @@ DECODE_ROW_SPLITS = """
 import json
 import torch
 from nanovllm.kernels.triton_attention import KernelConfig, paged_decode_attention
-""" + DECODE_REFERENCE + """
-torch.manual_seed(0)
-B, H, KVH, D, BS, NB = 4, 4, 2, 64, 16, 40
-kv = torch.randn(NB, 2, BS, KVH, D, dtype=torch.float16)
-k_cache, v_cache = kv[:, 0], kv[:, 1]
-q = torch.randn(B, H, D, dtype=torch.float16)
+""" + DECODE_HELPERS + """
+B, D = 4, 64
+k_cache, v_cache, q = decode_inputs(B, NB=40)
 lens = torch.tensor([5, 40, 17, 0], dtype=torch.int32)  # a table 8 blocks (128 tokens) wide, as under a graph
 tables = torch.full((B, 8), -1, dtype=torch.int32)
 tables[0, :1], tables[1, :3], tables[2, :2] = torch.tensor([3]), torch.tensor([7, 0, 9]), torch.tensor([11, 2])

@@ -307,7 +307,10 @@ class ModelRunner:
         address Triton specializes on (16-byte alignment), so each new d % 4 would compile kernel variants
         mid-run."""
         d = num_decode_rows
-        md.decode_part = md.decode_rows(0, d)
+        md.decode_part = AttentionMetadata(
+            is_decode_only=True, slot_mapping=md.slot_mapping[:d], seq_lens=md.seq_lens[:d],
+            block_tables=md.block_tables[:d], max_seq_len=max(md.seq_lens_cpu[:d]),
+            query_lens_cpu=md.query_lens_cpu[:d], seq_lens_cpu=md.seq_lens_cpu[:d])
         md.prefill_part = AttentionMetadata(
             is_decode_only=False, slot_mapping=md.slot_mapping[d:], seq_lens=md.seq_lens[d:].clone(),
             block_tables=md.block_tables[d:].clone(), cu_seqlens_q=prefill_cu_seqlens_q,

@@ -23,7 +23,7 @@ from nanovllm.utils.context import AttentionMetadata, get_context
 class TorchBackend:
     name = "torch"
     splits_mixed_steps = True  # it gains nothing (its prefill loops over sequences), but CPU tests cover the split
-    longest_first = False  # wants md.decode_row_order (the Triton decode kernel's launch order)
+    longest_first = False  # whether decode reads md.decode_row_order (the Triton decode kernel's launch order)
 
     def store_kv(self, k, v, k_cache, v_cache, md: AttentionMetadata):
         valid = md.slot_mapping >= 0

@@ -26,16 +26,6 @@ class AttentionMetadata:
     # layer's attention of each forward (so a CUDA graph recomputes it on replay), read by the others
     decode_row_order: torch.Tensor | None = None
 
-    def decode_rows(self, start: int, end: int) -> "AttentionMetadata":
-        """The metadata of one-token rows [start, end) (views, no copies): a mixed step's decode part."""
-        seq_lens_cpu = self.seq_lens_cpu[start:end] if self.seq_lens_cpu is not None else None
-        return AttentionMetadata(
-            is_decode_only=True, slot_mapping=self.slot_mapping[start:end], seq_lens=self.seq_lens[start:end],
-            block_tables=self.block_tables[start:end],
-            max_seq_len=max(seq_lens_cpu) if seq_lens_cpu else self.max_seq_len,
-            query_lens_cpu=self.query_lens_cpu[start:end] if self.query_lens_cpu is not None else None,
-            seq_lens_cpu=seq_lens_cpu)
-
 
 _context: AttentionMetadata | None = None
 
