@@ -26,6 +26,9 @@ class Config:
     seed: int = 0
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # True: no CUDA graphs, no torch.compile
+    # decode steps of up to min(max_num_seqs, this) rows replay CUDA graphs; larger ones run eagerly. vLLM stops at
+    # 512; 1,024 made bench.py's 8B run at max_num_seqs 1,024 1.024x faster (H200, docs/benchmarks.md run AF)
+    max_cudagraph_capture_size: int = 1024
     # schedule step N+1 while step N runs on the GPU; a finished sequence may compute one extra, discarded token.
     # None: on when tensor_parallel_size == 1 (the workers need each sampled token before the next step)
     async_scheduling: bool | None = None
@@ -65,7 +68,7 @@ class Config:
         bs = self.kvcache_block_size
         if bs < 1 or bs & (bs - 1):
             raise ValueError(f"kvcache_block_size={bs} must be a power of two")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "max_cudagraph_capture_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:

@@ -15,6 +15,11 @@ def test_bad_block_size_names_the_option(qwen3_dir):
         Config(qwen3_dir, kvcache_block_size=48)
 
 
+def test_bad_capture_size_names_the_option(qwen3_dir):
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size=0 must be >= 1"):
+        Config(qwen3_dir, max_cudagraph_capture_size=0)
+
+
 def test_async_scheduling_defaults_on_only_without_tensor_parallelism(qwen3_dir):
     assert Config(qwen3_dir).async_scheduling is True
     assert Config(qwen3_dir, tensor_parallel_size=2).async_scheduling is False

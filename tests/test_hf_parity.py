@@ -146,6 +146,28 @@ def test_decode_graph_static_buffers_match_hf(qwen3_dir, monkeypatch):
     assert any(later < earlier for earlier, later in zip(widths, widths[1:])), widths  # stale columns left
 
 
+
+def test_decode_batches_over_the_capture_size_run_eagerly(qwen3_dir, monkeypatch):
+    """max_cudagraph_capture_size=2: graphs for 1 and 2 rows only; a 3-row decode step runs the model eagerly,
+    and once a row finishes the other two replay the 2-row graph. Tokens match HF either way."""
+    from nanovllm.engine.model_runner import ModelRunner
+    lookups = []
+    graph_for = ModelRunner._graph_for
+    monkeypatch.setattr(ModelRunner, "_graph_for", lambda self, plan: (
+        lookups.append((plan.is_decode_only, len(plan.query_lens), graph_for(self, plan))), lookups[-1][2])[1])
+    monkeypatch.setenv("NANOVLLM_DECODE_GRAPHS", "1")
+    prompts = random_prompts((9, 5, 14), seed=33)
+    max_new = (4, 12, 12)
+    with LLM(qwen3_dir, **tiny_llm_kwargs(max_cudagraph_capture_size=2)) as llm:
+        assert llm.runner.graph_batch_sizes == [1, 2]
+        outs = llm.generate(prompts, [greedy(n) for n in max_new], use_tqdm=False)
+    assert_matches_hf(qwen3_dir, prompts[:1], outs[:1], 4, what="eager decode over the capture size")
+    assert_matches_hf(qwen3_dir, prompts[1:], outs[1:], 12, what="decode graphs")
+    decode = [(rows, graph) for is_decode, rows, graph in lookups if is_decode]
+    assert any(rows == 3 for rows, _ in decode), decode
+    assert all((graph is None) == (rows > 2) for rows, graph in decode), decode
+    assert all(graph.batch_size == 2 for rows, graph in decode if rows == 2), decode
+
 # 4 sequences of up to 14 + 24 = 38 tokens need 10 blocks each (40 in all);
 # 12 blocks hold one at a time plus a bit, so the scheduler must preempt.
 PREEMPT_LENGTHS = (10, 12, 14, 11)

@@ -473,10 +473,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_cuda_graphs(self):
-        """Warm up, then capture decode forwards for batch sizes up to max_num_seqs (1, 2, 4, 8, 16, 32, ...) and
-        piecewise prefill/mixed forwards for token buckets up to 2,048. On CPU, NANOVLLM_DECODE_GRAPHS=1 and
-        NANOVLLM_PIECEWISE_GRAPHS=1 build the same graphs without capturing them: their static buffers, run
-        eagerly (the CPU tests)."""
+        """Warm up, then capture decode forwards for batch sizes up to the smaller of max_num_seqs and
+        max_cudagraph_capture_size (1, 2, 4, 8, 16, 32, ...) and piecewise prefill/mixed forwards for token buckets
+        up to 2,048. On CPU, NANOVLLM_DECODE_GRAPHS=1 and NANOVLLM_PIECEWISE_GRAPHS=1 build the same graphs without
+        capturing them: their static buffers, run eagerly (the CPU tests)."""
         self.warmup()
         piecewise = os.environ.get("NANOVLLM_PIECEWISE_GRAPHS")
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name == "torch":
@@ -492,7 +492,7 @@ class ModelRunner:
     def _capture_decode_graphs(self, capture: bool = True):
         """Returns the graphs' memory pool."""
         from nanovllm.engine.cuda_graph import DecodeGraph
-        max_bs = min(self.config.max_num_seqs, 512)
+        max_bs = min(self.config.max_num_seqs, self.config.max_cudagraph_capture_size)
         sizes = [1, 2, 4, 8] + list(range(16, 128, 16)) + list(range(128, max_bs, 32))
         self.graph_batch_sizes = [b for b in sizes if b < max_bs] + [max_bs]
         width = (self.config.max_model_len + self.block_size - 1) // self.block_size

@@ -25,6 +25,8 @@ def add_engine_args(parser: argparse.ArgumentParser):
                    help="the host pool as a second-level prefix cache")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--max-cudagraph-capture-size", type=int, default=1024,
+                   help="decode steps of up to this many rows (and max-num-seqs) replay CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs (default: on at tensor_parallel_size 1)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -36,7 +38,7 @@ def add_engine_args(parser: argparse.ArgumentParser):
 ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size",
                "num_kvcache_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "swap_space",
                "preemption_mode", "host_cache_policy", "enable_prefix_caching", "enforce_eager", "async_scheduling",
-               "tensor_parallel_size", "attention_backend", "load_format", "seed")
+               "max_cudagraph_capture_size", "tensor_parallel_size", "attention_backend", "load_format", "seed")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
