@@ -294,7 +294,7 @@ def main():
                              "environment settings (\"\" is the default), in separate processes, alternating")
     parser.add_argument("--repeat", type=int, default=1, help="with --variants: rounds over the variants")
     args = parser.parse_args()
-    if args.variants:
+    if args.variants and _VARIANT_CHILD not in os.environ:
         return run_variants(args.variants, args.repeat)
     llm = LLM(preset_dir(args.shape), load_format="dummy", max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
@@ -313,22 +313,17 @@ def main():
     llm.close()
 
 
+_VARIANT_CHILD = "NANOVLLM_BENCH_VARIANT_CHILD"  # set in the processes that run_variants starts
+
+
 def run_variants(variants: list[str], repeat: int):
     """Side by side: this benchmark in a fresh process per variant (environment settings), alternating, so that
     a drifting machine hits every variant alike; prints each run's output and then tok/s against the first."""
-    argv = sys.argv[1:]
-    i = argv.index("--variants")
-    j = i + 1
-    while j < len(argv) and not argv[j].startswith("--"):
-        j += 1
-    argv = argv[:i] + argv[j:]
-    if "--repeat" in argv:
-        k = argv.index("--repeat")
-        argv = argv[:k] + argv[k + 2:]
+    argv = sys.argv[1:]  # as given: the child sees _VARIANT_CHILD and ignores --variants and --repeat
     results = {v: [] for v in variants}
     for round_index in range(repeat):
         for variant in variants:
-            env = dict(os.environ, **dict(item.split("=", 1) for item in variant.split()))
+            env = dict(os.environ, **dict(item.split("=", 1) for item in variant.split()), **{_VARIANT_CHILD: "1"})
             proc = subprocess.run([sys.executable, __file__, *argv], env=env, capture_output=True, text=True)
             print(f"## [{variant or 'default'}] round {round_index + 1}\n{proc.stdout}", flush=True)
             if proc.returncode:
