@@ -112,6 +112,34 @@ def test_plain_decode_launch_order_matches_hf_in_float32(gpu_models):
     assert got["graphs"] > 0 and num_same(got["token_ids"], ref) == len(ref), (got["token_ids"], ref)
 
 
+FULL_BATCH_RUN = """
+import json, random, sys
+import torch
+from nanovllm import LLM, SamplingParams
+model, kwargs = sys.argv[1], json.loads(sys.argv[2])
+rng = random.Random(2)
+prompts = [[rng.randrange(3, 1024) for _ in range(rng.randint(5, 200))] for _ in range(kwargs.pop("num_prompts"))]
+with LLM(model, **kwargs) as llm:
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    print(json.dumps({"token_ids": [o["token_ids"] for o in outs], "backend": llm.runner.backend.name,
+                      "graphs": sorted(llm.runner.graphs)}))
+"""
+
+
+def test_full_gpu_decode_batch_matches_the_torch_backend(gpu_models):
+    """Enough rows that a decode launch fills the GPU without splitting (rows x kv heads >= 4 programs per SM;
+    the per-row plan once gave such a launch a 0-token slice, caught only by a benchmark) and decode graphs past
+    256 rows, ragged contexts: greedy float32 tokens equal the torch reference backend's on the same GPU."""
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    num_prompts = -(-4 * num_sms // 2) + 36  # the tiny models have 2 kv heads
+    # one prefill step for all prompts, then 7 decode steps of every row
+    kwargs = dict(num_prompts=num_prompts, max_num_seqs=num_prompts, max_num_batched_tokens=65536)
+    ref = run(gpu_models["qwen3"], script=FULL_BATCH_RUN, attention_backend="torch", **kwargs)
+    got = run(gpu_models["qwen3"], script=FULL_BATCH_RUN, **kwargs)
+    assert ref["backend"] == "torch" and got["backend"] == "triton" and got["graphs"][-1] == num_prompts
+    assert len(got["token_ids"]) == num_prompts and all(len(t) == 8 for t in got["token_ids"])
+    assert got["token_ids"] == ref["token_ids"]
+
 def test_swap_on_cuda_streams_matches_the_unpressured_run(gpu_models):
     model = gpu_models["qwen3"]
     base = run(model, enforce_eager=True)["token_ids"]
