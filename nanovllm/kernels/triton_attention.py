@@ -448,23 +448,20 @@ def _decode_split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_siz
     num_splits, which the kernel reads only when it does not split (one slice: the whole table).
     """
     max_ctx = max(1, max_blocks * block_size)
-    if num_splits is None:
+    planned = num_splits is None
+    if planned:
         ctas = max(1, batch * num_kv_heads)
         target = _TARGET_CTAS_PER_SM * num_sms
         num_splits = 1 if ctas >= target else min(triton.cdiv(target, ctas), _MAX_SPLITS)
         if row_splits:
             num_splits = min(num_splits, triton.cdiv(max_ctx, block_n))
-            return triton.cdiv(triton.cdiv(max_ctx, num_splits), block_n) * block_n, num_splits
-        tokens = triton.cdiv(max_ctx, num_splits)
-        if num_splits > 1:
-            tokens = max(min(tokens, _MAX_SPLIT_TOKENS), triton.cdiv(max_ctx, _MAX_SPLITS))
-    elif row_splits:
-        num_splits = max(1, min(num_splits, _MAX_SPLITS))
-        return triton.cdiv(triton.cdiv(max_ctx, num_splits), block_n) * block_n, num_splits
     else:
-        tokens = triton.cdiv(max_ctx, max(1, min(num_splits, _MAX_SPLITS)))
+        num_splits = max(1, min(num_splits, _MAX_SPLITS))
+    tokens = triton.cdiv(max_ctx, num_splits)
+    if planned and not row_splits and num_splits > 1:
+        tokens = max(min(tokens, _MAX_SPLIT_TOKENS), triton.cdiv(max_ctx, _MAX_SPLITS))
     tokens = triton.cdiv(tokens, block_n) * block_n
-    return tokens, triton.cdiv(max_ctx, tokens)
+    return tokens, num_splits if row_splits else triton.cdiv(max_ctx, tokens)
 
 
 # the kv heads of a sequence side by side in the grid (=0 turns it off): with rows launched longest first, bench.py
