@@ -119,19 +119,22 @@ class Scheduler:
 
         # running: one decode token, or the next prompt chunk, per sequence, oldest first;
         # when blocks run out, preempt from the back (the newest) until this one fits
+        # (this loop runs once per row of every decode step: its hot path reads fields, not properties)
         hold_arriving = self._hold_arriving()
+        running, allocate = self.running, self.block_manager.allocate
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if seq.num_unresolved_tokens and self._is_done_sampling(seq):
-                i += 1  # its last token is still being read back; resolve() finishes it
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_tokens = len(seq.token_ids)
+            if seq.num_unresolved_tokens and num_tokens >= seq.max_num_tokens:
+                i += 1  # done sampling: its last token is still being read back, and resolve() finishes it
                 continue
             if seq.seq_id in hold_arriving:
                 i += 1  # its KV is still being copied in; the others run meanwhile
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.allocate(seq, num_new):
-                victim = self.running.pop()
+            num_new = min(num_tokens - seq.num_computed_tokens, budget)
+            while not allocate(seq, num_new):
+                victim = running.pop()
                 self._preempt(victim, out)
                 num_preempted += 1
                 if victim is seq:
@@ -376,11 +379,6 @@ class Scheduler:
         if num_tokens >= seq.max_num_tokens:  # max_tokens generated, or max_model_len reached
             return "length"
         return None
-
-    @staticmethod
-    def _is_done_sampling(seq: Sequence) -> bool:
-        """All its tokens are sampled, the last ones not read back yet: nothing more to compute."""
-        return len(seq.token_ids) >= seq.max_num_tokens
 
     def finish(self, seq: Sequence, reason: str):
         """Remove seq from its queue and release its blocks on both tiers (also used for aborts)."""
