@@ -67,17 +67,15 @@ def test_packed_parts_are_aligned_and_exact(seed):
     int32_parts = [[rng.randint(-1, 1 << 20) for _ in range(rng.randint(0, 9))] for _ in range(3)]
     tables = [rng.sample(range(100), rng.randint(0, 5)) for _ in range(rng.randint(1, 6))]
     width = 6
-    int64, int32, table = _PackedInputs(int64_parts, int32_parts, tables, pin_memory=False,
-                                        width=width).to(torch.device("cpu"))
-    assert len(int64) == 6 and len(int32) == 3
-    for tensor in [*int64, *int32, table]:
+    parts = _PackedInputs(int64_parts, int32_parts, tables, pin_memory=False, width=width).to(torch.device("cpu"))
+    for tensor in parts:
         assert tensor.data_ptr() % _PackedInputs.ALIGN_BYTES == 0
-    for tensor, values in zip(int64, int64_parts):
+    for tensor, values in zip(parts, int64_parts):
         assert tensor.dtype == torch.int64 and tensor.tolist() == values
-    for tensor, values in zip(int32, int32_parts):
+    for tensor, values in zip(parts[6:], int32_parts):
         assert tensor.dtype == torch.int32 and tensor.tolist() == values
-    assert table.dtype == torch.int32
-    assert table.tolist() == [t + [-1] * (width - len(t)) for t in tables]
+    assert parts[-1].dtype == torch.int32
+    assert parts[-1].tolist() == [t + [-1] * (width - len(t)) for t in tables]
 
 
 class RecordingDecodeBackend:

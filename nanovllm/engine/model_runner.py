@@ -86,13 +86,13 @@ class _PackedInputs:
         multiple = cls.ALIGN_BYTES // itemsize
         return [n for part in parts for n in (len(part), -len(part) % multiple)]
 
-    def to(self, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-        """(int64 parts, int32 parts, the table as [rows, width]), as views of one device copy of the buffer."""
+    def to(self, device: torch.device) -> list[torch.Tensor]:
+        """The parts, as views of one device copy of the buffer; the table as [rows, width]."""
         data = self.host if device.type == "cpu" else self.host.to(device, non_blocking=True)
         int32_end = self.int64_bytes + self.int32_bytes
         int64 = data[:self.int64_bytes].view(torch.int64).split(self.int64_sizes)[::2]
         int32 = data[self.int64_bytes:int32_end].view(torch.int32).split(self.int32_sizes)[::2]
-        return list(int64), list(int32), data[int32_end:].view(torch.int32).view(self.table_shape)
+        return [*int64, *int32, data[int32_end:].view(torch.int32).view(self.table_shape)]
 
 
 @dataclass
@@ -100,8 +100,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor | None  # [num_sampled]: rows of the hidden states whose next token is sampled;
-    # None: every row
+    logits_indices: torch.Tensor  # [num_sampled]: rows of the hidden states whose next token is sampled
 
 
 class SampledTokens:
@@ -271,47 +270,28 @@ class ModelRunner:
     def prepare(self, plan: StepPlan) -> StepInputs:
         """Tensors for one step, packed into one host buffer (pinned on CUDA) and moved in one host-to-device copy;
         block tables are padded with -1 to the step's longest table (a decode graph copies them into its wider
-        static table). What the attention kernels read is int32 already, so no conversion kernels follow the copy.
-        Parts a step does not need are not sent (each costs host time on every step): query offsets of a
-        decode-only step; logits indices that take every row in order; the input tokens of a step that takes them
-        all from the previous step's samples (asynchronous decoding), and their sources when they come in order."""
-        num_tokens = plan.num_tokens
-        from_last = len(plan.placeholder_rows) == num_tokens  # every token: sampled by the previous step
-        in_order = from_last and plan.placeholder_sources == list(range(num_tokens))
-        int64 = {"positions": plan.positions, "slot_mapping": plan.slot_mapping}
-        if not from_last:
-            int64["input_ids"] = plan.input_ids
-            if plan.placeholder_rows:
-                int64["placeholder_rows"] = plan.placeholder_rows
-        if plan.placeholder_rows and not in_order:
-            int64["placeholder_sources"] = plan.placeholder_sources
-        if len(plan.logits_indices) < num_tokens:  # (increasing row numbers: as many as rows means every row)
-            int64["logits_indices"] = plan.logits_indices
-        int32 = {"seq_lens": plan.seq_lens}
+        static table). What the attention kernels read is int32 already, so no conversion kernels follow the copy."""
+        cu_seqlens = [0, *itertools.accumulate(plan.query_lens)]
         num_decode_rows = self._num_decode_rows(plan)
-        if not plan.is_decode_only:
-            int32["cu_seqlens_q"] = [0, *itertools.accumulate(plan.query_lens)]
-            if num_decode_rows:
-                int32["prefill_cu_seqlens_q"] = [n - num_decode_rows for n in int32["cu_seqlens_q"][num_decode_rows:]]
-        int64_parts, int32_parts, tables = _PackedInputs(
-            list(int64.values()), list(int32.values()), plan.block_tables,
-            pin_memory=self.device.type == "cuda").to(self.device)
-        parts = dict(zip(int64, int64_parts)) | dict(zip(int32, int32_parts))
-        if in_order:
-            input_ids = self._last_sampled[:num_tokens]
-        elif from_last:
-            input_ids = self._last_sampled.index_select(0, parts["placeholder_sources"])
-        else:
-            input_ids = parts["input_ids"]
-            if plan.placeholder_rows:  # tokens the previous step sampled, never read back to the host
-                input_ids[parts["placeholder_rows"]] = self._last_sampled[parts["placeholder_sources"]]
+        prefill_cu_seqlens = [n - num_decode_rows for n in cu_seqlens[num_decode_rows:]] if num_decode_rows else []
+        packed = _PackedInputs(
+            int64_parts=[plan.input_ids, plan.positions, plan.slot_mapping, plan.logits_indices,
+                         plan.placeholder_rows, plan.placeholder_sources],
+            int32_parts=[plan.seq_lens, cu_seqlens, prefill_cu_seqlens],
+            block_tables=plan.block_tables, pin_memory=self.device.type == "cuda")
+        (input_ids, positions, slots, logits_indices, rows, sources, seq_lens, cu_seqlens_q, prefill_cu_seqlens_q,
+         tables) = packed.to(self.device)
+        if len(plan.placeholder_rows) == len(plan.input_ids):  # every row's token: sampled by the previous step
+            torch.index_select(self._last_sampled, 0, sources, out=input_ids)  # one kernel, no index_put
+        elif plan.placeholder_rows:  # tokens the previous step sampled, never read back to the host
+            input_ids[rows] = self._last_sampled[sources]
         md = AttentionMetadata(
-            is_decode_only=plan.is_decode_only, slot_mapping=parts["slot_mapping"], seq_lens=parts["seq_lens"],
-            block_tables=tables, cu_seqlens_q=parts.get("cu_seqlens_q"), max_query_len=max(plan.query_lens),
-            max_seq_len=max(plan.seq_lens), query_lens_cpu=plan.query_lens, seq_lens_cpu=plan.seq_lens)
+            is_decode_only=plan.is_decode_only, slot_mapping=slots, seq_lens=seq_lens, block_tables=tables,
+            cu_seqlens_q=cu_seqlens_q, max_query_len=max(plan.query_lens), max_seq_len=max(plan.seq_lens),
+            query_lens_cpu=plan.query_lens, seq_lens_cpu=plan.seq_lens)
         if num_decode_rows:
-            self._split_mixed(md, num_decode_rows, parts["prefill_cu_seqlens_q"])
-        return StepInputs(input_ids, parts["positions"], md, parts.get("logits_indices"))
+            self._split_mixed(md, num_decode_rows, prefill_cu_seqlens_q)
+        return StepInputs(input_ids, positions, md, logits_indices)
 
     def _num_decode_rows(self, plan: StepPlan) -> int:
         """How many leading rows of a mixed step compute one token (the scheduler puts them first); 0 when the
@@ -427,9 +407,7 @@ class ModelRunner:
                 reset_context()
         if not plan.logits_indices:
             return None
-        if inputs.logits_indices is not None:
-            hidden = hidden[inputs.logits_indices]
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[inputs.logits_indices])
 
     @torch.inference_mode()
     def warmup(self):
