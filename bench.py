@@ -221,6 +221,13 @@ def run(llm, args):
     if gpu is not None:
         print(f"GPU time in decode steps {gpu[0]:.2f} s, in prefill/mixed steps {gpu[1]:.2f} s")
     print(decode_traffic_bound(llm, timer))
+    if llm.runner.device.type == "cuda":
+        import torch
+        mem = torch.cuda.memory_stats(llm.runner.device)
+        # a retry frees the allocator's cached blocks and synchronizes the device: steps stop overlapping the host
+        print(f"allocator: {mem.get('num_alloc_retries', 0)} retries, {mem.get('num_device_alloc', 0)} device "
+              f"allocations, peak {mem.get('allocated_bytes.all.peak', 0) / 2**30:.1f} GiB allocated, "
+              f"{mem.get('reserved_bytes.all.peak', 0) / 2**30:.1f} GiB reserved")
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(timer.trace, f)
