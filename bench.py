@@ -132,11 +132,12 @@ def step_plan(num_decode: int, context_len: int, prefill_len: int, block_size: i
     """`num_decode` decode rows with `context_len` tokens each, then (prefill_len > 0) `num_prompts` prompts of
     prefill_len new tokens each; every sequence in its own consecutive blocks."""
     plan, next_block = StepPlan(), 0
+    rng = random.Random(0)  # token ids as the seed workload draws them: the GEMMs' power draw depends on the data
     rows = [(context_len - 1, 1)] * num_decode + ([(0, prefill_len)] * num_prompts if prefill_len else [])
     for start, n in rows:
         table = list(range(next_block, next_block - (-(start + n) // block_size)))
         next_block += len(table)
-        plan.input_ids += [0] * n
+        plan.input_ids += [rng.randint(0, 10000) for _ in range(n)]
         plan.positions += list(range(start, start + n))
         plan.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
         plan.query_lens.append(n)
