@@ -146,7 +146,7 @@ def _run_prefill(dtype, head_dim, block_size, num_heads, num_kv_heads, batch=PRE
 
 
 @pytest.mark.parametrize("heads", HEAD_CONFIGS)
-@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("block_size", [16, 64, 256])  # below, equal to and above the default tile's 64 keys
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_prefill(dtype, head_dim, block_size, heads):
