@@ -1,6 +1,6 @@
 """Small Triton kernels run by Triton's interpreter on CPU tensors, so they are checked without a GPU: the sampler
-(nanovllm/kernels/sampling.py), SiLU-and-mul (nanovllm/kernels/activation.py) and the decode attention kernel's
-grid orders and split plans. The interpreter needs TRITON_INTERPRET=1 before triton is imported: each check runs in a
+(nanovllm/kernels/sampling.py), SiLU-and-mul (nanovllm/kernels/activation.py), the decode attention kernel's
+grid orders and split plans, and the prefill kernel with its default and old tiles. The interpreter needs TRITON_INTERPRET=1 before triton is imported: each check runs in a
 subprocess."""
 import json
 import os
@@ -192,3 +192,65 @@ def test_row_split_plan_follows_the_batch_not_the_table_width():
     assert _decode_split_plan(1, 8, 2, 64, 64, 132, row_splits=True) == (64, 2)
     assert _decode_split_plan(256, 8, 64, 64, 64, 132, row_splits=True) == (4096, 1)
     assert _decode_split_plan(4, 8, 64, 64, 64, 132, num_splits=5, row_splits=True) == (832, 5)
+
+
+PREFILL = """
+import json, os
+import torch
+from nanovllm.kernels.triton_attention import paged_prefill_attention
+torch.manual_seed(0)
+block_size, num_heads, num_kv_heads, head_dim = int(os.environ["BLOCK_SIZE"]), 4, 2, 64
+batch = [(0, 70), (37, 29), (130, 1)]  # (cached prefix, new tokens): a whole prompt, a chunk after a prefix, a decode
+seq_lens = [p + n for p, n in batch]
+widths = [-(-s // block_size) for s in seq_lens]
+num_blocks = sum(widths) + 3
+perm = torch.randperm(num_blocks).tolist()  # scattered blocks, -1 past each row's end
+tables = torch.full((len(batch), max(widths)), -1, dtype=torch.int32)
+start = 0
+for i, w in enumerate(widths):
+    tables[i, :w] = torch.tensor(perm[start:start + w])
+    start += w
+k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).half()  # the interpreter has no bf16
+v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).half()
+qlens = [n for _, n in batch]
+q = torch.randn(sum(qlens), num_heads, head_dim).half()
+cu = torch.tensor([0, 70, 99, 100], dtype=torch.int32)
+scale = head_dim ** -0.5
+out = paged_prefill_attention(q, k_cache, v_cache, cu, torch.tensor(seq_lens, dtype=torch.int32), tables, max(qlens),
+                              scale)
+errs = []
+for i, ((prefix, n), s) in enumerate(zip(batch, seq_lens)):
+    ids = tables[i, :widths[i]].long()
+    k = k_cache[ids].flatten(0, 1)[:s].float().repeat_interleave(2, 1)  # [s, H, D]
+    v = v_cache[ids].flatten(0, 1)[:s].float().repeat_interleave(2, 1)
+    qi = q[cu[i]:cu[i + 1]].float()
+    scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+    visible = torch.arange(s)[None, :] <= torch.arange(prefix, s)[:, None]  # causal over prefix + new tokens
+    ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
+    errs.append(((out[cu[i]:cu[i + 1]].float() - ref).abs().max() / ref.abs().max()).item())
+print(json.dumps({"errs": errs}))
+"""
+
+
+@pytest.mark.parametrize("tile", ["", "128,64,4,3"])  # the default (64, 64, 4, 3), and the old tile
+@pytest.mark.parametrize("block_size", [16, 64])  # cache blocks smaller than, and as large as, the 64-key tile
+def test_prefill_kernel_matches_a_reference(block_size, tile):
+    os.environ["BLOCK_SIZE"] = str(block_size)  # read by the subprocess, with the tile
+    os.environ["NANOVLLM_PREFILL_TILE"] = tile
+    try:
+        errs = interpret(PREFILL)["errs"]
+    finally:
+        del os.environ["BLOCK_SIZE"], os.environ["NANOVLLM_PREFILL_TILE"]
+    assert max(errs) < 5e-3, errs  # fp16 inputs, fp32 accumulation
+
+
+def test_prefill_tile_switch_rejects_a_malformed_value(monkeypatch):
+    from nanovllm.kernels.triton_attention import _prefill_config
+    import torch
+    monkeypatch.setenv("NANOVLLM_PREFILL_TILE", "64,64,4")
+    with pytest.raises(ValueError, match="NANOVLLM_PREFILL_TILE='64,64,4'"):
+        _prefill_config(torch.bfloat16, 128)
+    monkeypatch.setenv("NANOVLLM_PREFILL_TILE", "128,32,8,2")
+    assert (_prefill_config(torch.bfloat16, 128).block_m, _prefill_config(torch.bfloat16, 128).block_n) == (128, 32)
+    monkeypatch.delenv("NANOVLLM_PREFILL_TILE")
+    assert _prefill_config(torch.bfloat16, 128).block_m == 64

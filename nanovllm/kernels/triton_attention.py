@@ -265,19 +265,28 @@ class KernelConfig:
     heads_fastest: bool = False
 
 
-# "block_m,block_n,num_warps,num_stages" overrides the bf16/fp16 prefill tile (side-by-side runs of bench.py)
-_PREFILL_TILE = os.environ.get("NANOVLLM_PREFILL_TILE", "")
+def _tile_from_env(name: str) -> "KernelConfig | None":
+    """"block_m,block_n,num_warps,num_stages" from the environment variable `name` (side-by-side runs of bench.py)."""
+    value = os.environ.get(name, "")
+    if not value:
+        return None
+    parts = value.split(",")
+    if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"{name}={value!r}: expected four positive integers 'block_m,block_n,num_warps,num_stages', "
+                         f"e.g. '64,64,4,3'; unset it for the default tile")
+    return KernelConfig(*(int(p) for p in parts))
 
 
 def _prefill_config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
     if dtype == torch.float32 or head_dim > 128:
         return KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    if _PREFILL_TILE:
-        return KernelConfig(*(int(x) for x in _PREFILL_TILE.split(",")))
+    tile = _tile_from_env("NANOVLLM_PREFILL_TILE")
+    if tile is not None:
+        return tile
     # H200 sweep, bf16 D=128, block size 64 (docs/benchmarks.md, session 15): (64, 64, 4, 3) against the old
     # (128, 64, 4, 3) is 1.23x faster on a bench.py prefill step (28 prompts of U[100, 1024], 16,384 tokens, Qwen3-8B
     # heads), 1.30x with Qwen3-0.6B heads, 1.21x on 29 x 560 tokens and 1.33x on 8 chunks of 1,000 after 2,000
-    # cached tokens; the best or within 3% of the best of 12 tiles in each
+    # cached tokens; the best of 12 tiles on the last, within 7% of the best on the others
     return KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
 
 
