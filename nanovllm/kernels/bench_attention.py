@@ -1,6 +1,6 @@
 """Microbenchmark of the Triton paged-attention kernels.
 
-    python -m nanovllm.kernels.bench_attention [--sweep [decode] [prefill]] [--overlap]
+    python -m nanovllm.kernels.bench_attention [--sweep [decode] [prefill]] [--overlap] [--prefill]
 
 Prints, for decode at batch 256 / context 1024 (Qwen3-0.6B and Qwen3-8B head shapes, bf16,
 block_size 256): kernel time, GB/s of KV read, the device-to-device copy bandwidth measured in the
@@ -9,6 +9,9 @@ bandwidth (the best streaming-read Triton kernel over 4 GiB); the same at batch 
 default). Then prefill attention on a 16k-token batch, with torch SDPA (flash) on contiguous tensors as a
 yardstick, and on a step of bench.py's prompts.
 ``--sweep`` also times a grid of decode (tile configs x split counts) and prefill tile configs.
+``--prefill`` times only the prefill tiles (the sweep's grid) on the engine's prefill shapes at block size 64: a
+bench.py prefill step (Qwen3-8B and Qwen3-0.6B heads), 29 prompts of 560 tokens, and 8 chunks of 1,000 tokens after
+2,000 cached ones.
 ``--overlap`` times only whether decode attention (memory-bound) and a layer's GEMMs (compute-bound) run faster
 side by side on two CUDA streams than one after the other (Qwen3-8B shapes): the premise of nano-batches.
 """
@@ -38,6 +41,11 @@ SHAPES = {  # name: (q heads, kv heads, head_dim)
     "Qwen3-8B": (32, 8, 128),
 }
 NUM_LAYERS = 2  # > 1 so the layer view is strided like in the engine
+# prefill tiles the sweep times: (block_m, block_n, num_warps, num_stages); (64, 64, 4, 3) is the default
+PREFILL_TILES = [KernelConfig(m, n, w, st) for (m, n, w, st) in (
+    (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 4, 2), (128, 32, 4, 3), (128, 32, 4, 4), (128, 128, 8, 2),
+    (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 32, 4, 3), (64, 128, 4, 2), (256, 64, 8, 2),
+    (256, 32, 8, 3))]
 
 
 def bench_ms(fn) -> float:
@@ -238,16 +246,17 @@ def bench_prefill(name, seqs, block_size=256, dtype=torch.bfloat16, sweep=False)
         line += f"   (torch SDPA, contiguous: {sdpa * 1e3:8.1f} us)"
     print(line, flush=True)
     if sweep:
-        configs = [KernelConfig(m, n, w, st) for (m, n, w, st) in (
-            (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
-            (64, 64, 4, 3), (64, 128, 4, 2), (256, 64, 8, 2))]
-        for c in configs:
+        default_out = paged_prefill_attention(q, k_cache, v_cache, cu, lens, tables, max(qlens), scale)
+        for c in PREFILL_TILES:
             try:
+                out = paged_prefill_attention(q, k_cache, v_cache, cu, lens, tables, max(qlens), scale, config=c)
+                diff = (out.float() - default_out.float()).abs().max().item()  # tiles sum in other orders
                 ms = bench_ms(lambda: paged_prefill_attention(q, k_cache, v_cache, cu, lens, tables, max(qlens),
                                                               scale, config=c))
                 tflops = 4 * pairs * head_dim * num_heads / (ms * 1e-3) / 1e12
                 print(f"    sweep m={c.block_m:3d} n={c.block_n:3d} warps={c.num_warps} stages={c.num_stages}: "
-                      f"{ms * 1e3:8.1f} us  {tflops:6.1f} TFLOP/s", flush=True)
+                      f"{ms * 1e3:8.1f} us  {tflops:6.1f} TFLOP/s  (max |diff| to the default tile {diff:.2g})",
+                      flush=True)
             except Exception as e:  # e.g. out of shared memory
                 print(f"    sweep {c}: failed ({type(e).__name__})", flush=True)
     del kv
@@ -379,7 +388,11 @@ def main():
     parser.add_argument("--sweep", nargs="*", choices=["decode", "prefill"], default=None,
                         help="also time a grid of kernel configs (default: both kernels)")
     parser.add_argument("--overlap", action="store_true", help="only the two-stream overlap test")
+    parser.add_argument("--prefill", action="store_true", help="only the prefill tiles on the engine's shapes")
     args = parser.parse_args()
+    if args.prefill:
+        torch.manual_seed(0)
+        return sweep_engine_prefill_shapes()
     if args.overlap:
         torch.manual_seed(0)
         for batch in (144, 288, 512):
@@ -419,11 +432,22 @@ def main():
         bench_prefill(name, [(0, 4096)] * 4, sweep="prefill" in sweep)
         bench_prefill(name, [(0, 16384)])
         bench_prefill(name, [(3000, 1000)] * 4 + [(1000, 1)] * 64)  # chunked prefill + decodes
-    # a prefill step of bench.py: prompts of U[100, 1024] tokens up to the 16,384-token budget, block size 64
+    bench_prefill("Qwen3-0.6B", bench_py_prefill_step(), block_size=64, sweep="prefill" in sweep)
+
+
+def bench_py_prefill_step(num_tokens: int = 16384) -> list[tuple[int, int]]:
+    """bench.py's first step: whole prompts of U[100, 1024] tokens up to the token budget (the last one cut)."""
     rng, step = random.Random(0), []
-    while sum(n for _, n in step) < 16384:
-        step.append((0, min(rng.randint(100, 1024), 16384 - sum(n for _, n in step))))
-    bench_prefill("Qwen3-0.6B", step, block_size=64, sweep="prefill" in sweep)
+    while sum(n for _, n in step) < num_tokens:
+        step.append((0, min(rng.randint(100, 1024), num_tokens - sum(n for _, n in step))))
+    return step
+
+
+def sweep_engine_prefill_shapes():
+    """--prefill: the tile grid on the prefill shapes the engine runs (block size 64)."""
+    for name, seqs in (("Qwen3-8B", bench_py_prefill_step()), ("Qwen3-0.6B", bench_py_prefill_step()),
+                       ("Qwen3-8B", [(0, 560)] * 29), ("Qwen3-8B", [(2000, 1000)] * 8)):
+        bench_prefill(name, seqs, block_size=64, sweep=True)
 
 
 if __name__ == "__main__":

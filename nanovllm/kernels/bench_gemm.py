@@ -1,6 +1,7 @@
 """Microbenchmark of the decode-step GEMMs at small M: cuBLAS (`F.linear`) against Triton tiles, with split-K.
 
     python -m nanovllm.kernels.bench_gemm [--shape qwen3-0.6b qwen3-8b] [--m 1 32 128 256]
+    python -m nanovllm.kernels.bench_gemm --sustained [--shape qwen3-8b] [--m 512 1024 8192 16384]
 
 Why: in a Qwen3-0.6B decode step the four GEMMs of a layer take ~21-28 us at M <= 128 on an H200 while their
 weights (31 MB per layer) take ~8 us to read (docs/benchmarks.md, run N). Each of them reads a few MB with only
@@ -10,7 +11,15 @@ down_proj, the rope + KV-store kernel after qkv_proj, SiLU-and-mul after gate_up
 it reads its input, so no extra kernel would run. This prints, per shape and M: cuBLAS; the best plain Triton tile;
 the best split-K tile alone ("fused reduce": what the engine would pay, plus reading the partials in the consumer);
 and split-K followed by a separate sum (`torch.sum` over S), all timed inside CUDA graphs.
+
+`--sustained` instead runs a layer's four GEMMs (cuBLAS) back to back for 1.5 s per M, once on random inputs and once
+with every input row the same, and prints TFLOP/s with the board power and SM clock sampled through NVML
+(nvidia-ml-py) meanwhile. Why: a long run is held at the GPU's power limit, and tensor-core power depends on the
+data, so short timings at full clock and inputs without variety both overstate what a run gets (docs/benchmarks.md,
+session 15).
 """
+import threading
+import time
 import argparse
 import itertools
 
@@ -104,16 +113,78 @@ def bench_shape(n: int, k: int, m: int) -> str:
     return line + f" | weights at 4.3 TB/s {weight_us:5.1f} us"
 
 
+def sustained_layer(shape: str, m: int, same_rows: bool, seconds: float = 1.5) -> str:
+    """A layer's four GEMMs at M rows, back to back for `seconds`: TFLOP/s of the last 10 layers, and the mean board
+    power and SM clock over the second half (NVML, every 50 ms)."""
+    try:
+        import pynvml
+    except ImportError:
+        pynvml = None
+    weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for n, k in SHAPES[shape]]
+    if same_rows:
+        inputs = [torch.randn(1, k, dtype=torch.bfloat16, device="cuda").expand(m, k).contiguous()
+                  for _, k in SHAPES[shape]]
+    else:
+        inputs = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _, k in SHAPES[shape]]
+    outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for n, _ in SHAPES[shape]]
+
+    def layer():
+        for a, w, out in zip(inputs, weights, outs):
+            torch.matmul(a, w.t(), out=out)
+
+    samples, stop = [], threading.Event()
+    if pynvml is not None:
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+
+        def sample():
+            while not stop.is_set():
+                samples.append((pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3,
+                                pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)))
+                time.sleep(0.05)
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin = time.perf_counter()
+    while time.perf_counter() - begin < seconds:
+        start.record()
+        for _ in range(10):
+            layer()
+        end.record()
+        end.synchronize()
+    ms = start.elapsed_time(end) / 10
+    stop.set()
+    flops = 2 * m * sum(n * k for n, k in SHAPES[shape])
+    data = "same rows" if same_rows else "random"
+    line = f"M={m:6d} {data:9s}: {ms * 1e3:8.1f} us/layer {flops / ms / 1e9:6.1f} TFLOP/s"
+    if pynvml is not None:
+        sampler.join()
+        tail = samples[len(samples) // 2:]
+        line += (f"  {sum(p for p, _ in tail) / len(tail):4.0f} W  "
+                 f"SM {sum(c for _, c in tail) / len(tail):5.0f} MHz")
+    else:
+        line += "  (no nvidia-ml-py: no power or clock)"
+    return line
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", nargs="*", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--m", nargs="*", type=int, default=[1, 32, 128, 256])
+    parser.add_argument("--shape", nargs="*", default=None, choices=list(SHAPES))
+    parser.add_argument("--m", nargs="*", type=int, default=None)
+    parser.add_argument("--sustained", action="store_true", help="a layer's GEMMs held for 1.5 s, power and clock")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     torch.manual_seed(0)
-    for shape in args.shape:
+    if args.sustained:
+        for shape in args.shape or ["qwen3-8b"]:
+            print(f"## {shape}, sustained", flush=True)
+            for m, same_rows in itertools.product(args.m or [512, 1024, 8192, 16384], (False, True)):
+                print(sustained_layer(shape, m, same_rows), flush=True)
+                time.sleep(0.5)  # let the board cool between cases
+        return
+    for shape in args.shape or list(SHAPES):
         print(f"## {shape}", flush=True)
-        for (n, k), m in itertools.product(SHAPES[shape], args.m):
+        for (n, k), m in itertools.product(SHAPES[shape], args.m or [1, 32, 128, 256]):
             print(bench_shape(n, k, m), flush=True)
 
 
