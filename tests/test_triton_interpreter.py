@@ -234,13 +234,10 @@ print(json.dumps({"errs": errs}))
 
 @pytest.mark.parametrize("tile", ["", "128,64,4,3"])  # the default (64, 64, 4, 3), and the old tile
 @pytest.mark.parametrize("block_size", [16, 64])  # cache blocks smaller than, and as large as, the 64-key tile
-def test_prefill_kernel_matches_a_reference(block_size, tile):
-    os.environ["BLOCK_SIZE"] = str(block_size)  # read by the subprocess, with the tile
-    os.environ["NANOVLLM_PREFILL_TILE"] = tile
-    try:
-        errs = interpret(PREFILL)["errs"]
-    finally:
-        del os.environ["BLOCK_SIZE"], os.environ["NANOVLLM_PREFILL_TILE"]
+def test_prefill_kernel_matches_a_reference(block_size, tile, monkeypatch):
+    monkeypatch.setenv("BLOCK_SIZE", str(block_size))  # read by the subprocess, with the tile
+    monkeypatch.setenv("NANOVLLM_PREFILL_TILE", tile)
+    errs = interpret(PREFILL)["errs"]
     assert max(errs) < 5e-3, errs  # fp16 inputs, fp32 accumulation
 
 
