@@ -1,7 +1,7 @@
 """Small Triton kernels run by Triton's interpreter on CPU tensors, so they are checked without a GPU: the sampler
 (nanovllm/kernels/sampling.py), SiLU-and-mul (nanovllm/kernels/activation.py), the decode attention kernel's
-grid orders and split plans, and the prefill kernel with its default and old tiles. The interpreter needs TRITON_INTERPRET=1 before triton is imported: each check runs in a
-subprocess."""
+grid orders and split plans, and the prefill kernel with its default and old tiles. The interpreter needs
+TRITON_INTERPRET=1 before triton is imported: each check runs in a subprocess."""
 import json
 import os
 import subprocess
@@ -214,7 +214,7 @@ k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).half()  # 
 v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).half()
 qlens = [n for _, n in batch]
 q = torch.randn(sum(qlens), num_heads, head_dim).half()
-cu = torch.tensor([0, 70, 99, 100], dtype=torch.int32)
+cu = torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0).to(torch.int32)  # query offsets
 scale = head_dim ** -0.5
 out = paged_prefill_attention(q, k_cache, v_cache, cu, torch.tensor(seq_lens, dtype=torch.int32), tables, max(qlens),
                               scale)
@@ -242,12 +242,14 @@ def test_prefill_kernel_matches_a_reference(block_size, tile, monkeypatch):
 
 
 def test_prefill_tile_switch_rejects_a_malformed_value(monkeypatch):
-    from nanovllm.kernels.triton_attention import _prefill_config
     import torch
+    from nanovllm.kernels.triton_attention import _prefill_config, _tile_from_env
     monkeypatch.setenv("NANOVLLM_PREFILL_TILE", "64,64,4")
     with pytest.raises(ValueError, match="NANOVLLM_PREFILL_TILE='64,64,4'"):
-        _prefill_config(torch.bfloat16, 128)
+        _tile_from_env("NANOVLLM_PREFILL_TILE")
     monkeypatch.setenv("NANOVLLM_PREFILL_TILE", "128,32,8,2")
-    assert (_prefill_config(torch.bfloat16, 128).block_m, _prefill_config(torch.bfloat16, 128).block_n) == (128, 32)
+    tile = _tile_from_env("NANOVLLM_PREFILL_TILE")
+    assert (tile.block_m, tile.block_n) == (128, 32)
     monkeypatch.delenv("NANOVLLM_PREFILL_TILE")
-    assert _prefill_config(torch.bfloat16, 128).block_m == 64
+    assert _tile_from_env("NANOVLLM_PREFILL_TILE") is None
+    assert _prefill_config(torch.bfloat16, 128).block_m == 64  # this process imported the module without the switch

@@ -18,10 +18,10 @@ with every input row the same, and prints TFLOP/s with the board power and SM cl
 data, so short timings at full clock and inputs without variety both overstate what a run gets (docs/benchmarks.md,
 session 15).
 """
-import threading
-import time
 import argparse
 import itertools
+import threading
+import time
 
 import torch
 import torch.nn.functional as F

@@ -277,12 +277,14 @@ def _tile_from_env(name: str) -> "KernelConfig | None":
     return KernelConfig(*(int(p) for p in parts))
 
 
+_PREFILL_TILE = _tile_from_env("NANOVLLM_PREFILL_TILE")  # read once, like the module's other switches
+
+
 def _prefill_config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
     if dtype == torch.float32 or head_dim > 128:
         return KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    tile = _tile_from_env("NANOVLLM_PREFILL_TILE")
-    if tile is not None:
-        return tile
+    if _PREFILL_TILE is not None:
+        return _PREFILL_TILE
     # H200 sweep, bf16 D=128, block size 64 (docs/benchmarks.md, session 15): (64, 64, 4, 3) against the old
     # (128, 64, 4, 3) is 1.23x faster on a bench.py prefill step (28 prompts of U[100, 1024], 16,384 tokens, Qwen3-8B
     # heads), 1.30x with Qwen3-0.6B heads, 1.21x on 29 x 560 tokens and 1.33x on 8 chunks of 1,000 after 2,000
