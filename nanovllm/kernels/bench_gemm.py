@@ -113,58 +113,74 @@ def bench_shape(n: int, k: int, m: int) -> str:
     return line + f" | weights at 4.3 TB/s {weight_us:5.1f} us"
 
 
-def sustained_layer(shape: str, m: int, same_rows: bool, seconds: float = 1.5) -> str:
-    """A layer's four GEMMs at M rows, back to back for `seconds`: TFLOP/s of the last 10 layers, and the mean board
-    power and SM clock over the second half (NVML, every 50 ms)."""
-    try:
-        import pynvml
-    except ImportError:
-        pynvml = None
-    weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for n, k in SHAPES[shape]]
+class PowerSampler:
+    """Board power and SM clock sampled through NVML (nvidia-ml-py) every 50 ms while the `with` block runs;
+    `summary()` gives their means over the second half (the first half lets the power limiter settle)."""
+
+    def __init__(self, period_s: float = 0.05):
+        self.period_s, self.samples, self._stop = period_s, [], threading.Event()
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        except Exception:  # noqa: BLE001 -- no nvidia-ml-py or no NVML: times only
+            self._nvml = None
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.samples.append((self._nvml.nvmlDeviceGetPowerUsage(self._handle) / 1e3,
+                                 self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_SM)))
+            time.sleep(self.period_s)
+
+    def __enter__(self):
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._sample)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._nvml is not None:
+            self._stop.set()
+            self._thread.join()
+
+    def summary(self) -> str:
+        tail = self.samples[len(self.samples) // 2:]
+        if not tail:
+            return "(no nvidia-ml-py: no power or clock)"
+        return f"{sum(p for p, _ in tail) / len(tail):4.0f} W  SM {sum(c for _, c in tail) / len(tail):5.0f} MHz"
+
+
+def sustained_layer(shape: str, m: int, same_rows: bool, seconds: float = 1.5, only: int | None = None) -> str:
+    """A layer's four GEMMs at M rows (`only`: just that one of them), back to back for `seconds`: TFLOP/s of the
+    last 10 layers, and the mean board power and SM clock over the second half (NVML, every 50 ms)."""
+    shapes = SHAPES[shape] if only is None else [SHAPES[shape][only]]
+    weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for n, k in shapes]
     if same_rows:
         inputs = [torch.randn(1, k, dtype=torch.bfloat16, device="cuda").expand(m, k).contiguous()
-                  for _, k in SHAPES[shape]]
+                  for _, k in shapes]
     else:
-        inputs = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _, k in SHAPES[shape]]
-    outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for n, _ in SHAPES[shape]]
+        inputs = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _, k in shapes]
+    outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for n, _ in shapes]
 
     def layer():
         for a, w, out in zip(inputs, weights, outs):
             torch.matmul(a, w.t(), out=out)
 
-    samples, stop = [], threading.Event()
-    if pynvml is not None:
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-
-        def sample():
-            while not stop.is_set():
-                samples.append((pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3,
-                                pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)))
-                time.sleep(0.05)
-        sampler = threading.Thread(target=sample)
-        sampler.start()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin = time.perf_counter()
-    while time.perf_counter() - begin < seconds:
-        start.record()
-        for _ in range(10):
-            layer()
-        end.record()
-        end.synchronize()
+    with PowerSampler() as power:
+        begin = time.perf_counter()
+        while time.perf_counter() - begin < seconds:
+            start.record()
+            for _ in range(10):
+                layer()
+            end.record()
+            end.synchronize()
     ms = start.elapsed_time(end) / 10
-    stop.set()
-    flops = 2 * m * sum(n * k for n, k in SHAPES[shape])
+    flops = 2 * m * sum(n * k for n, k in shapes)
     data = "same rows" if same_rows else "random"
-    line = f"M={m:6d} {data:9s}: {ms * 1e3:8.1f} us/layer {flops / ms / 1e9:6.1f} TFLOP/s"
-    if pynvml is not None:
-        sampler.join()
-        tail = samples[len(samples) // 2:]
-        line += (f"  {sum(p for p, _ in tail) / len(tail):4.0f} W  "
-                 f"SM {sum(c for _, c in tail) / len(tail):5.0f} MHz")
-    else:
-        line += "  (no nvidia-ml-py: no power or clock)"
-    return line
+    what = "layer" if only is None else f"GEMM (N={shapes[0][0]}, K={shapes[0][1]})"
+    return f"M={m:6d} {data:9s}: {ms * 1e3:8.1f} us/{what} {flops / ms / 1e9:6.1f} TFLOP/s  {power.summary()}"
 
 
 def main():
@@ -172,6 +188,7 @@ def main():
     parser.add_argument("--shape", nargs="*", default=None, choices=list(SHAPES))
     parser.add_argument("--m", nargs="*", type=int, default=None)
     parser.add_argument("--sustained", action="store_true", help="a layer's GEMMs held for 1.5 s, power and clock")
+    parser.add_argument("--each", action="store_true", help="with --sustained: also each GEMM alone (random inputs)")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     torch.manual_seed(0)
@@ -181,6 +198,9 @@ def main():
             for m, same_rows in itertools.product(args.m or [512, 1024, 8192, 16384], (False, True)):
                 print(sustained_layer(shape, m, same_rows), flush=True)
                 time.sleep(0.5)  # let the board cool between cases
+            for m, only in itertools.product(args.m or [512, 1024, 8192, 16384], range(4) if args.each else ()):
+                print(sustained_layer(shape, m, False, only=only), flush=True)
+                time.sleep(0.5)
         return
     for shape in args.shape or list(SHAPES):
         print(f"## {shape}", flush=True)

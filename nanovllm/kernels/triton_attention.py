@@ -36,6 +36,7 @@ All softmax math is fp32 in the log2 domain (``exp2`` with ``scale * log2(e)``).
 
 import functools
 import os
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -490,6 +491,9 @@ _SPLIT_PLAN_BLOCK_N = 64  # split sizes are multiples of this (every default dec
 # each row splits its own context (see _decode_split_plan; =0: the table width is cut): at 1-32 rows a decode step
 # 1.05-1.29x faster with max_model_len 40,960, bench_swap rtx4070 1.037x (H200, docs/benchmarks.md runs AB-AD)
 _DECODE_ROW_SPLITS = os.environ.get("NANOVLLM_DECODE_ROW_SPLITS", "1") == "1"
+# the bf16/fp16 tile of unsplit decode launches (full batches) at block sizes below 128, "block_m,block_n,num_warps,
+# num_stages" (block_m is ignored: a GQA group is padded to 16 rows); side-by-side runs of bench.py
+_DECODE_TILE = _tile_from_env("NANOVLLM_DECODE_TILE")
 
 
 def _decode_config(dtype: torch.dtype, head_dim: int, block_size: int, split: bool) -> KernelConfig:
@@ -500,6 +504,8 @@ def _decode_config(dtype: torch.dtype, head_dim: int, block_size: int, split: bo
     # but ~92% with block_size 16, where (64, 4, 3) gives ~96%. The big tile fits one program per SM,
     # so for split (small-batch) launches, where the wave tail matters, the smaller tile is used.
     if split or block_size < 128:
+        if not split and _DECODE_TILE is not None:
+            return dataclasses.replace(_DECODE_TILE, block_m=16, heads_fastest=heads_fastest)
         return KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, heads_fastest=heads_fastest)
     return KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=2, heads_fastest=heads_fastest)
 
