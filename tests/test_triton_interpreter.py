@@ -253,3 +253,18 @@ def test_prefill_tile_switch_rejects_a_malformed_value(monkeypatch):
     monkeypatch.delenv("NANOVLLM_PREFILL_TILE")
     assert _tile_from_env("NANOVLLM_PREFILL_TILE") is None
     assert _prefill_config(torch.bfloat16, 128).block_m == 64  # this process imported the module without the switch
+
+
+def test_decode_tile_switch_sets_only_unsplit_half_precision_launches(monkeypatch):
+    import torch
+    from nanovllm.kernels import triton_attention
+    from nanovllm.kernels.triton_attention import KernelConfig, _decode_config
+    default = _decode_config(torch.bfloat16, 128, 64, split=False)
+    assert (default.block_n, default.num_warps, default.num_stages) == (64, 4, 3)
+    monkeypatch.setattr(triton_attention, "_DECODE_TILE", KernelConfig(64, 32, 2, 4))  # as NANOVLLM_DECODE_TILE sets it
+    tile = _decode_config(torch.bfloat16, 128, 64, split=False)
+    assert (tile.block_m, tile.block_n, tile.num_warps, tile.num_stages) == (16, 32, 2, 4)  # block_m stays 16
+    assert tile.heads_fastest == default.heads_fastest
+    assert _decode_config(torch.bfloat16, 128, 64, split=True) == default  # split launches keep the default
+    assert _decode_config(torch.float32, 128, 64, split=False).block_n == 32  # fp32 keeps its own tile
+    assert _decode_config(torch.bfloat16, 128, 256, split=False).block_n == 128  # large blocks keep theirs
