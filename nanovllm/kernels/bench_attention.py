@@ -387,17 +387,52 @@ def bench_overlap(batch: int = 288, ctx: int = 1024, repeats: int = 20):
     torch.cuda.empty_cache()
 
 
+def _held(fn, seconds: float, per: int) -> tuple[float, str]:
+    """fn captured in a CUDA graph and replayed for `seconds`: (us per 1/`per` of a replay, board power and SM clock
+    over the second half)."""
+    from nanovllm.kernels.bench_gemm import PowerSampler
+    fn()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with PowerSampler() as power:
+        begin = time.perf_counter()
+        while time.perf_counter() - begin < seconds:
+            start.record()
+            for _ in range(5):
+                graph.replay()
+            end.record()
+            end.synchronize()
+    del graph
+    time.sleep(0.5)  # let the board cool between cases
+    return start.elapsed_time(end) / 5 / per * 1e3, power.summary()
+
+
+def _held_stream_read(x: torch.Tensor, seconds: float) -> str:
+    """A plain streaming read of all of `x` (bf16), repeated for `seconds`: GB/s, power and clock."""
+    flat = x.view(-1)
+    num_programs, block = 4224, 2048
+    per_program = flat.numel() // num_programs // block * block
+    partial = torch.empty(num_programs, dtype=torch.float32, device="cuda")
+    us, power = _held(lambda: _stream_read_kernel[(num_programs,)](flat, partial, per_program, BLOCK=block,
+                                                                     num_warps=4), seconds, 1)
+    return f"{num_programs * per_program * 2 / us / 1e3:6.0f} GB/s  {power}"
+
+
 def sustained_decode(batch: int = 1024, mean_ctx: int = 574, num_layers: int = 8, seconds: float = 2.0):
     """Qwen3-8B decode layers held at the power limit: `batch` rows of ragged contexts (uniform in
     [100, 2 * mean_ctx - 100]; 574 is the 8B run's first decode step), block size 64, `num_layers` layers of their own
     KV and weights (more than the L2 cache holds), each case replayed from a CUDA graph for `seconds` with board
-    power and SM clock sampled. Cases: decode attention alone in each tile, the four GEMMs alone, and the two
-    interleaved as a decode step runs them (attention, then qkv/o/gate_up/down of the next layer), in each tile.
+    power and SM clock sampled. Cases: the four GEMMs alone; decode attention alone and interleaved with the GEMMs
+    as a decode step runs them, in several tiles and on a head-major view of the cache; a plain streaming read of
+    the cache; and attention again on an all-zero cache.
 
-    Why: an 8B run is held at the 700 W limit (docs/benchmarks.md, session 15), and the limiter sets one SM clock for
-    a whole step. A tile that reads KV as fast but draws less power could leave the GEMMs beside it a higher clock:
-    only the interleaved case shows that."""
-    from nanovllm.kernels.bench_gemm import PowerSampler
+    Why: an 8B run is held at the 700 W limit (docs/benchmarks.md, sessions 15-16), and the limiter sets one SM clock
+    for a whole step. A tile that reads KV as fast but draws less power could leave the GEMMs beside it a higher
+    clock: only the interleaved case shows that. The streaming read and the zero cache say how much of attention's
+    power is the memory side's and the data's."""
     num_heads, num_kv_heads, head_dim = SHAPES["Qwen3-8B"]
     hidden, inter, dtype, block_size = 4096, 12288, torch.bfloat16, 64
     rng = random.Random(0)
@@ -405,6 +440,9 @@ def sustained_decode(batch: int = 1024, mean_ctx: int = 574, num_layers: int = 8
     lens_list = [rng.randint(100, max_ctx) for _ in range(batch)]
     width = math.ceil(max_ctx / block_size)
     kv = torch.randn(batch * width, num_layers, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device="cuda")
+    # the same bytes with each block's kv heads apart: a head's 64 tokens contiguous (16 KB) instead of 64 rows of
+    # 256 B, 2 KB apart (the engine's token-major layout)
+    head_major = kv.view(kv.shape[0], num_layers, 2, num_kv_heads, block_size, head_dim).permute(0, 1, 2, 4, 3, 5)
     tables = torch.randperm(batch * width, device="cuda").view(batch, width).to(torch.int32)
     lens = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device="cuda")
@@ -418,9 +456,7 @@ def sustained_decode(batch: int = 1024, mean_ctx: int = 574, num_layers: int = 8
     kv_bytes = sum(lens_list) * num_kv_heads * head_dim * 2 * dtype.itemsize  # one layer's K and V
     flops = 2 * batch * sum(n * k for n, k in gemm_shapes)
 
-    cache = kv  # [N, L, 2, bs, H, D]; below also a view of the same bytes with each block's heads apart
-
-    def attention(layer, cfg):
+    def attention(cache, layer, cfg):
         paged_decode_attention(q, cache[:, layer, 0], cache[:, layer, 1], lens, tables, head_dim ** -0.5, out=out,
                                config=cfg)
 
@@ -428,87 +464,36 @@ def sustained_decode(batch: int = 1024, mean_ctx: int = 574, num_layers: int = 8
         for a, w, o in zip(acts, weights[layer], outs):
             torch.matmul(a, w.t(), out=o)
 
-    def held(fn) -> tuple[float, str]:
-        """(us per layer, power and clock) of fn's graph replayed for `seconds`."""
-        fn()  # compiles outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with PowerSampler() as power:
-            begin = time.perf_counter()
-            while time.perf_counter() - begin < seconds:
-                start.record()
-                for _ in range(5):
-                    graph.replay()
-                end.record()
-                end.synchronize()
-        del graph
-        time.sleep(0.5)  # let the board cool between cases
-        return start.elapsed_time(end) / 5 / num_layers * 1e3, power.summary()
+    def attention_case(name, cache, cfg):
+        us_a, power_a = _held(lambda: [attention(cache, layer, cfg) for layer in range(num_layers)], seconds,
+                              num_layers)
+        us_l, power_l = _held(lambda: [(attention(cache, layer, cfg), gemms(layer)) for layer in range(num_layers)],
+                              seconds, num_layers)
+        print(f"{name}, tile ({cfg.block_n}, {cfg.num_warps} warps, {cfg.num_stages} stages): attention alone "
+              f"{us_a:7.1f} us/layer {kv_bytes / us_a / 1e3:6.0f} GB/s  {power_a} | interleaved with the GEMMs "
+              f"{us_l:7.1f} us/layer  {power_l}", flush=True)
 
     print(f"## sustained Qwen3-8B decode, {batch} rows, ragged contexts (mean {mean_ctx}), block 64, {num_layers} "
           f"layers, {seconds} s a case; KV {kv_bytes / 1e9:.2f} GB and GEMMs {flops / 1e12:.2f} TFLOP a layer",
           flush=True)
-    us, power = held(lambda: [gemms(layer) for layer in range(num_layers)])
+    us, power = _held(lambda: [gemms(layer) for layer in range(num_layers)], seconds, num_layers)
     print(f"GEMMs alone: {us:7.1f} us/layer {flops / us / 1e6:6.1f} TFLOP/s  {power}", flush=True)
     default = _decode_config(dtype, head_dim, block_size, False)
     tiles = [default] + [dataclasses.replace(default, block_n=n, num_warps=w, num_stages=st)
                          for n, w, st in ((64, 2, 2), (64, 2, 3), (32, 2, 3), (32, 4, 2))
                          if (n, w, st) != (default.block_n, default.num_warps, default.num_stages)]
     for cfg in tiles:
-        name = f"tile ({cfg.block_n}, {cfg.num_warps} warps, {cfg.num_stages} stages)"
         try:
-            us_a, power_a = held(lambda: [attention(layer, cfg) for layer in range(num_layers)])
-            us_l, power_l = held(lambda: [(attention(layer, cfg), gemms(layer)) for layer in range(num_layers)])
+            attention_case("token-major blocks", kv, cfg)
         except Exception as e:  # noqa: BLE001 -- e.g. out of shared memory
-            print(f"{name}: failed ({type(e).__name__})", flush=True)
-            continue
-        print(f"{name}: attention alone {us_a:7.1f} us/layer {kv_bytes / us_a / 1e3:6.0f} GB/s  {power_a} | "
-              f"interleaved with the GEMMs {us_l:7.1f} us/layer  {power_l}", flush=True)
-    # head-major blocks: a block's K of one kv head is 64 x 128 contiguous (16 KB) instead of 64 rows of 256 B,
-    # 2 KB apart (the engine's token-major layout), so each program reads whole runs of memory
-    cache = kv.view(kv.shape[0], num_layers, 2, num_kv_heads, block_size, head_dim).permute(0, 1, 2, 4, 3, 5)
-    for cfg in (default, dataclasses.replace(default, num_warps=2, num_stages=2)):
-        us_a, power_a = held(lambda: [attention(layer, cfg) for layer in range(num_layers)])
-        us_l, power_l = held(lambda: [(attention(layer, cfg), gemms(layer)) for layer in range(num_layers)])
-        print(f"head-major blocks, tile ({cfg.block_n}, {cfg.num_warps} warps, {cfg.num_stages} stages): attention "
-              f"alone {us_a:7.1f} us/layer {kv_bytes / us_a / 1e3:6.0f} GB/s  {power_a} | interleaved "
-              f"{us_l:7.1f} us/layer  {power_l}", flush=True)
-    cache = kv
-    flat = kv.view(-1)
-    num_programs, block = 4224, 2048
-    per_program = flat.numel() // num_programs // block * block
-    partial = torch.empty(num_programs, dtype=torch.float32, device="cuda")
-
-    def stream_read():
-        _stream_read_kernel[(num_programs,)](flat, partial, per_program, BLOCK=block, num_warps=4)
-
-    def held_read() -> str:  # a plain streaming read of the cache (no attention math): the memory side's power
-        stream_read()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with PowerSampler() as power:
-            begin = time.perf_counter()
-            while time.perf_counter() - begin < seconds:
-                start.record()
-                stream_read()
-                end.record()
-                end.synchronize()
-        time.sleep(0.5)
-        ms = start.elapsed_time(end)
-        return f"{num_programs * per_program * 2 / ms / 1e6:6.0f} GB/s  {power.summary()}"
-    print(f"streaming read of the same cache, random: {held_read()}", flush=True)
-    kv.zero_()  # the same with an all-zero cache: how much of attention's power is the data's
-    print(f"streaming read of the same cache, all zero: {held_read()}", flush=True)
-    us_a, power_a = held(lambda: [attention(layer, default) for layer in range(num_layers)])
-    us_l, power_l = held(lambda: [(attention(layer, default), gemms(layer)) for layer in range(num_layers)])
-    print(f"default tile, all-zero KV: attention alone {us_a:7.1f} us/layer {kv_bytes / us_a / 1e3:6.0f} GB/s  "
-          f"{power_a} | interleaved {us_l:7.1f} us/layer  {power_l}", flush=True)
-    del kv
+            print(f"tile {cfg}: failed ({type(e).__name__})", flush=True)
+    attention_case("head-major blocks", head_major, default)
+    print(f"streaming read of the same cache, random: {_held_stream_read(kv, seconds)}", flush=True)
+    kv.zero_()
+    print(f"streaming read of the same cache, all zero: {_held_stream_read(kv, seconds)}", flush=True)
+    attention_case("all-zero KV", kv, default)
+    del kv, head_major
     torch.cuda.empty_cache()
-
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -521,7 +506,7 @@ def main():
     args = parser.parse_args()
     if args.sustained is not None:
         torch.manual_seed(0)
-        for batch in args.sustained or [1024]:
+        for batch in args.sustained or [1024]:  # a full 8B batch at its first decode step; smaller ones later on
             sustained_decode(batch, mean_ctx=574 if batch >= 1024 else 800)
         return
     if args.prefill:
