@@ -1,10 +1,13 @@
-"""Every Triton kernel of the project compiles for an H100/H200 (sm_90) on a machine without a GPU.
+"""Every Triton kernel of the project compiles for an H100/H200 (sm_90) and for an RTX 40-series GPU (sm_89) on a
+machine without a GPU, within the shared memory a block may use there.
 
 Triton's interpreter, which the CPU tests run the kernels in, does not type-check: a kernel it runs correctly can
 still fail to compile (session 2's fused rope kernel did, for a value that changed shape across an `if`). Here the
 kernels' own Python wrappers are called on CPU tensors under a stand-in CUDA driver that names sm_90 as the
 target, and each launch is turned into a compile without a launch. Runs in a subprocess: the stand-in driver is
-process-wide."""
+process-wide. Triton checks a kernel's shared memory against the device only when it loads the kernel, so a tile
+tuned on an H200 (227 KB a block) that needs more than an RTX 4070 has (99 KB) would fail only on the user's GPU:
+each compile's shared memory is checked here against the target's limit."""
 import subprocess
 import sys
 
@@ -15,14 +18,19 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernels")
 
 COMPILE_ALL = r"""
+import sys
+
 import torch
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 
-class Sm90Driver:
-    '''Enough of Triton's CUDA driver for a compile: device 0, stream 0, target sm_90.'''
+TARGET_CC, SHARED_LIMIT_BYTES = int(sys.argv[1]), int(sys.argv[2])
+
+
+class StandInDriver:
+    '''Enough of Triton's CUDA driver for a compile: device 0, stream 0, target sm_<TARGET_CC>.'''
 
     def get_current_device(self):
         return 0
@@ -31,7 +39,7 @@ class Sm90Driver:
         return 0
 
     def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
+        return GPUTarget("cuda", TARGET_CC, 32)
 
     def get_active_torch_device(self):
         return torch.device("cpu")
@@ -44,12 +52,15 @@ launch = JITFunction.run
 def compile_only(self, *args, grid, warmup, **kwargs):
     kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
     assert kernel is not None and kernel.asm.get("cubin"), self.fn.__name__
+    shared = kernel.metadata.shared
+    assert shared <= SHARED_LIMIT_BYTES, (f"{self.fn.__name__} needs {shared} bytes of shared memory on sm_{TARGET_CC}, "
+                                          f"over {SHARED_LIMIT_BYTES}: {kwargs}")
     compiled.add(self.fn.__name__)
     return kernel
 
 
 JITFunction.run = compile_only
-driver.set_active(Sm90Driver())
+driver.set_active(StandInDriver())
 
 from nanovllm.kernels import activation, rope_store, sampling, triton_attention as ta
 
@@ -92,8 +103,11 @@ print(" ".join(sorted(compiled)))
 """
 
 
-def test_every_triton_kernel_compiles_for_sm90():
-    proc = subprocess.run([sys.executable, "-c", COMPILE_ALL], capture_output=True, text=True, timeout=900)
+# (compute capability, the most shared memory a block may use there: cudaDevAttrMaxSharedMemoryPerBlockOptin)
+@pytest.mark.parametrize("cc, shared_limit_bytes", [(90, 232448), (89, 101376)], ids=["sm90-h200", "sm89-rtx4070"])
+def test_every_triton_kernel_compiles_within_shared_memory(cc, shared_limit_bytes):
+    proc = subprocess.run([sys.executable, "-c", COMPILE_ALL, str(cc), str(shared_limit_bytes)], capture_output=True,
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["_chunk_stats_kernel", "_decode_kernel", "_decode_reduce_kernel",
                                    "_prefill_kernel", "_rope_store_kernel", "_row_sample_kernel",
