@@ -24,3 +24,34 @@ def test_async_scheduling_defaults_on_only_without_tensor_parallelism(qwen3_dir)
     assert Config(qwen3_dir).async_scheduling is True
     assert Config(qwen3_dir, tensor_parallel_size=2).async_scheduling is False
     assert Config(qwen3_dir, async_scheduling=False).async_scheduling is False
+
+
+@pytest.mark.parametrize("capability, checkpoint, want", [
+    ((8, 9), "bfloat16", "bfloat16"),  # RTX 40-series: the checkpoint's dtype
+    ((7, 5), "bfloat16", "float16"),  # T4 / RTX 20-series: no bfloat16 arithmetic
+    ((7, 5), "float16", "float16"),
+    ((7, 5), "float32", "float16"),  # a float32 checkpoint runs in a half type on CUDA
+    ((9, 0), "float32", "bfloat16"),
+])
+def test_auto_dtype_on_cuda_follows_the_gpu(monkeypatch, capability, checkpoint, want):
+    import torch
+    from transformers import Qwen3Config
+
+    from nanovllm.engine.model_runner import resolve_dtype
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a test GPU")
+    hf = Qwen3Config(dtype=checkpoint)
+    assert resolve_dtype("auto", hf, torch.device("cuda", 0)) == getattr(torch, want)
+    assert resolve_dtype("auto", hf, torch.device("cpu")) == torch.float32
+
+
+def test_bfloat16_on_a_gpu_without_it_names_the_option(monkeypatch):
+    import torch
+    from transformers import Qwen3Config
+
+    from nanovllm.engine.model_runner import resolve_dtype
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    with pytest.raises(ValueError, match=r"dtype='bfloat16': Tesla T4 \(compute capability 7\.5\).*dtype='float16'"):
+        resolve_dtype("bfloat16", Qwen3Config(), torch.device("cuda", 0))
+    assert resolve_dtype("float16", Qwen3Config(), torch.device("cuda", 0)) == torch.float16

@@ -2,6 +2,7 @@
 cache. It turns a SchedulerOutput into tensors, issues the swap copies, runs the forward pass and samples."""
 import gc
 import itertools
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,6 +26,8 @@ from nanovllm.utils.loader import init_dummy_weights, load_weights
 from nanovllm_offload.copy_engine import CopyEngine
 from nanovllm_offload.host_kv_cache import HostKVCache, num_host_blocks
 
+logger = logging.getLogger(__name__)
+
 GiB = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,13 +41,26 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    """The model's dtype. "auto": float32 on CPU; on CUDA the checkpoint's half type, bfloat16 when it has none, and
+    float16 instead of bfloat16 on GPUs before compute capability 8.0 (T4, V100, RTX 20-series), which have no
+    bfloat16 arithmetic, as vLLM does."""
+    bf16_ok = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
     if name != "auto":
+        if DTYPES[name] == torch.bfloat16 and not bf16_ok:
+            raise ValueError(f"dtype='{name}': {torch.cuda.get_device_name(device)} (compute capability "
+                             f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}) has no bfloat16 "
+                             f"arithmetic, which needs 8.0 or newer; use dtype='float16' (or 'auto')")
         return DTYPES[name]
     if device.type == "cpu":
         return torch.float32
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.bfloat16
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    if dtype == torch.bfloat16 and not bf16_ok:
+        logger.warning("%s has no bfloat16 arithmetic (compute capability < 8.0): running the model in float16",
+                       torch.cuda.get_device_name(device))
+        return torch.float16
+    return dtype
 
 
 class _PackedInputs:
