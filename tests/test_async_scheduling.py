@@ -77,3 +77,27 @@ def test_async_stream_joins_to_generate(qwen3_dir):
 def test_async_needs_tp1(qwen3_dir):
     with pytest.raises(ValueError, match="async_scheduling=True needs tensor_parallel_size=1"):
         LLM(qwen3_dir, **tiny_llm_kwargs(async_scheduling=True, tensor_parallel_size=2))
+
+
+@pytest.mark.parametrize("mode, swap_space", [("recompute", 4), ("swap", 0)])  # swap with no host room: recompute
+def test_async_preempt_between_steps_before_the_token_is_read_back(qwen3_dir, mode, swap_space):
+    """Scheduler.preempt between two step() calls: the sequence's last token is still a placeholder, and its
+    recompute prefill ends on it; the runner must fill it in from the step in flight (it reached the embedding as
+    -1 before)."""
+    prompts = random_prompts([10, 14])
+    ref, _ = generate(qwen3_dir, prompts, greedy(8), **tiny_llm_kwargs())
+    llm = LLM(qwen3_dir, **tiny_llm_kwargs(async_scheduling=True, swap_space=swap_space))
+    try:
+        seq_ids = [llm.add_request(p, greedy(8)) for p in prompts]
+        seqs = [llm.requests[i] for i in seq_ids]
+        llm.step()
+        llm.step()
+        assert seqs[0].num_unresolved_tokens == 1 and seqs[0].token_ids[-1] == -1
+        llm.scheduler.preempt(seqs[0], mode=mode)
+        assert seqs[0].status.name == "WAITING"
+        while not all(seq.is_finished for seq in seqs):
+            llm.step()
+        assert [seq.completion_token_ids for seq in seqs] == [r[0] for r in ref]
+        assert llm.stats()["preemptions_recompute"] == 1
+    finally:
+        close_llm(llm)

@@ -63,8 +63,10 @@ def _fill_decode_rows(plan: StepPlan, seqs: list[Sequence], bs: int):
 def _fill_rows(plan: StepPlan, seqs: list[Sequence], num_new_tokens: list[int], bs: int):
     for seq, n in zip(seqs, num_new_tokens):
         start, end, table = seq.num_computed_tokens, seq.num_computed_tokens + n, seq.block_table
-        if n == 1 and seq.token_ids[start] == PLACEHOLDER_TOKEN:
-            plan.placeholder_rows.append(len(plan.input_ids))
+        # an unresolved token is always the sequence's last; a chunk that ends there is a decode row, or the
+        # recompute of a sequence preempted between steps (Scheduler.preempt) before its last token was read back
+        if seq.token_ids[end - 1] == PLACEHOLDER_TOKEN:
+            plan.placeholder_rows.append(len(plan.input_ids) + n - 1)
             plan.placeholder_sources.append(seq.sample_row)
         plan.input_ids.extend(seq.token_ids[start:end])
         plan.positions.extend(range(start, end))
