@@ -19,10 +19,12 @@ class SamplingParams:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < -1:
-            raise ValueError(f"top_k={self.top_k} must be -1 (disabled) or >= 1")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k!r} must be an int, -1 (disabled) or >= 1")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
+            raise ValueError(f"seed={self.seed!r} must be an int in [-2**63, 2**64) (a torch generator's seed), or None")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
         if isinstance(self.stop, str):

@@ -270,12 +270,36 @@ class TestBadInput:
             (dict(temperature=-0.5), "temperature"),
             (dict(top_p=0.0), "top_p"),
             (dict(top_p=1.5), "top_p"),
+            (dict(top_k=2.5), "top_k"),
+            (dict(seed=2**64), "seed"),
+            (dict(seed=1.5), "seed"),
         ],
-        ids=["max_tokens-0", "temperature-neg", "top_p-0", "top_p-1.5"],
+        ids=["max_tokens-0", "temperature-neg", "top_p-0", "top_p-1.5", "top_k-float", "seed-2**64", "seed-float"],
     )
     def test_bad_sampling_params(self, llm, serves_good, kw, name):
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kw)
+
+    def test_stop_strings_without_a_tokenizer(self, llm, serves_good):
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            llm.generate([self.GOOD], SamplingParams(max_tokens=4, stop=["x"]), use_tqdm=False)
+
+    def test_numpy_token_ids_are_a_prompt(self, llm, serves_good):
+        import numpy as np
+        want = llm.generate([self.GOOD], greedy(4), use_tqdm=False)[0]["token_ids"]
+        assert llm.generate(np.array(self.GOOD), greedy(4), use_tqdm=False)[0]["token_ids"] == want  # one prompt
+        assert llm.generate([np.array(self.GOOD)], greedy(4), use_tqdm=False)[0]["token_ids"] == want
+        with pytest.raises(ValueError, match="not an integer"):
+            llm.generate([[5, 7.0]], greedy(4), use_tqdm=False)
+
+    def test_top_k_beyond_the_vocabulary_disables_it(self, llm, serves_good):
+        params = SamplingParams(temperature=0.8, top_k=2**63, seed=3, max_tokens=6, ignore_eos=True)
+        plain = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+        got = llm.generate([self.GOOD], params, use_tqdm=False)[0]["token_ids"]
+        assert got == llm.generate([self.GOOD], plain, use_tqdm=False)[0]["token_ids"]
+
+    def test_idle_steps_return_nothing(self, llm, serves_good):
+        assert llm.step() == [] and llm.step() == [] and llm.step() == []
 
     def test_missing_model_dir(self, llm, serves_good, tmp_path):
         missing = str(tmp_path / "no-such-model")

@@ -287,3 +287,19 @@ def test_max_model_len_ends_a_sequence_before_max_tokens(asynchronous):
             break
     assert seq.finish_reason == "length" and seq.num_tokens == 12
     assert num_scheduled == 11  # the 6 prompt tokens, then one per decode step up to the 11th token
+
+
+def test_scheduler_without_a_policy_recomputes():
+    """The engine always passes a policy; a Scheduler built without one (its default) recomputes its victims
+    instead of failing on the first preemption."""
+    s = make_scheduler(num_gpu_blocks=6, num_cpu_blocks=8)
+    s.policy = None
+    a = make_seq(8)
+    s.add(a)
+    run_step(s)
+    s.preempt(a)
+    check(s)
+    assert a.status.name == "WAITING" and a.num_computed_tokens == 0 and s.stats.preemptions_recompute == 1
+    run_step(s)  # an explicit mode still swaps
+    s.preempt(a, mode="swap")
+    assert a.status.name == "SWAPPED" and s.stats.preemptions_swap == 1

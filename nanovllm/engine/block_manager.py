@@ -29,8 +29,9 @@ class BlockManager(BlockPool):
           that layer's attention reads any). A block that a decode token completes is hashed after that step was
           launched (`Scheduler.advance`), since under asynchronous scheduling its last token may not be known
           while it is scheduled.
-    NOTE: `new_gpu_block_ids` lists the blocks handed out since `begin_step()`; only these can be written by this
-          step's copies and forward, so only these can collide with a swap-out still reading them.
+    NOTE: `new_gpu_block_ids` lists the blocks handed out since `begin_step()`. This step's copies and forward also
+          write blocks handed out in earlier steps (and tails taken over), but of what they write only these can be
+          under a swap-out still reading them: earlier steps already waited for theirs.
     NOTE: `offload_candidate_ids` collects hashed blocks the host tier may want a copy of: blocks that became
           evictable (write-back) or, with write-through, blocks that were just cached. The scheduler drains it.
     NOTE: tails. Prefix caching by full blocks recomputes the partial last block of every conversation turn (the

@@ -1,6 +1,7 @@
 """The engine loop: add requests, then step (schedule -> run -> postprocess) until they finish."""
 import atexit
 import json
+import numbers
 import os
 import time
 
@@ -99,9 +100,16 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("empty prompt: a prompt needs at least one token")
         vocab = self.config.hf_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        not_ints = [t for t in token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if not_ints:
+            raise ValueError(f"token id {not_ints[0]!r} is not an integer; a prompt is a string or a list of ints")
+        token_ids = [int(t) for t in token_ids]  # numpy / torch integers become Python ints
+        bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if sampling_params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={sampling_params.stop!r} needs a tokenizer to match text, and model="
+                             f"{self.config.model!r} has none; pass stop_token_ids instead")
         max_len = self.config.max_model_len
         if len(token_ids) > max_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_len}; "
@@ -153,7 +161,7 @@ class LLMEngine:
         return finished + self._apply_stop_strings(updated)
 
     def _check_progress(self, out: SchedulerOutput):
-        progress = not out.is_empty or self._in_flight is not None
+        progress = not out.is_empty or self._in_flight is not None or self.scheduler.is_finished()  # idle is fine
         self._num_empty_steps = 0 if progress else self._num_empty_steps + 1
         if self._num_empty_steps > 1:
             s = self.scheduler
@@ -201,8 +209,8 @@ class LLMEngine:
 
     def _queue(self, prompts, sampling_params) -> list[int]:
         """Validate every request first, then queue them all: a bad one leaves the engine untouched."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], numbers.Integral)):
+            prompts = [prompts]  # one prompt: a string, or token ids (a list or a numpy vector)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, list):

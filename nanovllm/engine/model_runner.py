@@ -355,7 +355,7 @@ class ModelRunner:
         if not all_greedy:
             vocab = self.config.hf_config.vocab_size
             if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-                top_ks = self._to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64)
+                top_ks = self._to_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], torch.int64)
                 top_ps = self._to_device([p.top_p for p in params], torch.float32)
             if any(p.min_p > 0 for p in params):
                 min_ps = self._to_device([p.min_p for p in params], torch.float32)

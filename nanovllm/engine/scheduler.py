@@ -22,7 +22,8 @@ class SchedulerOutput:
     # (cpu_block_id, gpu_block_id): KV of resumed sequences; they join the batch from the next step, so the copy
     # overlaps this step's forward
     swap_in: list[tuple[int, int]] = field(default_factory=list)
-    # gpu blocks handed out this step: the only ones this step's forward and swap-ins may write
+    # gpu blocks handed out this step: of the blocks this step's forward and swap-ins write, the only ones a
+    # swap-out still in flight may be reading (the others were handed out in earlier steps, which waited for theirs)
     new_gpu_block_ids: list[int] = field(default_factory=list)
 
     @property
@@ -284,8 +285,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput, mode: str | None = None):
         """Swap seq out when the policy says so and the host pool has room; else recompute it later."""
         self.stats.preemptions += 1
-        wants_swap = self.policy.should_swap(seq) if mode is None else mode == "swap"
-        if self.host_pool is not None and seq.num_computed_tokens and wants_swap:
+        if self.host_pool is not None and seq.num_computed_tokens and self._wants_swap(seq, mode):
             copies = self.host_pool.swap_out(seq, self.block_manager.computed_block_ids(seq))
             if copies is not None:
                 # copy first the blocks that are handed out first, so the next owner's forward waits for one
@@ -307,6 +307,11 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def _wants_swap(self, seq: Sequence, mode: str | None) -> bool:
+        if mode is not None:
+            return mode == "swap"
+        return self.policy is not None and self.policy.should_swap(seq)  # no policy: recompute
 
     def _blocks_in_flight(self, seq: Sequence) -> list[int]:
         """seq's blocks that the last scheduled step writes: with asynchronous scheduling its forward may still
