@@ -285,6 +285,7 @@ LONG_PROMPT = "hello " * 600  # > max_model_len=512 tokens
     (dict(n=2), "n=2"),
     (dict(logprobs=2), "logprobs"),
     (dict(stream=True, temperature=-1), "temperature"),  # a bad stream is refused before it starts
+    (dict(seed=2**64), "seed"),  # accepted once, it failed every later step of every request in flight
 ])
 def test_bad_completion_requests_get_400(client, kw, message):
     kw = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, **kw}
