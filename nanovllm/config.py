@@ -112,6 +112,13 @@ class Config:
         for name, n in (("num_attention_heads", hf.num_attention_heads), ("num_key_value_heads", num_kv_heads)):
             if n % tp:
                 raise ValueError(f"{name}={n} is not divisible by tensor_parallel_size={tp}; pick a divisor of {n}")
+        window = getattr(hf, "sliding_window", None)  # e.g. Mistral-7B-v0.1: 4096; Qwen2/3 ship one, switched off
+        layer_types = getattr(hf, "layer_types", None)
+        if window and getattr(hf, "use_sliding_window", True) and (not layer_types or "sliding_attention" in layer_types) \
+                and self.max_model_len > window:
+            raise ValueError(f"the model attends over a sliding window of {window} tokens, which this engine does not "
+                             f"implement; max_model_len={self.max_model_len} would let contexts pass it and give "
+                             f"wrong outputs: set max_model_len <= {window}")
         rope_type = rope_parameters(hf).get("rope_type", "default")
         if rope_type != "default":
             raise ValueError(f"rope_type={rope_type!r} is not supported (only the default rope)")

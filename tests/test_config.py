@@ -55,3 +55,19 @@ def test_bfloat16_on_a_gpu_without_it_names_the_option(monkeypatch):
     with pytest.raises(ValueError, match=r"dtype='bfloat16': Tesla T4 \(compute capability 7\.5\).*dtype='float16'"):
         resolve_dtype("bfloat16", Qwen3Config(), torch.device("cuda", 0))
     assert resolve_dtype("float16", Qwen3Config(), torch.device("cuda", 0)) == torch.float16
+
+
+def test_a_sliding_window_shorter_than_max_model_len_is_refused(tmp_path):
+    """Mistral-7B-v0.1 attends over the last 4,096 tokens; the engine attends over all of them, which is the same
+    only while contexts fit in the window."""
+    from transformers import MistralConfig
+    cfg = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, sliding_window=64)
+    cfg.architectures = ["MistralForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="sliding window of 64 tokens.*max_model_len <= 64"):
+        Config(str(tmp_path))  # max_model_len defaults to max_position_embeddings (256)
+    assert Config(str(tmp_path), max_model_len=64).max_model_len == 64
+    cfg.sliding_window = None  # Mistral v0.2 and later
+    cfg.save_pretrained(tmp_path)
+    assert Config(str(tmp_path)).max_model_len == 256
