@@ -113,9 +113,9 @@ class Config:
             if n % tp:
                 raise ValueError(f"{name}={n} is not divisible by tensor_parallel_size={tp}; pick a divisor of {n}")
         window = getattr(hf, "sliding_window", None)  # e.g. Mistral-7B-v0.1: 4096; Qwen2/3 ship one, switched off
-        layer_types = getattr(hf, "layer_types", None)
-        if window and getattr(hf, "use_sliding_window", True) and (not layer_types or "sliding_attention" in layer_types) \
-                and self.max_model_len > window:
+        layer_types = getattr(hf, "layer_types", None) or ["sliding_attention"]
+        windowed = bool(window) and getattr(hf, "use_sliding_window", True) and "sliding_attention" in layer_types
+        if windowed and self.max_model_len > window:
             raise ValueError(f"the model attends over a sliding window of {window} tokens, which this engine does not "
                              f"implement; max_model_len={self.max_model_len} would let contexts pass it and give "
                              f"wrong outputs: set max_model_len <= {window}")

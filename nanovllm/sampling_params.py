@@ -24,7 +24,7 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
         if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
-            raise ValueError(f"seed={self.seed!r} must be an int in [-2**63, 2**64) (a torch generator's seed), or None")
+            raise ValueError(f"seed={self.seed!r} must be None or an int in [-2**63, 2**64) (a torch generator's)")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
         if isinstance(self.stop, str):
