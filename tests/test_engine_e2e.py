@@ -384,3 +384,36 @@ def test_cli_generate_text_smollm2(smollm2_dir):
                 console_script=True)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout, r.stdout
+
+
+def test_cli_chat_prompt_has_one_bos(smollm2_dir, tmp_path, monkeypatch):
+    """A chat template that starts with the BOS token, and a tokenizer that adds one when it encodes (Llama 3 and
+    Mistral ship both): the CLI's chat prompt must carry one BOS, as the server's does, not two."""
+    model = tmp_path / "bos"
+    shutil.copytree(smollm2_dir, model)
+    tok_path = model / "tokenizer.json"
+    tok = json.loads(tok_path.read_text())
+    bos = {"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}
+    tok["post_processor"] = {"type": "TemplateProcessing", "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+                             "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}},
+                                      {"Sequence": {"id": "B", "type_id": 1}}],
+                             "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1],
+                                                                 "tokens": ["<|im_start|>"]}}}
+    tok_path.write_text(json.dumps(tok))
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["bos_token"] = "<|im_start|>"
+    cfg["chat_template"] = ("{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}"
+                            "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    cfg_path.write_text(json.dumps(cfg))
+    for extra in model.glob("chat_template.*"):
+        extra.unlink()
+    from nanovllm.engine.llm_engine import LLMEngine
+    from nanovllm.entrypoints import cli
+    seen = []
+    real = LLMEngine._prompt_token_ids
+    monkeypatch.setattr(LLMEngine, "_prompt_token_ids", lambda self, p, sp: seen.append(real(self, p, sp)) or seen[-1])
+    assert cli.main(["generate", "hi", "--model", str(model), "--device", "cpu", "--dtype", "float32",
+                     "--max-tokens", "1", "--max-model-len", "256", "--num-kvcache-blocks", "32",
+                     "--kvcache-block-size", "16", "--enforce-eager"]) == 0
+    assert seen and seen[0][0] == 1 and seen[0][1] != 1, seen[0][:4]

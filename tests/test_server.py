@@ -317,6 +317,9 @@ def test_bad_chat_requests_get_400(client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": LONG_PROMPT}])
+    with pytest.raises(openai.BadRequestError, match="max_tokens=0"):  # 0 is not "unset"
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_completion_tokens=0, max_tokens=3)
 
 
 def test_server_keeps_serving_after_bad_requests(base_url, client, reference):

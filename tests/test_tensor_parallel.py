@@ -80,3 +80,31 @@ def test_tp2_host_prefix_cache_hits_equal_tp1(qwen3_dir):
     assert got == ref
     assert stats["host_prefix_hit_tokens"] == 48 and stats["prefix_cache_hit_tokens"] == 0
     assert mp.active_children() == []
+
+
+def test_failed_tp_start_leaves_no_process_group(qwen3_dir, tmp_path):
+    """A TP=2 start that fails after the ranks joined (a weight missing from the checkpoint) must leave this process
+    outside any group: a TP=1 engine built next in the same process would otherwise shard itself for a dead peer."""
+    import shutil
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+    bad = tmp_path / "missing-norm"
+    shutil.copytree(qwen3_dir, bad)
+    weights = load_file(bad / "model.safetensors")
+    weights.pop("model.norm.weight")
+    save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(Exception):
+        LLM(str(bad), **tiny_llm_kwargs(tensor_parallel_size=2, async_scheduling=False))
+    assert not dist.is_initialized()
+    outs, _ = run(qwen3_dir, tiny_llm_kwargs(), prompts=PROMPTS[:1], max_tokens=4)
+    assert outs == run(qwen3_dir, tiny_llm_kwargs(async_scheduling=True), prompts=PROMPTS[:1], max_tokens=4)[0]
+
+
+def test_more_ranks_than_gpus_is_a_value_error(qwen3_dir, monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs one GPU per rank, only 1 visible"):
+        LLM(qwen3_dir, **tiny_llm_kwargs(device="cuda", tensor_parallel_size=2))
+    assert mp.active_children() == []

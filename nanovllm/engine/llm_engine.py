@@ -5,10 +5,11 @@ import numbers
 import os
 import time
 
+import torch
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.model_runner import ModelRunner, resolve_device
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_plan import make_plan
@@ -48,6 +49,10 @@ class LLMEngine:
         config = self.config
         init_method = None
         if config.tensor_parallel_size > 1:
+            num_gpus = torch.cuda.device_count() if resolve_device(config.device).type == "cuda" else None
+            if num_gpus is not None and config.tensor_parallel_size > num_gpus:
+                raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} needs one GPU per rank, "
+                                 f"only {num_gpus} visible; lower tensor_parallel_size (or widen CUDA_VISIBLE_DEVICES)")
             init_method = free_init_method()
             self.workers = WorkerPool(config, init_method)
             atexit.register(self.close)

@@ -154,6 +154,15 @@ class ModelRunner:
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method=init_method,
                                     world_size=config.tensor_parallel_size, rank=rank,
                                     timeout=timedelta(minutes=10))
+        try:
+            self._build(config)
+        except BaseException:
+            if dist.is_initialized():  # a failed start must not leave this process in a group (a retry would join it)
+                dist.destroy_process_group()
+            raise
+
+    def _build(self, config: Config):
+        """The model, sampler and attention backend of this rank; the KV cache comes later (allocate_kv_cache)."""
         hf = config.hf_config
         self.dtype = resolve_dtype(config.dtype, hf, self.device)
         self.block_size = config.kvcache_block_size

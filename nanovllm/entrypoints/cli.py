@@ -62,10 +62,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed_request, ignore_eos=args.ignore_eos)
     with LLM(resolve_model(args.model), **engine_kwargs(args)) as llm:
+        inputs = prompts
         if args.chat and llm.tokenizer is not None and llm.tokenizer.chat_template:
             prompts = [p if not isinstance(p, str) else llm.tokenizer.apply_chat_template(
                 [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts]
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+            # the template already has its special tokens (BOS): encoded as plain text they would come twice
+            inputs = [p if not isinstance(p, str) else llm.tokenizer.encode(p, add_special_tokens=False)
+                      for p in prompts]
+        outputs = llm.generate(inputs, params, use_tqdm=False)
         for prompt, out in zip(prompts, outputs):
             if args.json:
                 print(json.dumps(out))

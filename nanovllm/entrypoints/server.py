@@ -705,7 +705,8 @@ def _add_routes(app: FastAPI, engine: EngineLoop, served_model_name: str, max_mo
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         body.check(served_model_name)
         generate = GenerateRequest(messages=body.template_messages(),
-                                   sampling=body.sampling(body.max_completion_tokens or body.max_tokens))
+                                   sampling=body.sampling(body.max_tokens if body.max_completion_tokens is None
+                                                         else body.max_completion_tokens))
         stream = await _submit(engine, generate)
         reply, watch = _Reply(f"chatcmpl-{uuid.uuid4().hex}", served_model_name), _ClientWatch(engine, stream, request)
         if body.stream:
