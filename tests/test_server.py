@@ -413,3 +413,35 @@ def test_multi_turn_chat_history_comes_back_from_the_host_tier(base_url, client)
     assert after["host_prefix_hit_tokens_total"] - before["host_prefix_hit_tokens_total"] >= 160
     assert after["blocks_onloaded_total"] > before["blocks_onloaded_total"]
     assert from_host_tier == from_gpu_cache
+
+
+# ------------------------------------------------------------------------------------------------ engine failures
+
+def test_a_failed_tensor_parallel_step_marks_the_engine_broken(qwen3_dir, monkeypatch):
+    """At TP 1 a failed step fails the requests in flight and the loop goes on. With tensor parallelism the ranks
+    are out of step after one: the loop stops taking requests and /health stops saying ok."""
+    from conftest import tiny_llm_kwargs
+    from nanovllm.entrypoints.server import EngineError, EngineLoop, GenerateRequest
+    llm = LLM(qwen3_dir, **tiny_llm_kwargs())
+    engine = EngineLoop(llm)
+
+    def failing_step():
+        raise RuntimeError("rank 1 ran out of memory")
+    monkeypatch.setattr(llm, "step", failing_step)
+    monkeypatch.setattr(llm, "workers", object())  # as if tensor_parallel_size were 2
+    engine.start()
+
+    async def scenario():
+        stream = await engine.submit(GenerateRequest(prompt=[5, 6, 7], sampling={"max_tokens": 4}))
+        with pytest.raises(EngineError, match="out of memory"):
+            async for _ in stream.events():
+                pass
+        with pytest.raises(EngineError, match="restart the server"):
+            await engine.submit(GenerateRequest(prompt=[5, 6, 7], sampling={"max_tokens": 4}))
+    try:
+        asyncio.run(scenario())
+        assert not engine.is_alive and "out of step" in engine.broken
+    finally:
+        engine.stop()
+        monkeypatch.setattr(llm, "workers", None)
+        close_llm(llm)

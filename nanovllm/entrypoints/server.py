@@ -147,6 +147,8 @@ class EngineLoop:
         self.num_finished_requests = 0
         self.num_aborted_requests = 0
         self.num_rejected_requests = 0  # refused by the engine's validation (HTTP 400)
+        # why the engine cannot serve any more (a failed tensor-parallel step leaves the ranks out of step), or None
+        self.broken: str | None = None
         self._thread = threading.Thread(target=self._run, name="nanovllm-engine-loop", daemon=True)
 
     # --- called from the handlers' event loop
@@ -159,7 +161,7 @@ class EngineLoop:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self.broken is None
 
     async def submit(self, request: GenerateRequest) -> RequestStream:
         """Queue a request; raises ValueError (nothing queued) when the engine refuses it."""
@@ -220,6 +222,8 @@ class EngineLoop:
             reply.set_result(result)
 
     def _add(self, stream: RequestStream, request: GenerateRequest):
+        if self.broken is not None:
+            raise EngineError(self.broken)
         try:
             token_ids = self._prompt_token_ids(request)
             sampling = dict(request.sampling)
@@ -268,7 +272,9 @@ class EngineLoop:
 
     def _step(self):
         """One engine step, then every request's new output. A failure fails the requests in flight, not the loop:
-        the server keeps taking new ones."""
+        at tensor_parallel_size 1 the server keeps taking new ones. With tensor parallelism a rank that failed has
+        left the others mid-step, so the engine is marked broken: /health answers 503 and new requests are refused
+        until the server is restarted."""
         try:
             self.llm.step()
             self._sample_throughput()
@@ -276,6 +282,8 @@ class EngineLoop:
                 self._publish(active)
         except Exception as e:
             logger.exception("engine step failed; failing the %d requests in flight", len(self._active))
+            if self.llm.workers is not None:
+                self.broken = f"a tensor-parallel step failed ({e!r}); the ranks are out of step: restart the server"
             self._fail_all(EngineError(f"the engine failed a step: {e!r}"))
 
     def _sample_throughput(self):
@@ -678,7 +686,7 @@ def _add_routes(app: FastAPI, engine: EngineLoop, served_model_name: str, max_mo
     @app.get("/health")
     async def health():
         if not engine.is_alive:
-            raise APIError(503, "the engine loop is not running", type="server_error")
+            raise APIError(503, engine.broken or "the engine loop is not running", type="server_error")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -719,6 +727,8 @@ async def _submit(engine: EngineLoop, request: GenerateRequest) -> RequestStream
         return await engine.submit(request)
     except ValueError as e:  # the engine's own validation: the message names the problem
         raise APIError(400, str(e)) from None
+    except EngineError as e:  # the engine is broken (see EngineLoop._step)
+        raise APIError(503, str(e), type="server_error") from None
 
 
 # ------------------------------------------------------------------------------------------------ entry points
