@@ -273,8 +273,10 @@ class TestBadInput:
             (dict(top_k=2.5), "top_k"),
             (dict(seed=2**64), "seed"),
             (dict(seed=1.5), "seed"),
+            (dict(seed=True), "seed"),
         ],
-        ids=["max_tokens-0", "temperature-neg", "top_p-0", "top_p-1.5", "top_k-float", "seed-2**64", "seed-float"],
+        ids=["max_tokens-0", "temperature-neg", "top_p-0", "top_p-1.5", "top_k-float", "seed-2**64", "seed-float",
+             "seed-bool"],
     )
     def test_bad_sampling_params(self, llm, serves_good, kw, name):
         with pytest.raises(ValueError, match=name):
@@ -289,6 +291,8 @@ class TestBadInput:
         want = llm.generate([self.GOOD], greedy(4), use_tqdm=False)[0]["token_ids"]
         assert llm.generate(np.array(self.GOOD), greedy(4), use_tqdm=False)[0]["token_ids"] == want  # one prompt
         assert llm.generate([np.array(self.GOOD)], greedy(4), use_tqdm=False)[0]["token_ids"] == want
+        params = SamplingParams(temperature=0, max_tokens=np.int64(4), top_k=np.int64(3), seed=np.int32(1))
+        assert llm.generate([self.GOOD], params, use_tqdm=False)[0]["token_ids"] == want
         with pytest.raises(ValueError, match="not an integer"):
             llm.generate([[5, 7.0]], greedy(4), use_tqdm=False)
 
