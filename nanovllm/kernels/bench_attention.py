@@ -390,24 +390,16 @@ def bench_overlap(batch: int = 288, ctx: int = 1024, repeats: int = 20):
 def _held(fn, seconds: float, per: int) -> tuple[float, str]:
     """fn captured in a CUDA graph and replayed for `seconds`: (us per 1/`per` of a replay, board power and SM clock
     over the second half)."""
-    from nanovllm.kernels.bench_gemm import PowerSampler
+    from nanovllm.kernels.bench_gemm import hold
     fn()  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with PowerSampler() as power:
-        begin = time.perf_counter()
-        while time.perf_counter() - begin < seconds:
-            start.record()
-            for _ in range(5):
-                graph.replay()
-            end.record()
-            end.synchronize()
+    ms, power = hold(graph.replay, seconds, repeats=5)
     del graph
     time.sleep(0.5)  # let the board cool between cases
-    return start.elapsed_time(end) / 5 / per * 1e3, power.summary()
+    return ms / per * 1e3, power
 
 
 def _held_stream_read(x: torch.Tensor, seconds: float) -> str:

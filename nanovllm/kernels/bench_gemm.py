@@ -151,6 +151,21 @@ class PowerSampler:
         return f"{sum(p for p, _ in tail) / len(tail):4.0f} W  SM {sum(c for _, c in tail) / len(tail):5.0f} MHz"
 
 
+def hold(fn, seconds: float, repeats: int) -> tuple[float, str]:
+    """Call fn `repeats` times per timed round, round after round for `seconds`: (ms per call in the last round,
+    board power and SM clock over the second half)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with PowerSampler() as power:
+        begin = time.perf_counter()
+        while time.perf_counter() - begin < seconds:
+            start.record()
+            for _ in range(repeats):
+                fn()
+            end.record()
+            end.synchronize()
+    return start.elapsed_time(end) / repeats, power.summary()
+
+
 def sustained_layer(shape: str, m: int, same_rows: bool, seconds: float = 1.5, only: int | None = None) -> str:
     """A layer's four GEMMs at M rows (`only`: just that one of them), back to back for `seconds`: TFLOP/s of the
     last 10 layers, and the mean board power and SM clock over the second half (NVML, every 50 ms)."""
@@ -167,20 +182,11 @@ def sustained_layer(shape: str, m: int, same_rows: bool, seconds: float = 1.5, o
         for a, w, out in zip(inputs, weights, outs):
             torch.matmul(a, w.t(), out=out)
 
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with PowerSampler() as power:
-        begin = time.perf_counter()
-        while time.perf_counter() - begin < seconds:
-            start.record()
-            for _ in range(10):
-                layer()
-            end.record()
-            end.synchronize()
-    ms = start.elapsed_time(end) / 10
+    ms, power = hold(layer, seconds, repeats=10)
     flops = 2 * m * sum(n * k for n, k in shapes)
     data = "same rows" if same_rows else "random"
     what = "layer" if only is None else f"GEMM (N={shapes[0][0]}, K={shapes[0][1]})"
-    return f"M={m:6d} {data:9s}: {ms * 1e3:8.1f} us/{what} {flops / ms / 1e9:6.1f} TFLOP/s  {power.summary()}"
+    return f"M={m:6d} {data:9s}: {ms * 1e3:8.1f} us/{what} {flops / ms / 1e9:6.1f} TFLOP/s  {power}"
 
 
 def main():
