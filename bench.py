@@ -3,7 +3,8 @@ least time the decode steps' KV and weight reads allow at the copy bandwidth mea
 
     python bench.py                                   # Qwen3-0.6B shape, 256 seqs
     python bench.py --shape qwen3-8b --num-seqs 1024  # the H800 workload
-    python bench.py --profile-decode 32 256           # also: decode-step time and kernels at these batch sizes
+    python bench.py --profile-decode 32 256 64:1500   # also: decode-step time and kernels at these batch sizes
+                                                      # (1,000 tokens of context a row, or as given)
     python bench.py --profile-mixed 32:1024 0:560x29  # ... and of steps with 32 decode rows + a 1,024-token prompt,
                                                       # and of a prefill of 29 prompts of 560 tokens
     python bench.py --variants "" "NANOVLLM_DECODE_LONGEST_FIRST=0" --repeat 2
@@ -285,9 +286,9 @@ def main():
     parser.add_argument("--kvcache-block-size", type=int, default=None, help="default: the engine's (64)")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--profile-decode", type=int, nargs="*", default=(), metavar="BATCH",
-                        help="after the run, time decode steps (forward + sampling) at these batch sizes with a "
-                             "1,000-token context and print their top CUDA kernels (torch.profiler)")
+    parser.add_argument("--profile-decode", nargs="*", default=(), metavar="BATCH[:CONTEXT]",
+                        help="after the run, time decode steps (forward + sampling) at these batch sizes, each row "
+                             "with CONTEXT tokens (default 1,000), and print their top CUDA kernels (torch.profiler)")
     parser.add_argument("--profile-mixed", nargs="*", default=(), metavar="ROWS:TOKENS[xPROMPTS]",
                         help="likewise for steps of ROWS decode rows plus PROMPTS (default 1) prompts of TOKENS new "
                              "tokens each")
@@ -312,8 +313,9 @@ def main():
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     if not args.skip_run:
         run(llm, args)
-    for batch in args.profile_decode:
-        profile_step(llm.runner, batch)
+    for spec in args.profile_decode:
+        batch, _, context_len = spec.partition(":")
+        profile_step(llm.runner, int(batch), context_len=int(context_len or 1000))
     for spec in args.profile_mixed:
         num_decode, prompts = spec.split(":")
         prefill_len, _, num_prompts = prompts.partition("x")
