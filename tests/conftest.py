@@ -60,10 +60,18 @@ def _build_tiny(kind: str, path: str) -> str:
         # untied lm_head, and written as 2 shards with an index file
         config = LlamaConfig(**_COMMON, rope_theta=2e5, tie_word_embeddings=False)
         shard = "300KB"
+    elif kind == "llama_bias":
+        # a bias on every projection, o_proj and down_proj included (added inside their GEMM with the residual)
+        config = LlamaConfig(**_COMMON, rope_theta=2e5, attention_bias=True, mlp_bias=True)
+        shard = None
     else:
         raise ValueError(kind)
-    torch.manual_seed({"qwen3": 0, "qwen2": 1, "llama": 2}[kind])
+    torch.manual_seed({"qwen3": 0, "qwen2": 1, "llama": 2, "llama_bias": 3}[kind])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # transformers initialises biases to zero, which would hide a bias that is dropped
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, INIT_RANGE)
     kwargs = {"safe_serialization": True}
     if shard:
         kwargs["max_shard_size"] = shard
@@ -98,8 +106,13 @@ def llama_dir(tiny_models_root) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_dirs(qwen3_dir, qwen2_dir, llama_dir) -> dict[str, str]:
-    return {"qwen3": qwen3_dir, "qwen2": qwen2_dir, "llama": llama_dir}
+def llama_bias_dir(tiny_models_root) -> str:
+    return _build_tiny("llama_bias", str(tiny_models_root / "llama_bias"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(qwen3_dir, qwen2_dir, llama_dir, llama_bias_dir) -> dict[str, str]:
+    return {"qwen3": qwen3_dir, "qwen2": qwen2_dir, "llama": llama_dir, "llama_bias": llama_bias_dir}
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ LENGTHS = (3, 9, 17, 26, 40)
 MAX_NEW = 20
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama", "llama_bias"])
 def test_greedy_matches_hf(kind, tiny_dirs):
     model_dir = tiny_dirs[kind]
     prompts = random_prompts(LENGTHS, seed=10)

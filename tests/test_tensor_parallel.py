@@ -19,7 +19,7 @@ def run(model_dir, kwargs, prompts=PROMPTS, max_tokens=16):
         close_llm(llm)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "llama_bias"])
 def test_tp2_equals_tp1(tiny_dirs, family):
     ref, _ = run(tiny_dirs[family], tiny_llm_kwargs())
     got, _ = run(tiny_dirs[family], tiny_llm_kwargs(tensor_parallel_size=2))

@@ -64,7 +64,7 @@ class MixedStepBuffers:
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         self.qkv = torch.zeros(max_num_tokens, qkv_size, dtype=dtype, device=device)  # a piece's qkv projection
         self.attn_out = torch.zeros(max_num_tokens, attn_size, dtype=dtype, device=device)  # eager attention's
-        self.residual = torch.zeros(max_num_tokens, hidden_size, dtype=dtype, device=device)
+        self.residual = torch.zeros(max_num_tokens, hidden_size, dtype=dtype, device=device)  # the stream, in place
         self.hidden = torch.zeros(max_num_tokens, hidden_size, dtype=dtype, device=device)  # the final norm's
 
 
@@ -86,21 +86,18 @@ class PiecewiseGraph:
         decoder, layers, b = model.model, self.layers, buffers
 
         def first():  # embedding + layer 0 up to its qkv projection
-            qkv, residual = layers[0].pre_attention(decoder.embed_tokens(b.input_ids[:n]), None)
-            b.qkv[:n].copy_(qkv)
-            b.residual[:n].copy_(residual)
+            b.residual[:n].copy_(decoder.embed_tokens(b.input_ids[:n]))
+            b.qkv[:n].copy_(layers[0].pre_attention(b.residual[:n]))
 
         def middle(i):  # layer i - 1 after attention + layer i up to its qkv projection
             def piece():
-                hidden, residual = layers[i - 1].post_attention(b.attn_out[:n], b.residual[:n])
-                qkv, residual = layers[i].pre_attention(hidden, residual)
-                b.qkv[:n].copy_(qkv)
-                b.residual[:n].copy_(residual)
+                layers[i - 1].post_attention(b.attn_out[:n], b.residual[:n])  # adds to b.residual in place
+                b.qkv[:n].copy_(layers[i].pre_attention(b.residual[:n]))
             return piece
 
         def last():  # the last layer after attention + the final norm
-            hidden, residual = layers[-1].post_attention(b.attn_out[:n], b.residual[:n])
-            b.hidden[:n].copy_(decoder.norm(hidden, residual)[0])
+            layers[-1].post_attention(b.attn_out[:n], b.residual[:n])
+            b.hidden[:n].copy_(decoder.norm(b.residual[:n]))
 
         self.pieces = [first] + [middle(i) for i in range(1, len(layers))] + [last]
         self.run = self.pieces  # what replay calls: the graphs' replays once captured

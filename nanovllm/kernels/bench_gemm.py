@@ -1,16 +1,21 @@
 """Microbenchmark of the decode-step GEMMs at small M: cuBLAS (`F.linear`) against Triton tiles, with split-K.
 
     python -m nanovllm.kernels.bench_gemm [--shape qwen3-0.6b qwen3-8b] [--m 1 32 128 256]
+    python -m nanovllm.kernels.bench_gemm --residual [--shape qwen3-8b] [--m 16 64 256 1024 16384]
     python -m nanovllm.kernels.bench_gemm --sustained [--shape qwen3-8b] [--m 512 1024 8192 16384]
 
 Why: in a Qwen3-0.6B decode step the four GEMMs of a layer take ~21-28 us at M <= 128 on an H200 while their
 weights (31 MB per layer) take ~8 us to read (docs/benchmarks.md, run N). Each of them reads a few MB with only
 N / BLOCK_N programs, too few to pull the weights at full bandwidth. Split-K gives each program a slice of K and
-writes fp32 partial sums [S, M, N]; in the engine the consumer of each GEMM (the add + RMSNorm after o_proj and
+writes fp32 partial sums [S, M, N]; in the engine the consumer of each GEMM (the RMSNorm after o_proj and
 down_proj, the rope + KV-store kernel after qkv_proj, SiLU-and-mul after gate_up_proj) could sum the S partials as
 it reads its input, so no extra kernel would run. This prints, per shape and M: cuBLAS; the best plain Triton tile;
 the best split-K tile alone ("fused reduce": what the engine would pay, plus reading the partials in the consumer);
 and split-K followed by a separate sum (`torch.sum` over S), all timed inside CUDA graphs.
+
+`--residual` times o_proj and down_proj (the GEMMs that feed the residual stream) three ways: alone, followed by a
+separate residual add, and adding into the residual inside the GEMM (`residual.addmm_`, cuBLAS's beta = 1), as the
+engine does (models/decoder.py). Why: the third must cost no more than the first for the fusion to pay.
 
 `--sustained` instead runs a layer's four GEMMs (cuBLAS) back to back for 1.5 s per M, once on random inputs and once
 with every input row the same, and prints TFLOP/s with the board power and SM clock sampled through NVML
@@ -113,6 +118,23 @@ def bench_shape(n: int, k: int, m: int) -> str:
     return line + f" | weights at 4.3 TB/s {weight_us:5.1f} us"
 
 
+def bench_residual(shape: str, m: int) -> str:
+    """o_proj and down_proj at M rows: the GEMM alone, + a separate residual add, and adding inside the GEMM."""
+    parts = []
+    for name, (n, k) in (("o_proj", SHAPES[shape][1]), ("down_proj", SHAPES[shape][3])):
+        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+        a = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        residual = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
+        expected = (residual.float() + a.float() @ w.float().t())
+        got = residual.clone().addmm_(a, w.t()).float()
+        assert (got - expected).abs().max().item() <= 2e-2 * expected.abs().max().item(), name
+        alone = graph_us(lambda: F.linear(a, w))
+        separate = graph_us(lambda: residual.add_(F.linear(a, w)))
+        inside = graph_us(lambda: residual.addmm_(a, w.t()))
+        parts.append(f"{name} {alone:7.1f} / {separate:7.1f} / {inside:7.1f} us")
+    return f"M={m:6d}: " + " | ".join(parts) + "  (alone / + separate add / add inside the GEMM)"
+
+
 class PowerSampler:
     """Board power and SM clock sampled through NVML (nvidia-ml-py) every 50 ms while the `with` block runs;
     `summary()` gives their means over the second half (the first half lets the power limiter settle)."""
@@ -193,11 +215,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", nargs="*", default=None, choices=list(SHAPES))
     parser.add_argument("--m", nargs="*", type=int, default=None)
+    parser.add_argument("--residual", action="store_true", help="o_proj and down_proj adding into the residual")
     parser.add_argument("--sustained", action="store_true", help="a layer's GEMMs held for 1.5 s, power and clock")
     parser.add_argument("--each", action="store_true", help="with --sustained: also each GEMM alone (random inputs)")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     torch.manual_seed(0)
+    if args.residual:
+        for shape in args.shape or ["qwen3-8b"]:
+            print(f"## {shape}, residual add", flush=True)
+            for m in args.m or [16, 64, 256, 1024, 16384]:
+                print(bench_residual(shape, m), flush=True)
+        return
     if args.sustained:
         for shape in args.shape or ["qwen3-8b"]:
             print(f"## {shape}, sustained", flush=True)

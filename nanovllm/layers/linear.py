@@ -74,13 +74,25 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial outputs are summed with an all-reduce."""
+    """Input features split across ranks; partial outputs are summed with an all-reduce.
+
+    With `residual`, the result is added to it in place and returned: rank 0's GEMM reads the residual as its C
+    operand (beta = 1), so the add needs no kernel and no extra pass over the activations, and is rounded to the
+    dtype once; the other ranks write their partial product into it and the all-reduce adds rank 0's residual once.
+    """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size // tp_size(), output_size, bias, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is None:
+            y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        elif self.tp_rank == 0:
+            y = residual.addmm_(x, self.weight.t())
+            if self.bias is not None:
+                y.add_(self.bias)
+        else:
+            y = torch.mm(x, self.weight.t(), out=residual)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

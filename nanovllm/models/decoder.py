@@ -68,6 +68,10 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One pre-norm layer. The residual stream is one [T, hidden] tensor that each layer adds to in place: o_proj
+    and down_proj write `residual + x @ W.T` straight into it (RowParallelLinear with `residual`, cuBLAS's beta = 1),
+    so the residual adds cost no kernel of their own and the norms only read the stream."""
+
     def __init__(self, hf, family: str):
         super().__init__()
         self.self_attn = DecoderAttention(hf, family)
@@ -75,21 +79,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual):
-        qkv, residual = self.pre_attention(hidden, residual)
-        return self.post_attention(self.self_attn.attend(qkv, positions), residual)
+    def forward(self, positions, residual):
+        return self.post_attention(self.self_attn.attend(self.pre_attention(residual), positions), residual)
 
     # the two halves around attention (piecewise CUDA graphs capture them, engine/cuda_graph.py)
-    def pre_attention(self, hidden, residual):
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        return self.self_attn.qkv_proj(hidden), residual
+    def pre_attention(self, residual):
+        return self.self_attn.qkv_proj(self.input_layernorm(residual))
 
     def post_attention(self, attn_out, residual):
-        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
-        return self.mlp(hidden), residual
+        """Adds the attention block's output, then the MLP's, to `residual` in place; returns it."""
+        residual = self.self_attn.o_proj(attn_out, residual)
+        mlp = self.mlp
+        return mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(self.post_attention_layernorm(residual))), residual)
 
 
 class DecoderModel(nn.Module):
@@ -100,11 +101,10 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        residual = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor: the layers add to it in place
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+            residual = layer(positions, residual)
+        return self.norm(residual)
 
 
 class DecoderForCausalLM(nn.Module):
