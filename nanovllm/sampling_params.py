@@ -1,6 +1,10 @@
 """Per-request sampling options, validated at construction (vLLM's names and defaults)."""
+import math
 import numbers
 from dataclasses import dataclass
+
+
+FLOAT32_MAX = 3.4028234663852886e38  # a temperature above it is infinite on the device: every logit becomes NaN
 
 
 @dataclass(slots=True)
@@ -13,6 +17,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None  # end with finish_reason "stop"; the token stays in token_ids
     stop: list[str] | str | None = None  # stop strings; the text is cut before the first match
+    include_stop_str_in_output: bool = False  # keep the matched stop string (or stop token's text) in the text
     seed: int | None = None  # per-request generator: the same seed gives the same tokens
 
     def __post_init__(self):
@@ -20,24 +25,40 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool):
                 setattr(self, name, int(value))
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a finite number")
+            setattr(self, name, float(value))
+        if not 0.0 <= self.temperature <= FLOAT32_MAX:
+            raise ValueError(f"temperature={self.temperature} must be in [0, {FLOAT32_MAX:.4g}] (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k={self.top_k!r} must be an int, -1 (disabled) or >= 1")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not -2**63 <= self.seed < 2**64):
+        if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**64):
             raise ValueError(f"seed={self.seed!r} must be None or an int in [-2**63, 2**64) (a torch generator's)")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop or [], (list, tuple)) or not all(isinstance(s, str) for s in self.stop or []):
+            raise ValueError(f"stop={self.stop!r} must be a string or a list of strings")
         self.stop = [s for s in (self.stop or []) if s]
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if isinstance(ids, numbers.Integral) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a list of token ids (ints >= 0)")
+        self.stop_token_ids = [int(i) for i in ids]
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -206,6 +206,56 @@ class TestStopStrings:
         late, early = words[-2], words[len(words) // 3]
         self.check(llm, prompt, text, [late, early])
 
+    def test_stop_string_completed_by_the_last_allowed_token(self, llm, story, smollm2_dir):
+        """The token that completes the stop string is also the last max_tokens allows: the text is still cut
+        and the reason is "stop", not "length" (vLLM checks the last token too)."""
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(smollm2_dir)
+        prompt, ref = story
+        w = self.middle_word(ref["text"])
+        n = next(n for n in range(1, 49) if w in tok.decode(ref["token_ids"][:n], skip_special_tokens=True))
+        [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, stop=[w]), use_tqdm=False)
+        assert out["finish_reason"] == "stop" and out["text"] == ref["text"][:ref["text"].index(w)], (w, n, out)
+        assert out["token_ids"] == ref["token_ids"][:n]
+
+    def test_include_stop_str_in_output(self, llm, story):
+        prompt, ref = story
+        w = self.middle_word(ref["text"])
+        params = SamplingParams(temperature=0.0, max_tokens=48, stop=[w], include_stop_str_in_output=True)
+        [out] = llm.generate([prompt], params, use_tqdm=False)
+        end = ref["text"].index(w) + len(w)
+        assert out["finish_reason"] == "stop" and out["text"] == ref["text"][:end], (w, out)
+
+    def test_a_stop_tokens_text_is_left_out_unless_included(self, llm, story, smollm2_dir):
+        """As in vLLM: the stop token stays in token_ids, and its text is not in `text`."""
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(smollm2_dir)
+        prompt, ref = story
+        k = 8
+        stop_id = ref["token_ids"][k]
+        k = ref["token_ids"].index(stop_id)  # its first occurrence
+        for include in (False, True):
+            params = SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=[stop_id],
+                                    include_stop_str_in_output=include)
+            [out] = llm.generate([prompt], params, use_tqdm=False)
+            assert out["finish_reason"] == "stop" and out["token_ids"] == ref["token_ids"][:k + 1], out
+            assert out["text"] == tok.decode(ref["token_ids"][:k + 1 if include else k], skip_special_tokens=True)
+
+    @pytest.mark.parametrize("where", ["never", "first_word"])
+    def test_stream_chunks_join_to_the_text(self, llm, story, where):
+        """A stop string longer than the text so far holds all of it back; the chunks never repeat text or
+        leak the start of a stop string, and join to what generate returns."""
+        prompt, ref = story
+        text = ref["text"]
+        stop = [text[:40] + "#" * 10] if where == "never" else [text[:30]]
+        params = SamplingParams(temperature=0.0, max_tokens=48, stop=stop)
+        [want] = llm.generate([prompt], params, use_tqdm=False)
+        chunks = list(llm.generate_stream([prompt], params))
+        assert "".join(c["text"] for c in chunks) == want["text"], (chunks, want)
+        assert chunks[-1]["finish_reason"] == want["finish_reason"] == ("length" if where == "never" else "stop")
+
     def test_greedy_token_ids_unchanged_by_stop(self, llm, story):
         prompt, ref = story
         w = self.middle_word(ref["text"])
@@ -274,9 +324,21 @@ class TestBadInput:
             (dict(seed=2**64), "seed"),
             (dict(seed=1.5), "seed"),
             (dict(seed=True), "seed"),
+            (dict(temperature=float("inf")), "temperature"),
+            (dict(temperature=1e39), "temperature"),  # infinite in float32: every logit would become NaN
+            (dict(temperature=float("nan")), "temperature"),
+            (dict(temperature="0.5"), "temperature"),
+            (dict(max_tokens=2.5), "max_tokens"),
+            (dict(max_tokens=float("nan")), "max_tokens"),
+            (dict(stop=[5]), "stop"),
+            (dict(stop_token_ids=7), "stop_token_ids"),
+            (dict(stop_token_ids=[-1]), "stop_token_ids"),
+            (dict(ignore_eos=1), "ignore_eos"),
         ],
         ids=["max_tokens-0", "temperature-neg", "top_p-0", "top_p-1.5", "top_k-float", "seed-2**64", "seed-float",
-             "seed-bool"],
+             "seed-bool", "temperature-inf", "temperature-float32-inf", "temperature-nan", "temperature-str",
+             "max_tokens-float", "max_tokens-nan", "stop-int", "stop_token_ids-int", "stop_token_ids-negative",
+             "ignore_eos-int"],
     )
     def test_bad_sampling_params(self, llm, serves_good, kw, name):
         with pytest.raises(ValueError, match=name):
@@ -319,6 +381,18 @@ class TestBadInput:
         cfg_path.write_text(json.dumps(cfg))
         with pytest.raises(ValueError, match="GPT2LMHeadModel"):
             LLM(str(bad), **tiny_llm_kwargs())
+
+
+def test_a_request_that_fills_the_whole_cache_is_admitted(qwen3_dir):
+    """8 blocks of 4 tokens hold 32 tokens of KV: a 4-token prompt may ask for 29 tokens, since the last one is
+    sampled and never computed; 30 would need a ninth block."""
+    prompt = random_prompts((4,), seed=61)[0]
+    with LLM(qwen3_dir, **tiny_llm_kwargs(num_kvcache_blocks=8)) as llm:
+        [out] = llm.generate([prompt], greedy(29), use_tqdm=False)
+        assert len(out["token_ids"]) == 29 and out["finish_reason"] == "length"
+        assert llm.stats()["preemptions"] == 0
+        with pytest.raises(ValueError, match=r"needs 9 KV blocks \(33 tokens\) but the cache has 8"):
+            llm.generate([prompt], greedy(30), use_tqdm=False)
 
 
 # ---------------------------------------------------------------- lifecycle

@@ -84,3 +84,31 @@ def test_a_triton_failure_falls_back_to_the_torch_path_for_good(caplog):
     sampler.triton_sample = broken
     assert sampler._triton_sample(torch.zeros(2, 5), torch.ones(2)) is None
     assert not sampler.use_triton and "Triton sampler unavailable (RuntimeError: no compiler here)" in caplog.text
+
+
+def test_filters_apply_in_vllms_order():
+    """temperature, min_p, top_k, then top_p over what top_k kept (renormalized): with p = [0.5, 0.3, 0.2],
+    top_k=2 leaves [0.625, 0.375], and top_p=0.6 then keeps the first token only. Computing top_p on the full
+    distribution (0.5 < 0.6) would keep two; so would min_p=0.5 applied after top_p."""
+    logits = torch.tensor([0.5, 0.3, 0.2]).log()
+    ones = torch.ones(NUM_DRAWS)
+    first_only = torch.tensor([1.0, 0.0, 0.0])
+    freq = frequencies(logits, 1.0, top_ks=torch.full((NUM_DRAWS,), 2), top_ps=torch.full((NUM_DRAWS,), 0.6))
+    assert torch.equal(freq, first_only), freq
+    freq = frequencies(logits, 1.0, top_ks=torch.full((NUM_DRAWS,), 3), top_ps=torch.full((NUM_DRAWS,), 0.6),
+                       min_ps=torch.full((NUM_DRAWS,), 0.5))  # min_p keeps [0.5, 0.3] -> [0.625, 0.375]
+    assert torch.equal(freq, first_only), freq
+    freq = frequencies(logits, 1.0, top_ks=torch.full((NUM_DRAWS,), 3), top_ps=ones * 0.7)  # 0.5 < 0.7 <= 0.8
+    assert freq[2] == 0 and abs(freq[0] - 0.625) < 0.01, freq
+
+
+def test_top_p_keeps_the_first_token_however_small_and_drops_nothing_at_one():
+    logits = torch.tensor([3.0, 1.0, 0.0, -1.0])
+    freq = frequencies(logits, 1.0, top_ks=torch.full((NUM_DRAWS,), 4), top_ps=torch.full((NUM_DRAWS,), 1e-46))
+    assert torch.equal(freq, torch.tensor([1.0, 0.0, 0.0, 0.0])), freq  # 1e-46 is 0 in float32
+    # top_p = 1 next to a filtering row: a tail token whose float32 cumsum above it reaches 1 still stays
+    tail = torch.tensor([30.0, 0.0])  # p(tail) ~ 1e-13: the cumsum above it is 1.0 in float32
+    st = SamplingTensors(torch.ones(2), torch.tensor([2, 1]), torch.tensor([1.0, 1.0]), None, None, False)
+    from nanovllm.layers.sampler import top_k_top_p
+    kept = top_k_top_p(tail.expand(2, -1) / st.temperatures.unsqueeze(1), st.top_ks, st.top_ps)
+    assert kept[0, 1].item() == 0.0 and kept[1, 1].item() == float("-inf"), kept

@@ -303,3 +303,28 @@ def test_scheduler_without_a_policy_recomputes():
     run_step(s)  # an explicit mode still swaps
     s.preempt(a, mode="swap")
     assert a.status.name == "SWAPPED" and s.stats.preemptions_swap == 1
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_running_stays_in_arrival_order_through_preemptions(mode):
+    """Victims leave from the back of `running` (newest first) and must come back oldest first, by swap-in as by
+    recompute, so that the next preemption again takes the newest. Random workloads on a tight pool keep two or
+    more victims waiting to resume at once, preempted in one step or in steps one after the other."""
+    import random
+    num_steps_with_two_victims = 0
+    for seed in range(10):
+        rng = random.Random(seed)
+        s = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=64, mode=mode, max_num_seqs=6,
+                           max_num_batched_tokens=64, max_model_len=64)
+        for i in range(8):
+            s.add(make_seq(rng.randint(3, 9), start=1000 + 50 * i, max_tokens=rng.randint(5, 20)))
+        for _ in range(300):
+            run_step(s)
+            ids = [q.seq_id for q in s.running]
+            assert ids == sorted(ids), (seed, ids)
+            victims = list(s.swapped) + [q for q in s.waiting if q.num_recompute_pending]
+            num_steps_with_two_victims += len(victims) >= 2
+            if s.is_finished():
+                break
+        assert s.is_finished()
+    assert num_steps_with_two_victims > 0

@@ -284,6 +284,10 @@ LONG_PROMPT = "hello " * 600  # > max_model_len=512 tokens
     (dict(prompt=["a", "b"]), "one prompt per request"),
     (dict(n=2), "n=2"),
     (dict(logprobs=2), "logprobs"),
+    (dict(logprobs=0), "logprobs"),  # 0 asks for the sampled tokens' logprobs
+    (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty"),
+    (dict(extra_body={"min_tokens": 8}), "min_tokens"),
+    (dict(temperature=1e39), "temperature"),  # inf in float32: it once crashed the step of every request
     (dict(stream=True, temperature=-1), "temperature"),  # a bad stream is refused before it starts
     (dict(seed=2**64), "seed"),  # accepted once, it failed every later step of every request in flight
 ])
@@ -308,6 +312,27 @@ def test_malformed_bodies_get_400(base_url, body, message, param):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert message in error["message"] and error["param"] == param
+
+
+def test_options_set_to_what_changes_nothing_are_accepted(client, reference):
+    """vLLM accepts these: the answer is the plain one."""
+    neutral = {"best_of": 1, "presence_penalty": 0, "repetition_penalty": 1.0, "min_tokens": 0, **IGNORE_EOS}
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=NUM_TOKENS, temperature=0,
+                                    extra_body=neutral)
+    assert out.choices[0].text == reference[PROMPTS[2]]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          response_format={"type": "text"})
+    assert chat.choices[0].finish_reason in ("length", "stop")
+
+
+def test_include_stop_str_in_output(client, reference):
+    text = reference[PROMPTS[2]]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    cut = text.index(stop)
+    for include, want in ((False, text[:cut]), (True, text[:cut + len(stop)])):
+        out = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=NUM_TOKENS, temperature=0,
+                                        stop=[stop], extra_body={**IGNORE_EOS, "include_stop_str_in_output": include})
+        assert out.choices[0].text == want and out.choices[0].finish_reason == "stop", (include, stop, out)
 
 
 def test_bad_chat_requests_get_400(client):

@@ -119,7 +119,8 @@ class LLMEngine:
         if len(token_ids) > max_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_len}; "
                              f"shorten it or raise max_model_len")
-        num_tokens = min(len(token_ids) + sampling_params.max_tokens, max_len)
+        # the last token is sampled and never computed: its KV needs no slot
+        num_tokens = max(min(len(token_ids) + sampling_params.max_tokens, max_len) - 1, len(token_ids))
         num_blocks = (num_tokens + self.config.kvcache_block_size - 1) // self.config.kvcache_block_size
         if num_blocks > self.num_gpu_blocks:
             raise ValueError(f"request needs {num_blocks} KV blocks ({num_tokens} tokens) but the cache has "
@@ -163,7 +164,7 @@ class LLMEngine:
         rows, sampled = self._in_flight
         self._in_flight = None
         updated, finished = self.scheduler.resolve(rows, sampled.tolist())
-        return finished + self._apply_stop_strings(updated)
+        return finished + self._apply_stop_strings(updated + finished)
 
     def _check_progress(self, out: SchedulerOutput):
         progress = not out.is_empty or self._in_flight is not None or self.scheduler.is_finished()  # idle is fine
@@ -174,19 +175,27 @@ class LLMEngine:
                                f"swapped={list(s.swapped)} free_gpu_blocks={s.block_manager.num_free_blocks}")
 
     def _apply_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Ends each sequence whose text now holds a stop string, its text cut before the first match (after it
+        with include_stop_str_in_output). Sequences that just finished by length or a stop token are checked too,
+        as vLLM does: their reason becomes "stop". Returns the running sequences it finished."""
         finished = []
         for seq in seqs:
-            stops = seq.sampling_params.stop
-            if not stops or seq.is_finished or self.tokenizer is None:
+            params = seq.sampling_params
+            if not params.stop or self.tokenizer is None:
                 continue
-            text = self._detokenize(seq.completion_token_ids)
-            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-            if cut >= 0:
-                seq.output_text = text[:cut]
-                del seq.token_ids[len(seq.token_ids) - seq.num_unresolved_tokens:]  # drop tokens after the stop
-                seq.num_unresolved_tokens = 0
-                self.scheduler.finish(seq, "stop")
-                finished.append(seq)
+            text = self._detokenize(self._text_token_ids(seq))
+            matches = [(i, stop) for stop in params.stop if (i := text.find(stop)) >= 0]
+            if not matches:
+                continue
+            cut, stop = min(matches, key=lambda match: match[0])
+            seq.output_text = text[:cut + len(stop)] if params.include_stop_str_in_output else text[:cut]
+            if seq.is_finished:
+                seq.finish_reason = "stop"
+                continue
+            del seq.token_ids[len(seq.token_ids) - seq.num_unresolved_tokens:]  # drop tokens after the stop
+            seq.num_unresolved_tokens = 0
+            self.scheduler.finish(seq, "stop")
+            finished.append(seq)
         return finished
 
     def _observe_speeds(self, out: SchedulerOutput, seconds: float):
@@ -208,8 +217,16 @@ class LLMEngine:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    @staticmethod
+    def _text_token_ids(seq: Sequence) -> list[int]:
+        """The completion tokens whose text is shown: a stop token (stop_token_ids, EOS) stays in token_ids but its
+        text is left out, unless include_stop_str_in_output (vLLM's rule)."""
+        ids = seq.completion_token_ids
+        stopped_by_token = seq.finish_reason == "stop" and seq.output_text is None
+        return ids[:-1] if stopped_by_token and not seq.sampling_params.include_stop_str_in_output else ids
+
     def output(self, seq: Sequence) -> dict:
-        text = seq.output_text if seq.output_text is not None else self._detokenize(seq.completion_token_ids)
+        text = seq.output_text if seq.output_text is not None else self._detokenize(self._text_token_ids(seq))
         return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason}
 
     def _queue(self, prompts, sampling_params) -> list[int]:
@@ -284,7 +301,7 @@ class LLMEngine:
             return text
         text = text.rstrip("\ufffd")
         holdback = max((len(s) - 1 for s in seq.sampling_params.stop), default=0)
-        return text[:len(text) - holdback] if holdback else text
+        return text[:max(len(text) - holdback, 0)]
 
     def _update_bar(self, bar, last):
         now = time.perf_counter()

@@ -296,7 +296,7 @@ class Scheduler:
                 copies.sort(key=lambda c: rank[c[0]])
                 self.block_manager.free(seq, hand_out_last=in_flight)
                 seq.status = SequenceStatus.SWAPPED
-                self.swapped.append(seq)
+                self.swapped.appendleft(seq)  # victims go newest first: the oldest resumes first, as with recompute
                 out.swap_out.extend(copies)
                 self.stats.preemptions_swap += 1
                 self.stats.blocks_swapped_out += len(copies)

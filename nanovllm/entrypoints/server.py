@@ -393,10 +393,23 @@ def _install_error_handlers(app: FastAPI):
 
 # ------------------------------------------------------------------------------------------------ request models
 
-# OpenAI options this server does not implement: a request that sets one to a value that would change the output
-# gets a 400 instead of being silently answered without it.
-UNSUPPORTED_OPTIONS = ("best_of", "echo", "logprobs", "top_logprobs", "logit_bias", "suffix", "presence_penalty",
-                       "frequency_penalty", "tools", "functions", "response_format")
+# OpenAI and vLLM options this server does not implement, each with a test for the values that change nothing: a
+# request that sets one to any other value gets a 400 instead of an answer without it.
+UNSUPPORTED_OPTIONS = {
+    "best_of": lambda v: v == 1,
+    "echo": lambda v: v is False,
+    "logprobs": lambda v: v is False,  # chat: a bool; completions: an int, where 0 asks for the sampled tokens'
+    "top_logprobs": lambda v: v == 0,
+    "logit_bias": lambda v: v == {},
+    "suffix": lambda v: v == "",
+    "presence_penalty": lambda v: v == 0,
+    "frequency_penalty": lambda v: v == 0,
+    "repetition_penalty": lambda v: v == 1,
+    "min_tokens": lambda v: v == 0,
+    "tools": lambda v: v == [],
+    "functions": lambda v: v == [],
+    "response_format": lambda v: v == {"type": "text"},
+}
 
 
 class StreamOptions(BaseModel):
@@ -405,7 +418,8 @@ class StreamOptions(BaseModel):
 
 class _SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions. None means the engine's default; top_k, min_p,
-    ignore_eos and stop_token_ids are vLLM's extensions (send them in the openai client's `extra_body`)."""
+    ignore_eos, stop_token_ids and include_stop_str_in_output are vLLM's extensions (send them in the openai
+    client's `extra_body`)."""
     model_config = ConfigDict(extra="allow")  # other OpenAI options are accepted and ignored, see `check`
 
     model: str
@@ -418,6 +432,7 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -428,15 +443,16 @@ class _SamplingRequest(BaseModel):
                            param="model", code="model_not_found")
         if self.n != 1:
             raise APIError(400, f"n={self.n}: only n=1 is supported", param="n")
-        for name in UNSUPPORTED_OPTIONS:
+        for name, changes_nothing in UNSUPPORTED_OPTIONS.items():
             value = (self.model_extra or {}).get(name)
-            if value not in (None, False, 0, [], {}):
-                raise APIError(400, f"{name} is not supported by this server", param=name)
+            if value is not None and not changes_nothing(value):
+                raise APIError(400, f"{name}={value!r} is not supported by this server", param=name)
 
     def sampling(self, max_tokens: int | None) -> dict:
         options = {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                    "top_k": self.top_k, "min_p": self.min_p, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
-                   "seed": self.seed, "ignore_eos": self.ignore_eos}
+                   "seed": self.seed, "ignore_eos": self.ignore_eos,
+                   "include_stop_str_in_output": self.include_stop_str_in_output}
         return {k: v for k, v in options.items() if v is not None or k == "max_tokens"}
 
     @property

@@ -44,13 +44,14 @@ class Sampler(nn.Module):
             return gumbel_sample(logits, st.temperatures)
         logits = logits.float()  # [B, V]
         greedy_ids = logits.argmax(-1)
-        if st.top_ks is not None:
-            logits = top_k_top_p(logits / st.temperatures.clamp(min=1e-5).unsqueeze(1), st.top_ks, st.top_ps)
-            probs = logits.softmax(-1)
-        else:
-            probs = tempered_probs(logits, st.temperatures)
+        # vLLM's order: temperature, min_p, top_k, then top_p over what top_k kept (renormalized)
+        logits = logits / st.temperatures.clamp(min=1e-5).unsqueeze(1)
         if st.min_ps is not None:
-            probs = probs.masked_fill(probs < st.min_ps.unsqueeze(1) * probs.amax(-1, keepdim=True), 0.0)
+            probs = logits.softmax(-1)
+            logits = logits.masked_fill(probs < st.min_ps.unsqueeze(1) * probs.amax(-1, keepdim=True), float("-inf"))
+        if st.top_ks is not None:
+            logits = top_k_top_p(logits, st.top_ks, st.top_ps)
+        probs = logits.softmax(-1)
         noise = torch.empty_like(probs).exponential_()
         for row, generator in enumerate(st.generators or ()):
             if generator is not None:
@@ -95,11 +96,6 @@ def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Ten
 
 
 @compilable
-def tempered_probs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    return (logits / temperatures.clamp(min=1e-5).unsqueeze(1)).softmax(-1)  # [B, V]
-
-
-@compilable
 def race(probs: torch.Tensor, noise: torch.Tensor, temperatures: torch.Tensor, greedy_ids: torch.Tensor):
     """argmax(p / E): a draw from p; greedy rows keep their argmax."""
     return torch.where(temperatures == 0, greedy_ids, probs.div(noise).argmax(-1))
@@ -107,11 +103,16 @@ def race(probs: torch.Tensor, noise: torch.Tensor, temperatures: torch.Tensor, g
 
 # not compiled: torch 2.11's inductor fails on this cumsum (dynamic shapes), and the sort dominates anyway
 def top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Keeps each row's top_k largest logits, then of those the fewest whose renormalized probability reaches top_p
+    (the largest always stays); the others become -inf."""
     sorted_logits, order = logits.sort(-1, descending=True)  # [B, V]
     ranks = torch.arange(logits.size(1), device=logits.device).unsqueeze(0)
-    remove = ranks >= top_ks.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_ks.unsqueeze(1), float("-inf"))
     sorted_probs = sorted_logits.softmax(-1)
-    # drop a token when the tokens ranked above it already reach top_p (the first token always stays)
-    remove |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_ps.unsqueeze(1)
+    # drop a token when the tokens ranked above it already reach top_p; rows at top_p = 1 drop nothing (their
+    # float32 cumsum can reach 1 before the tail)
+    remove = (sorted_probs.cumsum(-1) - sorted_probs) >= top_ps.unsqueeze(1)
+    remove &= top_ps.unsqueeze(1) < 1.0
+    remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
