@@ -395,6 +395,16 @@ def test_a_request_that_fills_the_whole_cache_is_admitted(qwen3_dir):
             llm.generate([prompt], greedy(30), use_tqdm=False)
 
 
+def test_a_request_added_by_hand_that_finishes_inside_generate_comes_back_from_step(qwen3_dir):
+    with LLM(qwen3_dir, **tiny_llm_kwargs()) as llm:
+        seq_id = llm.add_request(PROMPTS[0], greedy(2))
+        outs = llm.generate(PROMPTS[1:], greedy(8), use_tqdm=False)  # runs the other request to its end too
+        assert [len(o["token_ids"]) for o in outs] == [8] * 3
+        finished = llm.step()
+        assert [seq.seq_id for seq in finished] == [seq_id] and len(llm.output(finished[0])["token_ids"]) == 2
+        assert llm.step() == [] and llm.is_finished()
+
+
 # ---------------------------------------------------------------- lifecycle
 
 

@@ -274,7 +274,7 @@ LONG_PROMPT = "hello " * 600  # > max_model_len=512 tokens
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(model="gpt-4"), "not served here"),
+    (dict(stream_options={"include_usage": True}), "only allowed when stream is true"),
     (dict(temperature=-1), "temperature"),
     (dict(top_p=2.0), "top_p"),
     (dict(max_tokens=0), "max_tokens"),
@@ -298,6 +298,13 @@ def test_bad_completion_requests_get_400(client, kw, message):
     error = e.value.response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert message in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_an_unknown_model_gets_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="Hi", max_tokens=4)
+    error = e.value.response.json()["error"]
+    assert "not served here" in error["message"] and error["code"] == "model_not_found" and error["param"] == "model"
 
 
 @pytest.mark.parametrize("body, message, param", [

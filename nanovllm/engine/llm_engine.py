@@ -43,6 +43,8 @@ class LLMEngine:
         self._num_empty_steps = 0
         self._last_exposed = (0.0, 0.0)  # (exposed, copy) seconds at the last policy update
         self._in_flight = None  # (rows, SampledTokens) of the launched step not read back yet
+        # requests queued with add_request that finished during generate(): the next step() returns them
+        self._unclaimed: list[Sequence] = []
 
     def _start_runners(self) -> HostBlockPool | None:
         """Rank 0 here, ranks 1..N-1 in worker processes; every rank sizes and allocates the same caches."""
@@ -155,7 +157,13 @@ class LLMEngine:
         self._call_workers_wait()
         self._observe_speeds(out, time.perf_counter() - start)
         self.runner.release([seq.seq_id for seq in finished])
+        finished, self._unclaimed = self._unclaimed + finished, []
         return finished
+
+    def _keep_others(self, finished: list[Sequence], own_seq_ids) -> list[Sequence]:
+        """generate()'s share of a step's finished sequences; the others wait for the caller's next step()."""
+        self._unclaimed += [seq for seq in finished if seq.seq_id not in own_seq_ids]
+        return [seq for seq in finished if seq.seq_id in own_seq_ids]
 
     def _read_back(self) -> list[Sequence]:
         """Fill in the tokens of the step in flight; returns the sequences that finished."""
@@ -251,8 +259,8 @@ class LLMEngine:
         last = (time.perf_counter(), self.stats())
         try:
             while pending:
-                finished = self.step()
-                done = [s.seq_id for s in finished if s.seq_id in pending]
+                finished = self._keep_others(self.step(), pending)
+                done = [s.seq_id for s in finished]
                 pending.difference_update(done)
                 bar.update(len(done))
                 if use_tqdm:
@@ -273,7 +281,7 @@ class LLMEngine:
         text_sent = {seq_id: "" for seq_id in seq_ids}
         try:
             while pending:
-                self.step()
+                self._keep_others(self.step(), pending)
                 for i, seq_id in enumerate(seq_ids):
                     if seq_id not in pending:
                         continue

@@ -439,8 +439,10 @@ class _SamplingRequest(BaseModel):
 
     def check(self, served_model_name: str):
         if self.model != served_model_name:
-            raise APIError(400, f"model {self.model!r} is not served here; this server serves {served_model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(404, f"model {self.model!r} is not served here; this server serves {served_model_name!r}",
+                           type="not_found_error", param="model", code="model_not_found")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         if self.n != 1:
             raise APIError(400, f"n={self.n}: only n=1 is supported", param="n")
         for name, changes_nothing in UNSUPPORTED_OPTIONS.items():
