@@ -4,6 +4,7 @@ The Hugging Face config is loaded lazily (transformers is imported inside `load_
 block manager can import this module without pulling in torch or transformers.
 """
 import json
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,14 +66,17 @@ class Config:
         _check_choice("host_cache_policy", self.host_cache_policy, HOST_CACHE_POLICIES)
         if self.kvcache_block_size is None:
             self.kvcache_block_size = 256 if _flash_backend_expected(self.attention_backend, self.device) else 64
+        for name in ("kvcache_block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "max_cudagraph_capture_size", "max_model_len", "num_kvcache_blocks", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+            setattr(self, name, int(value))  # numpy integers too
         bs = self.kvcache_block_size
-        if bs < 1 or bs & (bs - 1):
+        if bs & (bs - 1):
             raise ValueError(f"kvcache_block_size={bs} must be a power of two")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "max_cudagraph_capture_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
-            raise ValueError(f"num_kvcache_blocks={self.num_kvcache_blocks} must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.async_scheduling is None:
@@ -109,9 +113,14 @@ class Config:
                              f"(the model's max_position_embeddings)")
         tp = self.tensor_parallel_size
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-        for name, n in (("num_attention_heads", hf.num_attention_heads), ("num_key_value_heads", num_kv_heads)):
+        for name, n in (("num_attention_heads", hf.num_attention_heads), ("num_key_value_heads", num_kv_heads),
+                        ("intermediate_size", hf.intermediate_size)):
             if n % tp:
                 raise ValueError(f"{name}={n} is not divisible by tensor_parallel_size={tp}; pick a divisor of {n}")
+        act = getattr(hf, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act={act!r} is not supported (only silu, the MLP activation of Llama, Qwen2 and "
+                             f"Qwen3 checkpoints)")
         window = getattr(hf, "sliding_window", None)  # e.g. Mistral-7B-v0.1: 4096; Qwen2/3 ship one, switched off
         layer_types = getattr(hf, "layer_types", None) or ["sliding_attention"]
         windowed = bool(window) and getattr(hf, "use_sliding_window", True) and "sliding_attention" in layer_types

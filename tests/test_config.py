@@ -16,7 +16,7 @@ def test_bad_block_size_names_the_option(qwen3_dir):
 
 
 def test_bad_capture_size_names_the_option(qwen3_dir):
-    with pytest.raises(ValueError, match="max_cudagraph_capture_size=0 must be >= 1"):
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size=0 must be an int >= 1"):
         Config(qwen3_dir, max_cudagraph_capture_size=0)
 
 
@@ -71,3 +71,34 @@ def test_a_sliding_window_shorter_than_max_model_len_is_refused(tmp_path):
     cfg.sliding_window = None  # Mistral v0.2 and later
     cfg.save_pretrained(tmp_path)
     assert Config(str(tmp_path)).max_model_len == 256
+
+
+@pytest.mark.parametrize("name, value", [("max_model_len", 64.5), ("kv_cache_memory_bytes", -5),
+                                         ("kv_cache_memory_bytes", 0), ("num_kvcache_blocks", 2.0),
+                                         ("max_num_seqs", True), ("kvcache_block_size", 16.0)])
+def test_integer_options_must_be_positive_ints(qwen3_dir, name, value):
+    with pytest.raises(ValueError, match=f"{name}={value!r} must be an int >= 1"):
+        Config(qwen3_dir, **{name: value})
+
+
+def _write_llama(path, **overrides):
+    from transformers import LlamaConfig
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+    cfg = LlamaConfig(**{**shape, **overrides})
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(path)
+    return str(path)
+
+
+def test_an_mlp_activation_other_than_silu_is_refused(tmp_path):
+    """The MLP is silu(gate) * up; a gelu checkpoint would run with the wrong activation."""
+    with pytest.raises(ValueError, match="hidden_act='gelu' is not supported"):
+        Config(_write_llama(tmp_path, hidden_act="gelu"))
+
+
+def test_an_intermediate_size_that_does_not_split_over_the_ranks_is_refused(tmp_path):
+    """130 MLP neurons over 3 ranks would drop one (silently wrong tokens); 129 over 2 failed in the first forward."""
+    with pytest.raises(ValueError, match="intermediate_size=130 is not divisible by tensor_parallel_size=3"):
+        Config(_write_llama(tmp_path, intermediate_size=130, num_attention_heads=3, num_key_value_heads=3,
+                            hidden_size=48), tensor_parallel_size=3)

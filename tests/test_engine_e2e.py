@@ -372,6 +372,28 @@ class TestBadInput:
         with pytest.raises(ValueError, match=re.escape("no-such-model")):
             LLM(missing, **tiny_llm_kwargs())
 
+    @pytest.mark.parametrize("edit, message", [
+        (lambda w: w.pop("model.layers.1.self_attn.k_proj.weight"),
+         r"lacks weights.*qkv_proj\.weight shards \['k'\]"),
+        (lambda w: w.pop("model.layers.0.mlp.up_proj.weight"), r"lacks weights.*gate_up_proj\.weight shards \['1'\]"),
+        (lambda w: w.update({"model.embed_tokens.weight": w["model.embed_tokens.weight"][:-8]}),
+         r"model\.embed_tokens\.weight.*\(504, 64\) does not match the parameter's \(512, 64\)"),
+        (lambda w: w.update({k: w[k][:1] for k in ["model.layers.0.self_attn.o_proj.weight"]}),
+         r"o_proj\.weight.*\(1, 128\) does not match the parameter's \(64, 128\)"),  # would broadcast
+    ], ids=["no-k_proj", "no-up_proj", "vocab-mismatch", "broadcastable-shape"])
+    def test_a_checkpoint_with_missing_or_misshapen_weights(self, llm, serves_good, qwen3_dir, tmp_path, edit,
+                                                           message):
+        """A packed parameter (q/k/v, gate/up) with a shard missing would keep uninitialised memory; a tensor of
+        another shape must not be broadcast or padded into place."""
+        from safetensors.torch import load_file, save_file
+        bad = tmp_path / "bad"
+        shutil.copytree(qwen3_dir, bad)
+        weights = load_file(str(bad / "model.safetensors"))
+        edit(weights)
+        save_file(weights, str(bad / "model.safetensors"))
+        with pytest.raises(ValueError, match=message):
+            LLM(str(bad), **tiny_llm_kwargs())
+
     def test_unsupported_architecture(self, llm, serves_good, llama_dir, tmp_path):
         bad = tmp_path / "gpt2ish"
         shutil.copytree(llama_dir, bad)
@@ -462,6 +484,12 @@ def test_cli_generate_bad_input_fails_cleanly(qwen3_dir):
     r = run_cli("generate", "--model", qwen3_dir, "--prompt-ids", "5,1000000", "--max-tokens", "4", *TINY_CLI)
     assert r.returncode != 0
     assert "1000000" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_cli_convert_into_a_path_that_cannot_be_created_fails_cleanly(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    r = run_cli("convert", str(tmp_path / "a_file" / "out"))
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
 
 
 def test_cli_generate_text_smollm2(smollm2_dir):

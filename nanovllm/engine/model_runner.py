@@ -235,8 +235,11 @@ class ModelRunner:
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             num_blocks = int(t.item())
         if num_blocks < 1:
-            raise ValueError(f"no room for a single KV block of {self.block_bytes / 2**20:.1f} MiB; raise "
-                             f"gpu_memory_utilization or kv_cache_memory_bytes, or lower max_num_batched_tokens")
+            if config.kv_cache_memory_bytes is not None:
+                hint = f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is less than that; raise it"
+            else:
+                hint = "raise gpu_memory_utilization or lower max_num_batched_tokens (the profiling run's size)"
+            raise ValueError(f"no room for a single KV block of {self.block_bytes:,} bytes: {hint}")
         return int(num_blocks)
 
     @torch.inference_mode()

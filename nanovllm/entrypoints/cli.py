@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # bad input, or a file that is missing or cannot be written
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -18,6 +18,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
+        if loaded.shape != (self.num_embeddings, param.size(1)):
+            raise ValueError(f"shape {tuple(loaded.shape)} does not match the parameter's "
+                             f"{(self.num_embeddings, param.size(1))} (vocab_size x hidden_size)")
         shard = loaded[self.vocab_start:self.vocab_start + self.num_per_rank]
         param.data.zero_()
         param.data[:shard.size(0)].copy_(shard)

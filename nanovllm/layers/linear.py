@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.utils.distributed import tp_rank, tp_size
+from nanovllm.utils.loader import copy_exact
 
 
 class LinearBase(nn.Module):
@@ -27,7 +28,7 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         if self.tp_dim is not None and (self.tp_dim == 0 or param.dim() > 1):
             loaded = self._shard(loaded, self.tp_dim)
-        param.data.copy_(loaded)
+        copy_exact(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -55,7 +56,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        param.data.narrow(0, offset, size).copy_(self._shard(loaded, 0))
+        copy_exact(param.data.narrow(0, offset, size), self._shard(loaded, 0))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -70,7 +71,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
         offset, size = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                         "v": (self.q_size + self.kv_size, self.kv_size)}[shard_id]
-        param.data.narrow(0, offset, size).copy_(self._shard(loaded, 0))
+        copy_exact(param.data.narrow(0, offset, size), self._shard(loaded, 0))
 
 
 class RowParallelLinear(LinearBase):

@@ -14,6 +14,7 @@ def load_weights(model: nn.Module, path: str):
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules_mapping", {})
     loaded = set()
+    shards = {}  # packed parameter -> the shard ids loaded into it
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
             for name in f.keys():
@@ -22,22 +23,44 @@ def load_weights(model: nn.Module, path: str):
                 if param is None:
                     continue  # e.g. rotary inv_freq buffers
                 tensor = f.get_tensor(name)
-                if shard_id is None:
-                    getattr(param, "weight_loader", _copy_whole)(param, tensor)
-                else:
-                    param.weight_loader(param, tensor, shard_id)
+                try:
+                    if shard_id is None:
+                        getattr(param, "weight_loader", _copy_whole)(param, tensor)
+                    else:
+                        param.weight_loader(param, tensor, shard_id)
+                        shards.setdefault(target, set()).add(shard_id)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint {path!r}, weight {name!r}: {e}") from None
                 loaded.add(target)
     if getattr(model, "tie_word_embeddings", False):
         loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
+    missing = sorted(set(params) - loaded) + _missing_shards(shards, packed)
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
 
+def copy_exact(dst: torch.Tensor, loaded: torch.Tensor):
+    """dst.copy_(loaded) without broadcasting: a checkpoint tensor of another shape is an error."""
+    if dst.shape != loaded.shape:
+        raise ValueError(f"shape {tuple(loaded.shape)} does not match the parameter's {tuple(dst.shape)}")
+    dst.copy_(loaded)
+
+
 def _copy_whole(param: nn.Parameter, loaded: torch.Tensor):
-    if param.shape != loaded.shape:
-        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter shape {tuple(param.shape)}")
-    param.data.copy_(loaded)
+    copy_exact(param.data, loaded)
+
+
+def _missing_shards(shards: dict, packed: dict) -> list[str]:
+    """Packed parameters (qkv_proj, gate_up_proj) that got some of their checkpoint tensors but not all."""
+    packs = {}  # our packed module -> every shard id it holds
+    for ours, shard_id in packed.values():
+        packs.setdefault(ours, set()).add(shard_id)
+    missing = []
+    for target, got in shards.items():
+        want = next(ids for ours, ids in packs.items() if f".{ours}." in target)
+        if got != want:
+            missing.append(f"{target} shards {sorted(map(str, want - got))}")
+    return missing
 
 
 def _map_name(name: str, packed: dict) -> tuple[str, object]:
