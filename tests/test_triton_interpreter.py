@@ -33,6 +33,10 @@ a, b, c = (sample_tempered(flat, torch.ones(64), seed=s) for s in (3, 3, 4))
 res["same_seed_same_ids"] = torch.equal(a, b)
 res["other_seed_changed"] = int((a != c).sum())
 res["distinct_ids"] = len(set(a.tolist()))
+overflow = torch.randn(4, 3000)  # an overflowed logit (an fp16 LM head past 65,504) must win, not give NaN
+overflow[:2, 2345] = float("inf")
+overflow[2:, 2345] = 4e33  # finite, but x * log2(e) / T overflows float32 at T = 1e-5
+res["overflow"] = sample_tempered(overflow, torch.tensor([1.0, 0.7, 1e-5, 1e-5]), seed=5).tolist()
 print(json.dumps(res))
 """
 
@@ -51,6 +55,7 @@ def test_triton_sampler_draws_follow_the_tempered_softmax():
     assert res["0.6"] < 0.06 and res["2.0"] < 0.06, res
     assert res["greedy"] == [2100, 5]  # greedy rows take the argmax, here in the third and the first chunk
     assert res["same_seed_same_ids"] and res["other_seed_changed"] > 50 and res["distinct_ids"] > 50, res
+    assert res["overflow"] == [2345] * 4, res  # was token 0: inf - inf made every chunk's mass NaN
 
 
 SILU = """

@@ -35,7 +35,7 @@ def _chunk_stats_kernel(logits_ptr, temperatures_ptr, chunk_max_ptr, chunk_sum_p
     tl.store(chunk_best_ptr + out, best)
     tl.store(chunk_best_id_ptr + out, tl.min(tl.where(x == best, cols, 2147483647), 0))
     scale = 1.4426950408889634 / tl.maximum(tl.load(temperatures_ptr + row), 1e-5)
-    y = x * scale  # log2 domain
+    y = tl.minimum(x * scale, 3.0e38)  # log2 domain; finite, so that an overflowed (inf) logit wins, not NaN
     m = tl.max(y, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)  # a chunk of -inf logits has mass 0, not NaN
     tl.store(chunk_max_ptr + out, m)
@@ -70,7 +70,7 @@ def _row_sample_kernel(logits_ptr, temperatures_ptr, chunk_max_ptr, chunk_sum_pt
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
                     other=float("-inf")).to(tl.float32)
         scale = 1.4426950408889634 / tl.maximum(temperature, 1e-5)
-        p = tl.exp2(x * scale - row_max)  # [CHUNK], on the scale of w
+        p = tl.exp2(tl.minimum(x * scale, 3.0e38) - row_max)  # [CHUNK], on the scale of w
         k = tl.sum((tl.cumsum(p, 0) <= target).to(tl.int32), 0)
         k = tl.minimum(k, tl.max(tl.where(p > 0.0, tl.arange(0, CHUNK), 0), 0))
         token = chunk * CHUNK + k
