@@ -14,6 +14,7 @@ class SamplingParams:
     top_k: int = -1  # -1 (or 0) disables
     min_p: float = 0.0  # in [0, 1]; 0 disables
     max_tokens: int = 64
+    min_tokens: int = 0  # until this many tokens are generated, EOS and stop_token_ids are not sampled
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None  # end with finish_reason "stop"; the token stays in token_ids
     stop: list[str] | str | None = None  # stop strings; the text is cut before the first match
@@ -21,7 +22,7 @@ class SamplingParams:
     seed: int | None = None  # per-request generator: the same seed gives the same tokens
 
     def __post_init__(self):
-        for name in ("top_k", "max_tokens", "seed"):  # numpy / torch-free integers become Python ints
+        for name in ("top_k", "max_tokens", "min_tokens", "seed"):  # numpy / torch-free integers become Python ints
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool):
                 setattr(self, name, int(value))
@@ -42,6 +43,8 @@ class SamplingParams:
             raise ValueError(f"seed={self.seed!r} must be None or an int in [-2**63, 2**64) (a torch generator's)")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens!r} must be an int in [0, max_tokens={self.max_tokens}]")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")

@@ -117,6 +117,22 @@ class TestSampling:
         assert out["token_ids"][-1] == stop_tok, out
         assert out["token_ids"] == ref[: cut + 1], (out, ref)
 
+    def test_min_tokens_keeps_stop_tokens_out_of_the_first_tokens(self, llm, greedy_ids):
+        """The stop token is greedy's 3rd token: with min_tokens=6 it cannot be sampled before the 7th, so
+        greedy takes the next best there and the request runs on (vLLM's min_tokens)."""
+        i = 0
+        ref = greedy_ids[i]
+        stop_tok = ref[2]
+        k = ref.index(stop_tok)
+        plain = SamplingParams(temperature=0.0, max_tokens=N, stop_token_ids=[stop_tok])
+        [out] = llm.generate([PROMPTS[i]], plain, use_tqdm=False)
+        assert out["token_ids"] == ref[:k + 1] and out["finish_reason"] == "stop"
+        held = SamplingParams(temperature=0.0, max_tokens=N, stop_token_ids=[stop_tok], min_tokens=6)
+        [out] = llm.generate([PROMPTS[i]], held, use_tqdm=False)
+        ids = out["token_ids"]
+        assert ids[:k] == ref[:k] and ids[k] != stop_tok and stop_tok not in ids[:6], (ids, ref)
+        assert len(ids) > 6 and (out["finish_reason"] == "length" or ids.index(stop_tok) == len(ids) - 1), out
+
     def test_eos_stops_unless_ignored(self, llm, qwen2_dir):
         """The model's EOS (id 2) ends a request with "stop" unless ignore_eos."""
         # find a prompt on which greedy decoding produces EOS
@@ -218,6 +234,25 @@ class TestStopStrings:
         [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, stop=[w]), use_tqdm=False)
         assert out["finish_reason"] == "stop" and out["text"] == ref["text"][:ref["text"].index(w)], (w, n, out)
         assert out["token_ids"] == ref["token_ids"][:n]
+
+    def test_min_tokens_skips_stop_strings_that_end_within_them(self, llm, story, smollm2_dir):
+        """A stop string whose first match ends within the first min_tokens tokens is matched only where it
+        ends after them (vLLM checks only the text that later tokens add)."""
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(smollm2_dir)
+        prompt, ref = story
+        text, ids = ref["text"], ref["token_ids"]
+        w = re.findall(r" [A-Za-z]{3,}", text)[0]  # an early word
+        n = next(n for n in range(1, 49) if w in tok.decode(ids[:n], skip_special_tokens=True))
+        start = len(tok.decode(ids[:n], skip_special_tokens=True))
+        later = text.find(w, start - len(w) + 1)
+        params = SamplingParams(temperature=0.0, max_tokens=48, stop=[w], min_tokens=n)
+        [out] = llm.generate([prompt], params, use_tqdm=False)
+        if later < 0:
+            assert out["finish_reason"] == "length" and out["text"] == text, (w, out)
+        else:
+            assert out["finish_reason"] == "stop" and out["text"] == text[:later], (w, later, out)
 
     def test_include_stop_str_in_output(self, llm, story):
         prompt, ref = story

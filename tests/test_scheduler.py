@@ -150,6 +150,26 @@ def test_eos_and_stop_token_ids_finish_with_stop():
     assert finished == [a] and a.finish_reason == "stop" and a.block_table == []
 
 
+def test_min_tokens_bans_stop_tokens_and_eos_until_reached():
+    """Rows of sequences short of min_tokens may not sample their stop tokens or EOS (id 0 here), unless
+    ignore_eos; the ban lifts once min_tokens tokens exist (a placeholder counts), and with the finish."""
+    from nanovllm import SamplingParams
+    from nanovllm.engine.sequence import Sequence
+    s = make_scheduler()
+    a = Sequence([1, 2, 3], SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[9, 5]), 4)
+    b = make_seq(3)  # no min_tokens
+    c = Sequence([4, 5], SamplingParams(max_tokens=8, min_tokens=1, ignore_eos=True, stop_token_ids=[6]), 4)
+    for seq in (a, b, c):
+        s.add(seq)
+    assert s.min_tokens_pending == {a.seq_id, c.seq_id}
+    assert s.banned_token_ids([a, b, c]) == [(0, [0, 5, 9]), (2, [6])]
+    a.token_ids.append(11)  # one completion token: a is still short, c would not be
+    c.token_ids.append(12)
+    assert s.banned_token_ids([b, c, a]) == [(2, [0, 5, 9])] and s.min_tokens_pending == {a.seq_id}
+    s.finish(a, "abort")
+    assert s.min_tokens_pending == set() and s.banned_token_ids([a]) == []
+
+
 def test_a_swapped_sequence_that_needs_every_block_still_resumes():
     s = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8, mode="swap")
     a = make_seq(14, max_tokens=2)  # 14 tokens + 1 sampled: 4 blocks, the whole pool

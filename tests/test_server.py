@@ -286,7 +286,7 @@ LONG_PROMPT = "hello " * 600  # > max_model_len=512 tokens
     (dict(logprobs=2), "logprobs"),
     (dict(logprobs=0), "logprobs"),  # 0 asks for the sampled tokens' logprobs
     (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty"),
-    (dict(extra_body={"min_tokens": 8}), "min_tokens"),
+    (dict(extra_body={"min_tokens": 8}), "min_tokens=8 must be an int in [0, max_tokens=4]"),
     (dict(temperature=1e39), "temperature"),  # inf in float32: it once crashed the step of every request
     (dict(stream=True, temperature=-1), "temperature"),  # a bad stream is refused before it starts
     (dict(seed=2**64), "seed"),  # accepted once, it failed every later step of every request in flight

@@ -146,6 +146,7 @@ class LLMEngine:
         self._check_progress(out)
         start = time.perf_counter()
         plan, sample_seqs = make_plan(out, self.config.kvcache_block_size)
+        plan.banned_token_ids = self.scheduler.banned_token_ids(sample_seqs)
         if self.workers is not None:
             self.workers.send("run", plan)
         sampled = self.runner.launch(plan, sample_seqs)
@@ -189,10 +190,12 @@ class LLMEngine:
         finished = []
         for seq in seqs:
             params = seq.sampling_params
-            if not params.stop or self.tokenizer is None:
+            if not params.stop or self.tokenizer is None or seq.num_completion_tokens <= params.min_tokens:
                 continue
             text = self._detokenize(self._text_token_ids(seq))
-            matches = [(i, stop) for stop in params.stop if (i := text.find(stop)) >= 0]
+            # with min_tokens, a match must end after the text of the first min_tokens tokens (as in vLLM)
+            start = len(self._detokenize(seq.completion_token_ids[:params.min_tokens])) if params.min_tokens else 0
+            matches = [(i, stop) for stop in params.stop if (i := text.find(stop, max(start - len(stop) + 1, 0))) >= 0]
             if not matches:
                 continue
             cut, stop = min(matches, key=lambda match: match[0])

@@ -414,7 +414,7 @@ class ModelRunner:
             self.copy_engine.forward_issued(plan.slot_mapping)
         if logits is None or self.rank != 0:
             return SampledTokens(None)
-        self._last_sampled = self.sampler(logits, self.sampling_tensors(sample_seqs))
+        self._last_sampled = self.sampler(logits, self.sampling_tensors(sample_seqs), plan.banned_token_ids)
         return SampledTokens(self._last_sampled)
 
     def _forward(self, plan: StepPlan) -> torch.Tensor | None:

@@ -88,6 +88,7 @@ class Scheduler:
         # at the copy engine: while others can run, such a sequence waits out of the batch instead of stalling it
         self.kv_arriving: dict[int, Sequence] = {}
         self.kv_ready: Callable[[Sequence], bool] = lambda seq: True
+        self.min_tokens_pending: set[int] = set()  # ids of sequences still short of their min_tokens
 
     @classmethod
     def from_config(cls, config: Config, num_gpu_blocks: int, host_pool: HostBlockPool | None,
@@ -102,6 +103,25 @@ class Scheduler:
     def add(self, seq: Sequence):
         seq.max_num_tokens = min(seq.max_num_tokens, self.max_model_len)
         self.waiting.append(seq)
+        if seq.sampling_params.min_tokens:
+            self.min_tokens_pending.add(seq.seq_id)
+
+    def banned_token_ids(self, sample_seqs: list[Sequence]) -> list[tuple[int, list[int]]]:
+        """(sample row, token ids) that this step may not sample: a request's stop tokens, and EOS unless
+        ignore_eos, while it has fewer than min_tokens completion tokens (vLLM's min_tokens)."""
+        if not self.min_tokens_pending:
+            return []
+        banned = []
+        for row, seq in enumerate(sample_seqs):
+            if seq.seq_id not in self.min_tokens_pending:
+                continue
+            params = seq.sampling_params
+            if seq.num_completion_tokens >= params.min_tokens:  # placeholders count: they will be tokens
+                self.min_tokens_pending.discard(seq.seq_id)
+                continue
+            eos = () if params.ignore_eos else self.eos_token_ids
+            banned.append((row, sorted({*params.stop_token_ids, *eos})))
+        return banned
 
     def is_finished(self) -> bool:
         return not (self.waiting or self.running or self.swapped)
@@ -396,5 +416,6 @@ class Scheduler:
         self.block_manager.free(seq, keep_tail=True)
         if self.host_pool is not None:
             self.host_pool.free(seq)
+        self.min_tokens_pending.discard(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

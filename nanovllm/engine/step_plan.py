@@ -23,6 +23,8 @@ class StepPlan:
     # placeholder_sources[i]; the runner copies it over on the device
     placeholder_rows: list[int] = field(default_factory=list)
     placeholder_sources: list[int] = field(default_factory=list)
+    # (sample row, token ids it may not sample): min_tokens not reached yet (Scheduler.banned_token_ids)
+    banned_token_ids: list[tuple[int, list[int]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

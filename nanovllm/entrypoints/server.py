@@ -405,7 +405,6 @@ UNSUPPORTED_OPTIONS = {
     "presence_penalty": lambda v: v == 0,
     "frequency_penalty": lambda v: v == 0,
     "repetition_penalty": lambda v: v == 1,
-    "min_tokens": lambda v: v == 0,
     "tools": lambda v: v == [],
     "functions": lambda v: v == [],
     "response_format": lambda v: v == {"type": "text"},
@@ -418,7 +417,7 @@ class StreamOptions(BaseModel):
 
 class _SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions. None means the engine's default; top_k, min_p,
-    ignore_eos, stop_token_ids and include_stop_str_in_output are vLLM's extensions (send them in the openai
+    ignore_eos, stop_token_ids, min_tokens and include_stop_str_in_output are vLLM's extensions (send them in the openai
     client's `extra_body`)."""
     model_config = ConfigDict(extra="allow")  # other OpenAI options are accepted and ignored, see `check`
 
@@ -432,6 +431,7 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool | None = None
+    min_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
     n: int = 1
     stream: bool = False
@@ -453,7 +453,7 @@ class _SamplingRequest(BaseModel):
     def sampling(self, max_tokens: int | None) -> dict:
         options = {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                    "top_k": self.top_k, "min_p": self.min_p, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
-                   "seed": self.seed, "ignore_eos": self.ignore_eos,
+                   "seed": self.seed, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
                    "include_stop_str_in_output": self.include_stop_str_in_output}
         return {k: v for k, v in options.items() if v is not None or k == "max_tokens"}
 
