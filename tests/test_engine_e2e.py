@@ -462,6 +462,26 @@ def test_a_request_added_by_hand_that_finishes_inside_generate_comes_back_from_s
         assert llm.step() == [] and llm.is_finished()
 
 
+def test_a_failed_step_leaves_no_prefix_cache_hits_on_blocks_it_never_wrote(qwen3_dir):
+    """A step registers its full blocks in the prefix cache when it is scheduled; if its launch then fails (an
+    out-of-memory error, say), their KV was never written. The engine drops its caches once nothing holds blocks,
+    so the same prompt afterwards is computed again, not read from those blocks."""
+    prompt = random_prompts((24,), seed=62)[0]  # 6 full blocks of 4 tokens
+    with LLM(qwen3_dir, **tiny_llm_kwargs()) as llm:
+        launch = llm.runner.launch
+
+        def fail_once(*args, **kwargs):
+            llm.runner.launch = launch
+            raise RuntimeError("CUDA out of memory (simulated)")
+        llm.runner.launch = fail_once
+        with pytest.raises(RuntimeError, match="simulated"):
+            llm.generate([prompt], greedy(8), use_tqdm=False)
+        outs = llm.generate([prompt], greedy(8), use_tqdm=False)
+        assert llm.stats()["prefix_cache_hit_tokens"] == 0
+        assert llm.reset_prefix_cache()  # idle: allowed
+    assert_matches_hf(qwen3_dir, [prompt], outs, 8, what="after a failed step")
+
+
 # ---------------------------------------------------------------- lifecycle
 
 

@@ -415,6 +415,44 @@ def test_cli_serve_tiny_model_without_tokenizer(qwen3_dir):
     assert f"on http://127.0.0.1:{port}/v1" in output
 
 
+def test_sigterm_fails_open_streams_at_once_and_exits(smollm2_dir):
+    """uvicorn waits for open connections before it shuts the app down: without failing the requests in flight
+    first, a SIGTERM waited for every stream to generate to its end (39 s for two 400-token streams)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "nanovllm.entrypoints.cli", "serve", smollm2_dir, "--port", str(port),
+           "--served-model-name", "m", "--device", "cpu", "--enforce-eager", "--max-model-len", "512",
+           "--log-level", "warning"]
+    env = {k: v for k, v in os.environ.items() if k != "NANOVLLM_API_KEY"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            stdin=subprocess.DEVNULL)
+    events, first = [], threading.Event()
+
+    def stream():
+        body = {"model": "m", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                events.append(line)
+                first.set()
+    try:
+        wait_for(lambda: proc.poll() is not None or _is_up(port), "the server to come up", timeout_s=120)
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(60)
+        proc.terminate()
+        start = time.monotonic()
+        proc.wait(timeout=30)
+        seconds = time.monotonic() - start
+        reader.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0 and seconds < 10, (seconds, output)
+    data = [e for e in events if e.startswith("data: ")]
+    assert "the server is shutting down" in data[-2] and data[-1] == "data: [DONE]", data[-3:]
+    assert "Traceback" not in output, output
+
+
 def _is_up(port: int) -> bool:
     try:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200

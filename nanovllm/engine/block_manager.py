@@ -57,6 +57,14 @@ class BlockManager(BlockPool):
     def begin_step(self):
         self.new_gpu_block_ids = []
 
+    def reset_cache(self) -> bool:
+        if not super().reset_cache():
+            return False
+        self.tail_by_parent.clear()
+        self.tail_tokens.clear()
+        self.offload_candidate_ids.clear()
+        return True
+
     # --- prefix cache
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """GPU blocks holding seq's leading full blocks. The last prompt token is never a hit: it must be computed

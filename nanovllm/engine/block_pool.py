@@ -61,6 +61,14 @@ class BlockPool:
             self.free_block_ids.move_to_end(block_id, last=False)
         return True
 
+    def reset_cache(self) -> bool:
+        """Forget every cached hash. Refused (False, nothing forgotten) while any block is referenced."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        self.hash_to_block_id.clear()
+        self.block_hash = [None] * self.num_blocks
+        return True
+
     def check_invariants(self, block_tables: list[list[int]]):
         """For tests: no table holds a block twice; ref counts equal the number of table entries; the free queue is
         the unreferenced set."""

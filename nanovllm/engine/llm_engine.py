@@ -45,6 +45,9 @@ class LLMEngine:
         self._in_flight = None  # (rows, SampledTokens) of the launched step not read back yet
         # requests queued with add_request that finished during generate(): the next step() returns them
         self._unclaimed: list[Sequence] = []
+        # a step raised: it may have registered prefix-cache hashes for blocks whose KV it never wrote, so the
+        # caches are dropped as soon as no sequence holds blocks
+        self._prefix_cache_suspect = False
 
     def _start_runners(self) -> HostBlockPool | None:
         """Rank 0 here, ranks 1..N-1 in worker processes; every rank sizes and allocates the same caches."""
@@ -139,9 +142,26 @@ class LLMEngine:
         return self.scheduler.is_finished() and self._in_flight is None
 
     # --- the loop
+    def reset_prefix_cache(self) -> bool:
+        """Forget the GPU and host prefix caches (vLLM's name). Refused (False) while a sequence holds blocks."""
+        scheduler = self.scheduler
+        if scheduler.running or scheduler.swapped:
+            return False
+        host_pool = scheduler.host_pool
+        return scheduler.block_manager.reset_cache() and (host_pool is None or host_pool.reset_cache())
+
     def step(self) -> list[Sequence]:
         """Schedule and launch one step, read back the previous one (asynchronous scheduling) or this one, and
         return the sequences that finished."""
+        if self._prefix_cache_suspect and self.reset_prefix_cache():
+            self._prefix_cache_suspect = False
+        try:
+            return self._step()
+        except BaseException:  # an error, or Ctrl-C between scheduling a step and launching it
+            self._prefix_cache_suspect = True
+            raise
+
+    def _step(self) -> list[Sequence]:
         out = self.scheduler.schedule()
         self._check_progress(out)
         start = time.perf_counter()

@@ -24,6 +24,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Literal
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -155,9 +156,16 @@ class EngineLoop:
     def start(self):
         self._thread.start()
 
-    def stop(self):
+    def shut_down(self):
+        """Fail the requests in flight ("the server is shutting down") and end the loop, without waiting for it:
+        safe in a signal handler."""
         self._inbox.put(_STOP)
-        self._thread.join()
+
+    def stop(self):
+        """shut_down, then wait for the loop to end (a step in progress finishes first); safe to call twice."""
+        if self._thread.is_alive():
+            self.shut_down()
+            self._thread.join()
 
     @property
     def is_alive(self) -> bool:
@@ -181,9 +189,18 @@ class EngineLoop:
         return await self._call(self._snapshot)
 
     async def _call(self, fn: Callable, *args):
+        """Run fn on the loop thread and wait for its result; EngineError when the loop has ended (shutting down)
+        and can no longer answer."""
         reply = concurrent.futures.Future()
         self._inbox.put((fn, args, reply))
-        return await asyncio.wrap_future(reply)
+        waiting = asyncio.wrap_future(reply)
+        try:
+            while not (await asyncio.wait({waiting}, timeout=1.0))[0]:
+                if not self._thread.is_alive() and not reply.running():
+                    raise EngineError("the server is shutting down")
+        finally:
+            waiting.cancel()  # no-op once done; else the command is skipped if the loop has not taken it yet
+        return waiting.result()
 
     # --- the loop thread
     def _run(self):
@@ -753,8 +770,6 @@ async def _submit(engine: EngineLoop, request: GenerateRequest) -> RequestStream
 
 def serve(args: argparse.Namespace, model: str, engine_kwargs: dict) -> int:
     """Load the model, then serve until Ctrl-C or SIGTERM; `nanovllm serve` calls this."""
-    import uvicorn
-
     from nanovllm import LLM
 
     name = args.served_model_name or model
@@ -766,11 +781,30 @@ def serve(args: argparse.Namespace, model: str, engine_kwargs: dict) -> int:
     try:
         with LLM(model, **engine_kwargs) as llm:
             app = build_app(llm, name, api_key=args.api_key)
+            engine = app.state.engine
+            server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level), engine)
             print(f"nanovllm: serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
-            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+            try:
+                server.run()
+            finally:  # a forced exit (a second Ctrl-C) skips the app's shutdown: the loop must not step a closed LLM
+                engine.stop()
     except KeyboardInterrupt:
         pass
     return 0
+
+
+class _Server(uvicorn.Server):
+    """On Ctrl-C or SIGTERM the requests in flight fail at once (streams get an error event, then [DONE]): uvicorn
+    waits for open connections to close before it shuts the app down, which would otherwise let every stream
+    generate to its end."""
+
+    def __init__(self, config: uvicorn.Config, engine: EngineLoop):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame):
+        self.engine.shut_down()
+        super().handle_exit(sig, frame)
 
 
 def _exit_on_sigterm(signum, frame):
