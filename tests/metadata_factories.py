@@ -82,11 +82,21 @@ class ShadowKV:
         return seq.token_ids[pos] if pos < len(seq.token_ids) else None
 
 
+def check_copies(out):
+    """Each host block is the destination of at most one swap-out copy of a step: on CUDA the copy engine issues a
+    step's copies in another order than the list's (split_by_last_forward), so two copies to one block could land
+    either way round."""
+    destinations = [cpu_block_id for _, cpu_block_id in out.swap_out]
+    twice = sorted({c for c in destinations if destinations.count(c) > 1})
+    assert not twice, f"cpu blocks {twice} are written twice by one step's swap-outs {out.swap_out}"
+
+
 def run_step_async(s: Scheduler, in_flight: list, sampled_token: int = 7, shadow: ShadowKV | None = None):
     """One step of the engine's asynchronous loop: schedule step N, "launch" it, resolve step N-1, advance N.
     `in_flight` carries step N-1's rows from call to call."""
     out = s.schedule()
     check(s)
+    check_copies(out)
     if shadow is not None:
         shadow.run(out)
     if in_flight:
@@ -104,6 +114,7 @@ def run_step(s: Scheduler, sampled_token: int = 7, shadow: ShadowKV | None = Non
     given a shadow)."""
     out = s.schedule()
     check(s)
+    check_copies(out)
     if shadow is not None:
         shadow.run(out)
     num_sampled = sum(1 for seq, n in zip(out.seqs, out.num_new_tokens)

@@ -17,7 +17,8 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)  # sequences that compute tokens this step, in batch order
     num_new_tokens: list[int] = field(default_factory=list)  # per seq: 1 for a decode, a chunk for a prefill
     samples: list[bool] = field(default_factory=list)  # per seq: this step completes its input, so it samples
-    # (gpu_block_id, cpu_block_id): KV of swapped-out victims; copied before any new owner writes the gpu block
+    # (gpu_block_id, cpu_block_id): KV of swapped-out victims and of blocks stored in the host prefix cache;
+    # copied before any new owner writes the gpu block. Each cpu block at most once (the copies' order may change)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     # (cpu_block_id, gpu_block_id): KV of resumed sequences; they join the batch from the next step, so the copy
     # overlaps this step's forward
@@ -209,6 +210,7 @@ class Scheduler:
             self.running.append(seq)
 
         out.new_gpu_block_ids = self.block_manager.new_gpu_block_ids
+        out.swap_out = _last_copy_per_host_block(out.swap_out)
         self._one_token_rows_first(out)
         self._last_out = out
         return out
@@ -419,3 +421,13 @@ class Scheduler:
         self.min_tokens_pending.discard(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+def _last_copy_per_host_block(copies: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """A host block stored for the prefix cache is free at once, so a small pool can hand it out again in the same
+    step (to a swap-out victim, or to another store): the earlier copy to it is dead. Keeping only the last copy to
+    each host block lets the copy engine issue a step's copies in its own order (on CUDA it does)."""
+    last = {cpu_block_id: i for i, (_, cpu_block_id) in enumerate(copies)}
+    if len(last) == len(copies):
+        return copies
+    return [copy for i, copy in enumerate(copies) if last[copy[1]] == i]
