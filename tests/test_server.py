@@ -148,6 +148,15 @@ def test_chat_stream_joins_to_non_streamed(client):
     assert chunks[-1].usage.prompt_tokens == out.usage.prompt_tokens
 
 
+def test_chat_text_parts_are_joined_by_newlines(client):
+    """As vLLM renders [{"type": "text"}, ...] content: the parts joined by a newline."""
+    def prompt_tokens(content):
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                              max_tokens=1).usage.prompt_tokens
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    assert prompt_tokens(parts) == prompt_tokens("Hello\nthere") != prompt_tokens("Hellothere")
+
+
 def test_idle_engine_loop_blocks_instead_of_spinning(base_url):
     """With nothing to do, the engine loop thread waits on its inbox: the whole process, uvicorn and this test
     included, uses well under the ~1 s of CPU per second that a polling loop would burn."""
@@ -374,6 +383,10 @@ def test_wrong_or_missing_api_key_gets_401(base_url):
         assert r.status_code == 401, (path, r.text)  # checked before the body is even read
     assert httpx.get(f"{base_url}/health").status_code == 200  # health and metrics stay open for probes
     assert httpx.get(f"{base_url}/metrics").status_code == 200
+    for header, status in ((f"bearer {API_KEY}", 200), (f"BEARER  {API_KEY}", 200), (f"Basic {API_KEY}", 401),
+                           (f"Bearer {API_KEY}x", 401), (API_KEY, 401)):  # the scheme is case-insensitive
+        r = httpx.get(f"{base_url}/v1/models", headers={"Authorization": header})
+        assert r.status_code == status, (header, r.text)
 
 
 # ------------------------------------------------------------------------------------------------ the CLI

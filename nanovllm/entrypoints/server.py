@@ -509,7 +509,7 @@ class ChatMessage(BaseModel):
         if isinstance(content, list):
             if any(part.type != "text" for part in content):
                 raise APIError(400, "only text content parts are supported", param="messages")
-            content = "".join(part.text or "" for part in content)
+            content = "\n".join(part.text or "" for part in content)  # as vLLM joins text parts
         return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
 
 
@@ -705,12 +705,12 @@ class _APIKeyCheck:
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(given, self.expected):
+            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.expected):
                 error = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                  type="authentication_error", code="invalid_api_key")
                 return await _error_response(error)(scope, receive, send)
