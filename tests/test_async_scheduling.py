@@ -101,3 +101,30 @@ def test_async_preempt_between_steps_before_the_token_is_read_back(qwen3_dir, mo
         assert llm.stats()["preemptions_recompute"] == 1
     finally:
         close_llm(llm)
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_prefill_speed_is_timed_between_read_backs(qwen3_dir, monkeypatch, asynchronous):
+    """The "auto" policy's prefill speed. A fake clock advances only while a read-back waits for the device: 2 s
+    for a step with a prompt, 0.1 s for a decode step. With asynchronous scheduling a step's own wall time is the
+    wait for the step before it (a decode: 0.1 s); the sample must be the prompt's tokens over its own 2 s."""
+    from types import SimpleNamespace
+
+    import nanovllm.engine.llm_engine as engine_module
+    clock = [0.0]
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    prompt = PROMPTS[2]
+    with LLM(qwen3_dir, **tiny_llm_kwargs(async_scheduling=asynchronous)) as llm:
+        launch = llm.runner.launch
+
+        def launch_with_device_time(plan, sample_seqs=None):
+            handle = launch(plan, sample_seqs)
+            device_s = 2.0 if plan.num_tokens > len(plan.query_lens) else 0.1
+            tolist = handle.tolist
+            handle.tolist = lambda: clock.__setitem__(0, clock[0] + device_s) or tolist()
+            return handle
+        llm.runner.launch = launch_with_device_time
+        prior = llm.policy.prefill_tokens_per_s
+        llm.generate([prompt], greedy(4), use_tqdm=False)
+        want = prior + llm.policy.ema * (len(prompt) / 2.0 - prior)  # one sample: the prompt's step
+        assert llm.policy.prefill_tokens_per_s == pytest.approx(want), (prior, llm.policy.prefill_tokens_per_s)

@@ -43,6 +43,11 @@ class LLMEngine:
         self._num_empty_steps = 0
         self._last_exposed = (0.0, 0.0)  # (exposed, copy) seconds at the last policy update
         self._in_flight = None  # (rows, SampledTokens) of the launched step not read back yet
+        # prefill speed for the policy: prompt tokens and rows of the steps launched since the last read-back, which
+        # waits for them on the GPU; the time between two read-backs is theirs (with asynchronous scheduling the
+        # host's own time for a step overlaps the GPU's, so a step's wall time would be its predecessor's)
+        self._unsynced_prefill_tokens = self._unsynced_rows = 0
+        self._last_sync = time.perf_counter()
         # requests queued with add_request that finished during generate(): the next step() returns them
         self._unclaimed: list[Sequence] = []
         # a step raised: it may have registered prefix-cache hashes for blocks whose KV it never wrote, so the
@@ -162,21 +167,24 @@ class LLMEngine:
             raise
 
     def _step(self) -> list[Sequence]:
+        if self._in_flight is None and not self._unsynced_rows:  # nothing on the GPU: the clock starts now
+            self._last_sync = time.perf_counter()
         out = self.scheduler.schedule()
         self._check_progress(out)
-        start = time.perf_counter()
         plan, sample_seqs = make_plan(out, self.config.kvcache_block_size)
         plan.banned_token_ids = self.scheduler.banned_token_ids(sample_seqs)
         if self.workers is not None:
             self.workers.send("run", plan)
         sampled = self.runner.launch(plan, sample_seqs)
         finished = self._read_back()  # the previous step, while this one runs
+        self._unsynced_prefill_tokens += sum(n for n in out.num_new_tokens if n > 1)
+        self._unsynced_rows += len(out.seqs)
         rows = self.scheduler.advance(out)
         self._in_flight = (rows, sampled) if rows else None
         if not self.config.async_scheduling:
             finished += self._read_back()
         self._call_workers_wait()
-        self._observe_speeds(out, time.perf_counter() - start)
+        self._observe_copies()
         self.runner.release([seq.seq_id for seq in finished])
         finished, self._unclaimed = self._unclaimed + finished, []
         return finished
@@ -192,7 +200,9 @@ class LLMEngine:
             return []
         rows, sampled = self._in_flight
         self._in_flight = None
-        updated, finished = self.scheduler.resolve(rows, sampled.tolist())
+        token_ids = sampled.tolist()  # waits for the step on the GPU
+        self._observe_prefill()
+        updated, finished = self.scheduler.resolve(rows, token_ids)
         return finished + self._apply_stop_strings(updated + finished)
 
     def _check_progress(self, out: SchedulerOutput):
@@ -229,10 +239,16 @@ class LLMEngine:
             finished.append(seq)
         return finished
 
-    def _observe_speeds(self, out: SchedulerOutput, seconds: float):
-        num_prefill = sum(n for n in out.num_new_tokens if n > 1)
-        if num_prefill > len(out.seqs):
-            self.policy.observe_prefill(num_prefill, seconds)
+    def _observe_prefill(self):
+        """After a read-back: the steps launched since the last one are done; mostly prompt tokens make a sample of
+        prefill speed."""
+        now = time.perf_counter()
+        if self._unsynced_prefill_tokens > self._unsynced_rows:
+            self.policy.observe_prefill(self._unsynced_prefill_tokens, now - self._last_sync)
+        self._unsynced_prefill_tokens = self._unsynced_rows = 0
+        self._last_sync = now
+
+    def _observe_copies(self):
         engine = self.runner.copy_engine
         if engine is not None:
             copies = engine.take_recent_copies()
