@@ -4,6 +4,7 @@ The Hugging Face config is loaded lazily (transformers is imported inside `load_
 block manager can import this module without pulling in torch or transformers.
 """
 import json
+import math
 import numbers
 import os
 from dataclasses import dataclass, field
@@ -77,6 +78,16 @@ class Config:
         bs = self.kvcache_block_size
         if bs & (bs - 1):
             raise ValueError(f"kvcache_block_size={bs} must be a power of two")
+        for name in ("gpu_memory_utilization", "swap_space"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a finite number")
+        for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "async_scheduling" and value is None):
+                raise ValueError(f"{name}={value!r} must be True or False")
+        if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool):
+            raise ValueError(f"seed={self.seed!r} must be an int")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.async_scheduling is None:

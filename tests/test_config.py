@@ -81,6 +81,16 @@ def test_integer_options_must_be_positive_ints(qwen3_dir, name, value):
         Config(qwen3_dir, **{name: value})
 
 
+@pytest.mark.parametrize("name, value, message", [
+    ("swap_space", "1", "must be a finite number"), ("gpu_memory_utilization", float("nan"), "must be a finite number"),
+    ("enable_prefix_caching", "no", "must be True or False"), ("enforce_eager", 1, "must be True or False"),
+    ("async_scheduling", "no", "must be True or False"), ("seed", "x", "must be an int")])
+def test_mistyped_options_are_value_errors(qwen3_dir, name, value, message):
+    """async_scheduling="no" is a true string: it used to switch asynchronous scheduling on."""
+    with pytest.raises(ValueError, match=f"{name}={value!r} {message}"):
+        Config(qwen3_dir, **{name: value})
+
+
 def _write_llama(path, **overrides):
     from transformers import LlamaConfig
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,

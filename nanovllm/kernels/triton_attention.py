@@ -486,11 +486,11 @@ def _decode_split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_siz
 
 # the kv heads of a sequence side by side in the grid (=0 turns it off): with rows launched longest first, bench.py
 # 0.6B 1.056x (H200, docs/benchmarks.md run V); with per-row splits, split launches gain too (runs AB, AD)
-_DECODE_HEADS_FASTEST = os.environ.get("NANOVLLM_DECODE_HEADS_FASTEST", "1") == "1"
+_DECODE_HEADS_FASTEST = os.environ.get("NANOVLLM_DECODE_HEADS_FASTEST", "1") != "0"
 _SPLIT_PLAN_BLOCK_N = 64  # split sizes are multiples of this (every default decode block_n divides it)
 # each row splits its own context (see _decode_split_plan; =0: the table width is cut): at 1-32 rows a decode step
 # 1.05-1.29x faster with max_model_len 40,960, bench_swap rtx4070 1.037x (H200, docs/benchmarks.md runs AB-AD)
-_DECODE_ROW_SPLITS = os.environ.get("NANOVLLM_DECODE_ROW_SPLITS", "1") == "1"
+_DECODE_ROW_SPLITS = os.environ.get("NANOVLLM_DECODE_ROW_SPLITS", "1") != "0"
 # the bf16/fp16 tile of unsplit decode launches (full batches) at block sizes below 128, "block_m,block_n,num_warps,
 # num_stages" (block_m is ignored: a GQA group is padded to 16 rows); side-by-side runs of bench.py
 _DECODE_TILE = _tile_from_env("NANOVLLM_DECODE_TILE")

@@ -79,7 +79,7 @@ class TritonBackend:
         self.ops = triton_attention
         # launch decode rows longest context first, so no long row starts last and leaves the GPU to a few
         # programs (=0 turns it off; measured with heads_fastest, docs/benchmarks.md run V)
-        self.longest_first = os.environ.get("NANOVLLM_DECODE_LONGEST_FIRST", "1") == "1"
+        self.longest_first = os.environ.get("NANOVLLM_DECODE_LONGEST_FIRST", "1") != "0"
 
     def store_kv(self, k, v, k_cache, v_cache, md: AttentionMetadata):
         self.ops.store_kvcache(k, v, k_cache, v_cache, md.slot_mapping)
