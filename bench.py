@@ -305,6 +305,8 @@ def main():
     args = parser.parse_args()
     if args.variants and _VARIANT_CHILD not in os.environ:
         return run_variants(args.variants, args.repeat)
+    if (args.profile_decode or args.profile_mixed) and args.tensor_parallel_size > 1:
+        raise SystemExit("--profile-decode / --profile-mixed run rank 0's forward alone: use --tensor-parallel-size 1")
     llm = LLM(preset_dir(args.shape), load_format="dummy", max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
               attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
@@ -331,6 +333,7 @@ def run_variants(variants: list[str], repeat: int):
     a drifting machine hits every variant alike; prints each run's output and then tok/s against the first."""
     argv = sys.argv[1:]  # as given: the child sees _VARIANT_CHILD and ignores --variants and --repeat
     results = {v: [] for v in variants}
+    num_failed = 0
     for round_index in range(repeat):
         for variant in variants:
             env = dict(os.environ, **dict(item.split("=", 1) for item in variant.split()), **{_VARIANT_CHILD: "1"})
@@ -338,6 +341,7 @@ def run_variants(variants: list[str], repeat: int):
             print(f"## [{variant or 'default'}] round {round_index + 1}\n{proc.stdout}", flush=True)
             if proc.returncode:
                 print(proc.stderr[-3000:], flush=True)
+                num_failed += 1
             found = re.search(r"Throughput: (\d+) tok/s", proc.stdout)
             if found:
                 results[variant].append(int(found.group(1)))
@@ -346,7 +350,8 @@ def run_variants(variants: list[str], repeat: int):
         mean = sum(values) / max(len(values), 1)
         ratio = f"{mean / (sum(base) / len(base)):.3f}x" if base and values else "-"
         print(f"{variant or 'default':60s} tok/s {values}  mean {mean:,.0f}  ({ratio} the first)")
+    return 1 if num_failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -44,6 +44,7 @@ def chat_workload(num_convs: int, num_turns: int = 4):
 def engine_options(scenario: str, mode: str, args) -> dict:
     """The LLM options of one mode of a scenario (the GPU runs and --simulate share them)."""
     s = SCENARIOS[scenario]
+    swap_space = s["swap_space"] if args.swap_space is None else args.swap_space  # 0 too
     options = dict(load_format="dummy", max_model_len=8192 if scenario == "chat" else 4096,
                    max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
                    tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
@@ -53,10 +54,9 @@ def engine_options(scenario: str, mode: str, args) -> dict:
     if mode in ("unpressured", "recompute", "no_host_tier"):
         options.update(preemption_mode="recompute", swap_space=0, host_cache_policy="off")
     elif mode == "host_tier":
-        options.update(preemption_mode="auto", swap_space=args.swap_space or s["swap_space"],
-                       host_cache_policy="write_back")
+        options.update(preemption_mode="auto", swap_space=swap_space, host_cache_policy="write_back")
     else:  # swap, auto
-        options.update(preemption_mode=mode, swap_space=args.swap_space or s["swap_space"], host_cache_policy="off")
+        options.update(preemption_mode=mode, swap_space=swap_space, host_cache_policy="off")
     return options
 
 
@@ -140,7 +140,8 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
     config = Config(preset_dir(SCENARIOS[scenario]["shape"]), **engine_options(scenario, mode, args))
     hf, block_size = config.hf_config, config.kvcache_block_size
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    block_bytes = block_size * hf.num_hidden_layers * 2 * hf.num_key_value_heads * head_dim * 2  # bf16, as on GPU
+    num_kv_heads = hf.num_key_value_heads // config.tensor_parallel_size  # one rank's, as its budget is
+    block_bytes = block_size * hf.num_hidden_layers * 2 * num_kv_heads * head_dim * 2  # bf16, as on GPU
     host_pool = None
     if config.swap_space > 0 and (config.preemption_mode != "recompute" or config.host_prefix_cache):
         # sized as the engine sizes it: without the prefix-cache role, at most max_num_seqs full tables
@@ -212,7 +213,8 @@ class Timeline:
         def timed_step():
             finished = step()
             host_used = sum(len(s.cpu_block_table) for s in sched.swapped) if host else 0
-            swapped = (sched.stats.blocks_swapped_out + sched.stats.blocks_swapped_in) * llm.block_bytes
+            swapped = ((sched.stats.blocks_swapped_out + sched.stats.blocks_swapped_in) * llm.block_bytes
+                       * llm.config.tensor_parallel_size)  # all ranks, as stats() counts them
             self.points.append((time.perf_counter() - self.start, bm.num_blocks - bm.num_free_blocks,
                                 host_used, swapped, last.get("num_seqs", 0), last.get("num_tokens", 0)))
             return finished
@@ -289,6 +291,7 @@ def main():
         with open(path, "w") as f:
             json.dump(run, f)
         return
+    num_failed = 0
     for scenario in args.scenario:
         results = []
         scenario_modes = CHAT_MODES if scenario == "chat" else MODES
@@ -305,6 +308,7 @@ def main():
             proc = subprocess.run(_strip_scenario(cmd))
             if proc.returncode:
                 print(f"{scenario}/{mode} failed with exit code {proc.returncode}")
+                num_failed += 1
                 continue
             with open(path) as f:
                 results.append(json.load(f))
@@ -322,6 +326,7 @@ def main():
         print_table(scenario, results)
         if args.plot and results:
             plot(scenario, results, os.path.join(args.out_dir, f"bench_swap_{scenario}.png"))
+    return 1 if num_failed else 0
 
 
 def _strip_scenario(cmd: list[str]) -> list[str]:
@@ -331,7 +336,7 @@ def _strip_scenario(cmd: list[str]) -> list[str]:
         if c in ("--scenario", "--modes"):
             skip = True
             continue
-        if skip and not c.startswith("--"):
+        if skip and not c.startswith("-"):  # -tp too
             continue
         skip = False
         out.append(c)
@@ -339,4 +344,4 @@ def _strip_scenario(cmd: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

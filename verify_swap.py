@@ -113,10 +113,13 @@ def check_counters(model, cuda):
         llm.generate(prompts, params, use_tqdm=False)
         s = llm.stats()
         block_bytes = llm.block_bytes
+        engine = llm.runner.copy_engine  # what the copies moved, counted where they are issued
+        copied = (engine.bytes_out, engine.bytes_in)
     assert s["preemptions"] == s["preemptions_swap"] + s["preemptions_recompute"], s
     assert s["preemptions_swap"] > 0 and s["blocks_swapped_out"] > 0 and s["blocks_swapped_in"] > 0, s
     assert s["blocks_swapped_in"] == s["blocks_swapped_out"], "without prefix caching every block out comes back in"
-    assert s["bytes_swapped_out"] == s["blocks_swapped_out"] * block_bytes, s
+    scheduled = (s["blocks_swapped_out"] * block_bytes, s["blocks_swapped_in"] * block_bytes)
+    assert copied == scheduled, f"the copy engine moved {copied} bytes (out, in), the scheduler asked for {scheduled}"
     assert s["swap_seconds"] > 0 and s["recomputed_tokens"] == 0, s
     return ", ".join(f"{k}={s[k]:.4g}" if isinstance(s[k], float) else f"{k}={s[k]}" for k in
                      ("preemptions_swap", "blocks_swapped_out", "blocks_swapped_in", "bytes_swapped_out",
@@ -167,8 +170,14 @@ def check_bandwidth(model, cuda):
 
 def check_tp2(model, cuda):
     import torch
+
+    from nanovllm.config import Config
     if torch.cuda.device_count() < 2:
         return "SKIP: fewer than 2 GPUs"
+    try:
+        Config(model, tensor_parallel_size=2)
+    except ValueError as e:  # e.g. SmolLM2's 9 heads
+        return f"SKIP: this model does not split over 2 GPUs ({e})"
     return check_heavy_swap(model, cuda, tp=2)
 
 

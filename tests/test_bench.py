@@ -30,3 +30,14 @@ def test_decode_traffic_counts_every_context_token_of_every_decode_step(qwen3_di
         assert "FASTER THAN THE BOUND ALLOWS" in bench.decode_traffic_bound(llm, timer)
     finally:
         close_llm(llm)
+
+
+def test_a_failed_variant_makes_the_comparison_fail(monkeypatch, capsys):
+    """A variant whose process fails must not leave the side-by-side run looking fine (exit status 0)."""
+    import subprocess
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--shape", "no-such-shape"])
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "ValueError: shape"))
+    assert bench.run_variants(["", "NANOVLLM_TRITON_SILU=0"], 1) == 1
+    ok = subprocess.CompletedProcess([], 0, "Throughput: 100 tok/s", "")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: ok)
+    assert bench.run_variants(["", "NANOVLLM_TRITON_SILU=0"], 1) == 0

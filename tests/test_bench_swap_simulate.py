@@ -29,3 +29,19 @@ def test_chat_host_tier_serves_history_from_the_host():
     # every request after the first finds the 2,048-token system prompt cached (turn 1's same-step sharing is
     # checked exactly in test_scheduler.py and test_hf_parity.py)
     assert no_tier["prefix_cache_hit_tokens"] >= (128 - 1) * 2048
+
+
+def test_tensor_parallel_simulation_sizes_one_rank_as_the_engine_does():
+    """Each rank gets 1/N of the KV budget and holds 1/N of the KV heads: the same number of blocks."""
+    args = bench_swap.parse_args(["--scenario", "rtx4070", "--simulate", "-tp", "2"])
+    tp2 = bench_swap.simulate("rtx4070", "swap", 8, args)
+    assert tp2["num_gpu_blocks"] == simulated("rtx4070", "swap", 8 / 256)["num_gpu_blocks"] == 585
+
+
+def test_command_line_details_reach_the_runs():
+    args = bench_swap.parse_args(["--scenario", "rtx4070", "--swap-space", "0"])
+    assert bench_swap.engine_options("rtx4070", "swap", args)["swap_space"] == 0  # 0 is not "the default"
+    cmd = ["python", "bench_swap.py", "--run-mode", "rtx4070", "swap", "/tmp/x", "--scenario", "rtx4070", "-tp", "2",
+           "--modes", "swap", "auto", "--enforce-eager"]
+    assert bench_swap._strip_scenario(cmd) == ["python", "bench_swap.py", "--run-mode", "rtx4070", "swap", "/tmp/x",
+                                               "-tp", "2", "--enforce-eager"]
