@@ -37,6 +37,9 @@ def ids(outs):
     return [list(o["token_ids"]) for o in outs]
 
 
+ids_of = ids  # for tests whose locals shadow `ids`
+
+
 # ---------------------------------------------------------------- sampling
 
 
@@ -132,6 +135,10 @@ class TestSampling:
         ids = out["token_ids"]
         assert ids[:k] == ref[:k] and ids[k] != stop_tok and stop_tok not in ids[:6], (ids, ref)
         assert len(ids) > 6 and (out["finish_reason"] == "length" or ids.index(stop_tok) == len(ids) - 1), out
+        # nothing to hold back (ignore_eos, no stop tokens): min_tokens changes nothing, and must not fail the step
+        nothing = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=3, ignore_eos=True)
+        assert ids_of(llm.generate([PROMPTS[i], PROMPTS[1]], [nothing, greedy(6)], use_tqdm=False)) == \
+            [ref[:6], greedy_ids[1][:6]]
 
     def test_eos_stops_unless_ignored(self, llm, qwen2_dir):
         """The model's EOS (id 2) ends a request with "stop" unless ignore_eos."""
@@ -450,6 +457,28 @@ def test_a_request_that_fills_the_whole_cache_is_admitted(qwen3_dir):
         assert llm.stats()["preemptions"] == 0
         with pytest.raises(ValueError, match=r"needs 9 KV blocks \(33 tokens\) but the cache has 8"):
             llm.generate([prompt], greedy(30), use_tqdm=False)
+
+
+def test_interleaved_streams_and_an_abort_from_outside(qwen3_dir):
+    """Two generate_stream calls advanced in turn: each collects its own requests, and none of them is handed to
+    a later step() as well; a request aborted with abort_request ends its stream with "abort"."""
+    with LLM(qwen3_dir, **tiny_llm_kwargs()) as llm:
+        want = ids(llm.generate(PROMPTS[:3], greedy(6), use_tqdm=False))
+        a, b = llm.generate_stream(PROMPTS[:2], greedy(6)), llm.generate_stream(PROMPTS[2:3], greedy(6))
+        got = {0: [], 1: [], 2: []}
+        for chunk in b:
+            got[2] += chunk["token_ids"]
+            first = next(a, None)  # a's requests finish during b's steps too
+            if first is not None:
+                got[first["index"]] += first["token_ids"]
+        for chunk in a:
+            got[chunk["index"]] += chunk["token_ids"]
+        assert [got[0], got[1], got[2]] == want
+        assert llm.step() == [] and not llm.requests
+        stream = llm.generate_stream(PROMPTS[:1], greedy(50))
+        first = next(stream)
+        llm.abort_request(next(iter(llm.requests)))
+        assert [chunk["finish_reason"] for chunk in stream] == ["abort"] and first["finish_reason"] is None
 
 
 def test_a_request_added_by_hand_that_finishes_inside_generate_comes_back_from_step(qwen3_dir):

@@ -159,10 +159,12 @@ def test_min_tokens_bans_stop_tokens_and_eos_until_reached():
     a = Sequence([1, 2, 3], SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[9, 5]), 4)
     b = make_seq(3)  # no min_tokens
     c = Sequence([4, 5], SamplingParams(max_tokens=8, min_tokens=1, ignore_eos=True, stop_token_ids=[6]), 4)
-    for seq in (a, b, c):
+    d = Sequence([4, 5], SamplingParams(max_tokens=8, min_tokens=3, ignore_eos=True), 4)  # nothing to ban
+    for seq in (a, b, c, d):
         s.add(seq)
-    assert s.min_tokens_pending == {a.seq_id, c.seq_id}
-    assert s.banned_token_ids([a, b, c]) == [(0, [0, 5, 9]), (2, [6])]
+    assert s.min_tokens_pending == {a.seq_id, c.seq_id, d.seq_id}
+    assert s.banned_token_ids([a, b, c, d]) == [(0, [0, 5, 9]), (2, [6])]
+    s.finish(d, "abort")
     a.token_ids.append(11)  # one completion token: a is still short, c would not be
     c.token_ids.append(12)
     assert s.banned_token_ids([b, c, a]) == [(2, [0, 5, 9])] and s.min_tokens_pending == {a.seq_id}

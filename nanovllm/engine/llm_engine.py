@@ -50,6 +50,7 @@ class LLMEngine:
         self._last_sync = time.perf_counter()
         # requests queued with add_request that finished during generate(): the next step() returns them
         self._unclaimed: list[Sequence] = []
+        self._generating: set[int] = set()  # requests of the generate / generate_stream calls under way
         # a step raised: it may have registered prefix-cache hashes for blocks whose KV it never wrote, so the
         # caches are dropped as soon as no sequence holds blocks
         self._prefix_cache_suspect = False
@@ -190,8 +191,9 @@ class LLMEngine:
         return finished
 
     def _keep_others(self, finished: list[Sequence], own_seq_ids) -> list[Sequence]:
-        """generate()'s share of a step's finished sequences; the others wait for the caller's next step()."""
-        self._unclaimed += [seq for seq in finished if seq.seq_id not in own_seq_ids]
+        """A generate call's share of a step's finished sequences; those of no generate call (add_request's) wait
+        for the caller's next step()."""
+        self._unclaimed += [seq for seq in finished if seq.seq_id not in self._generating]
         return [seq for seq in finished if seq.seq_id in own_seq_ids]
 
     def _read_back(self) -> list[Sequence]:
@@ -294,6 +296,7 @@ class LLMEngine:
         """Run prompts to completion; returns {"text", "token_ids", "finish_reason"} per prompt, in input order."""
         seq_ids = self._queue(prompts, sampling_params)
         pending = set(seq_ids)
+        self._generating.update(seq_ids)
         bar = tqdm(total=len(seq_ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         last = (time.perf_counter(), self.stats())
         try:
@@ -306,6 +309,7 @@ class LLMEngine:
                     last = self._update_bar(bar, last)
         finally:
             bar.close()
+            self._generating.difference_update(seq_ids)
             for seq_id in pending:  # interrupted (e.g. Ctrl-C): free what the unfinished requests hold
                 self.abort_request(seq_id)
         return [self.output(self.requests.pop(seq_id)) for seq_id in seq_ids]
@@ -313,9 +317,11 @@ class LLMEngine:
     def generate_stream(self, prompts: list[str] | list[list[int]] | str, sampling_params=None):
         """Like generate, but yields {"index", "token_ids", "text", "finish_reason"} with the new tokens and text
         of a request as soon as a step produces them; finish_reason is None until its last chunk.
-        Closing the generator early aborts the unfinished requests and frees their blocks."""
+        Closing the generator early aborts the unfinished requests and frees their blocks; a request aborted by
+        abort_request meanwhile ends with finish_reason "abort"."""
         seq_ids = self._queue(prompts, sampling_params)
         pending = dict.fromkeys(seq_ids)
+        self._generating.update(seq_ids)
         num_sent = {seq_id: 0 for seq_id in seq_ids}
         text_sent = {seq_id: "" for seq_id in seq_ids}
         try:
@@ -324,7 +330,11 @@ class LLMEngine:
                 for i, seq_id in enumerate(seq_ids):
                     if seq_id not in pending:
                         continue
-                    seq = self.requests[seq_id]
+                    seq = self.requests.get(seq_id)
+                    if seq is None:  # aborted by abort_request
+                        del pending[seq_id]
+                        yield {"index": i, "token_ids": [], "text": "", "finish_reason": "abort"}
+                        continue
                     new_ids = seq.completion_token_ids[num_sent[seq_id]:]
                     if not new_ids and not seq.is_finished:
                         continue
@@ -337,6 +347,7 @@ class LLMEngine:
                         self.requests.pop(seq_id)
                     yield {"index": i, "token_ids": new_ids, "text": delta, "finish_reason": seq.finish_reason}
         finally:
+            self._generating.difference_update(seq_ids)
             for seq_id in pending:
                 self.abort_request(seq_id)
 

@@ -121,7 +121,8 @@ class Scheduler:
                 self.min_tokens_pending.discard(seq.seq_id)
                 continue
             eos = () if params.ignore_eos else self.eos_token_ids
-            banned.append((row, sorted({*params.stop_token_ids, *eos})))
+            if ids := sorted({*params.stop_token_ids, *eos}):  # none with ignore_eos and no stop tokens
+                banned.append((row, ids))
         return banned
 
     def is_finished(self) -> bool:

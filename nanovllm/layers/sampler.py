@@ -35,10 +35,10 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, st: SamplingTensors, banned_token_ids=()) -> torch.Tensor:
         """banned_token_ids: (row, token ids) that row may not sample (min_tokens); logits is masked in place."""
-        if banned_token_ids:
-            rows = [row for row, ids in banned_token_ids for i in ids if i < logits.size(1)]
-            cols = [i for _, ids in banned_token_ids for i in ids if i < logits.size(1)]
-            logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+        pairs = [(row, i) for row, ids in banned_token_ids for i in ids if i < logits.size(1)]
+        if pairs:
+            index = torch.tensor(pairs, dtype=torch.long, device=logits.device)
+            logits[index[:, 0], index[:, 1]] = float("-inf")
         if st.all_greedy:
             return logits.argmax(-1)
         if st.top_ks is None and st.min_ps is None and not st.generators:  # the common case
