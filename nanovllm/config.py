@@ -72,9 +72,10 @@ class Config:
             value = getattr(self, name)
             if value is None:
                 continue
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+            whole = isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer())
+            if not whole or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
-            setattr(self, name, int(value))  # numpy integers too
+            setattr(self, name, int(value))  # numpy integers and whole floats (kv_cache_memory_bytes=4e9) too
         bs = self.kvcache_block_size
         if bs & (bs - 1):
             raise ValueError(f"kvcache_block_size={bs} must be a power of two")

@@ -46,15 +46,16 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens!r} must be an int in [0, max_tokens={self.max_tokens}]")
         for name in ("ignore_eos", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not isinstance(self.stop or [], (list, tuple)) or not all(isinstance(s, str) for s in self.stop or []):
+            value = getattr(self, name)
+            if isinstance(value, (str, float)) or value not in (True, False):  # 0 / 1 and numpy bools pass
+                raise ValueError(f"{name}={value!r} must be True or False")
+            setattr(self, name, bool(value))
+        stop = _as_list(self.stop)
+        if stop is None or not all(isinstance(s, str) for s in stop):
             raise ValueError(f"stop={self.stop!r} must be a string or a list of strings")
-        self.stop = [s for s in (self.stop or []) if s]
-        ids = [] if self.stop_token_ids is None else self.stop_token_ids
-        if isinstance(ids, numbers.Integral) or not all(_is_int(i) and i >= 0 for i in ids):
+        self.stop = [s for s in stop if s]
+        ids = _as_list(self.stop_token_ids)
+        if ids is None or isinstance(self.stop_token_ids, str) or not all(_is_int(i) and i >= 0 for i in ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a list of token ids (ints >= 0)")
         self.stop_token_ids = [int(i) for i in ids]
 
@@ -65,3 +66,16 @@ class SamplingParams:
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _as_list(value) -> list | None:
+    """None -> [], a string -> [it], any other iterable (tuple, set, generator, numpy array) -> a list; None when
+    the value is not iterable."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    try:
+        return list(value)
+    except TypeError:
+        return None

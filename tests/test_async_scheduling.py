@@ -128,3 +128,21 @@ def test_prefill_speed_is_timed_between_read_backs(qwen3_dir, monkeypatch, async
         llm.generate([prompt], greedy(4), use_tqdm=False)
         want = prior + llm.policy.ema * (len(prompt) / 2.0 - prior)  # one sample: the prompt's step
         assert llm.policy.prefill_tokens_per_s == pytest.approx(want), (prior, llm.policy.prefill_tokens_per_s)
+
+
+def test_an_idle_spell_is_not_timed_as_prefill(qwen3_dir, monkeypatch):
+    """A prompt chunk that samples nothing leaves tokens waiting for the next read-back; when its request is
+    aborted and the engine then idles (a fake 3 s), the next prompt's sample must not include the idle time."""
+    from types import SimpleNamespace
+
+    import nanovllm.engine.llm_engine as engine_module
+    clock = [0.0]
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    with LLM(qwen3_dir, **tiny_llm_kwargs(max_num_batched_tokens=16, async_scheduling=False)) as llm:
+        seq_id = llm.add_request(PROMPTS[2], greedy(4))  # 40 tokens: three chunks
+        llm.step()  # the first chunk: nothing sampled, nothing read back
+        llm.abort_request(seq_id)
+        clock[0] += 3.0
+        prior = llm.policy.prefill_tokens_per_s
+        llm.generate([PROMPTS[1]], greedy(2), use_tqdm=False)  # 17 tokens; the fake device time is 0
+        assert llm.policy.prefill_tokens_per_s == prior  # a 0 s sample is skipped; a 3 s one would lower it

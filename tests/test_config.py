@@ -74,8 +74,8 @@ def test_a_sliding_window_shorter_than_max_model_len_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("name, value", [("max_model_len", 64.5), ("kv_cache_memory_bytes", -5),
-                                         ("kv_cache_memory_bytes", 0), ("num_kvcache_blocks", 2.0),
-                                         ("max_num_seqs", True), ("kvcache_block_size", 16.0)])
+                                         ("kv_cache_memory_bytes", 0), ("num_kvcache_blocks", 2.5),
+                                         ("max_num_seqs", True), ("kvcache_block_size", "16")])
 def test_integer_options_must_be_positive_ints(qwen3_dir, name, value):
     with pytest.raises(ValueError, match=f"{name}={value!r} must be an int >= 1"):
         Config(qwen3_dir, **{name: value})
@@ -89,6 +89,11 @@ def test_mistyped_options_are_value_errors(qwen3_dir, name, value, message):
     """async_scheduling="no" is a true string: it used to switch asynchronous scheduling on."""
     with pytest.raises(ValueError, match=f"{name}={value!r} {message}"):
         Config(qwen3_dir, **{name: value})
+
+
+def test_whole_floats_are_ints(qwen3_dir):
+    config = Config(qwen3_dir, kv_cache_memory_bytes=2e6, max_model_len=64.0)
+    assert config.kv_cache_memory_bytes == 2_000_000 and type(config.max_model_len) is int
 
 
 def _write_llama(path, **overrides):

@@ -375,12 +375,12 @@ class TestBadInput:
             (dict(stop=[5]), "stop"),
             (dict(stop_token_ids=7), "stop_token_ids"),
             (dict(stop_token_ids=[-1]), "stop_token_ids"),
-            (dict(ignore_eos=1), "ignore_eos"),
+            (dict(ignore_eos="yes"), "ignore_eos"),
         ],
         ids=["max_tokens-0", "temperature-neg", "top_p-0", "top_p-1.5", "top_k-float", "seed-2**64", "seed-float",
              "seed-bool", "temperature-inf", "temperature-float32-inf", "temperature-nan", "temperature-str",
              "max_tokens-float", "max_tokens-nan", "stop-int", "stop_token_ids-int", "stop_token_ids-negative",
-             "ignore_eos-int"],
+             "ignore_eos-str"],
     )
     def test_bad_sampling_params(self, llm, serves_good, kw, name):
         with pytest.raises(ValueError, match=name):
@@ -389,6 +389,13 @@ class TestBadInput:
     def test_stop_strings_without_a_tokenizer(self, llm, serves_good):
         with pytest.raises(ValueError, match="stop_token_ids"):
             llm.generate([self.GOOD], SamplingParams(max_tokens=4, stop=["x"]), use_tqdm=False)
+
+    def test_sampling_params_take_what_python_and_numpy_users_pass(self, llm, serves_good):
+        import numpy as np
+        params = SamplingParams(stop_token_ids=(i for i in [5, 6]), stop={"x"}, ignore_eos=np.True_,
+                                include_stop_str_in_output=1, temperature=np.float32(0.5), max_tokens=np.int64(3))
+        assert params.stop_token_ids == [5, 6] and params.stop == ["x"]  # a generator is not emptied by the checks
+        assert params.ignore_eos is True and params.include_stop_str_in_output is True and params.max_tokens == 3
 
     def test_numpy_token_ids_are_a_prompt(self, llm, serves_good):
         import numpy as np

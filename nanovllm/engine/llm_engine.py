@@ -168,7 +168,10 @@ class LLMEngine:
             raise
 
     def _step(self) -> list[Sequence]:
-        if self._in_flight is None and not self._unsynced_rows:  # nothing on the GPU: the clock starts now
+        if self._in_flight is None and (not self._unsynced_rows or not self.scheduler.running):
+            # nothing on the device to wait for, or only steps of sequences that are gone: the clock starts now
+            # (not at a read-back before an idle spell)
+            self._unsynced_prefill_tokens = self._unsynced_rows = 0
             self._last_sync = time.perf_counter()
         out = self.scheduler.schedule()
         self._check_progress(out)

@@ -142,7 +142,9 @@ class EngineLoop:
 
     def __init__(self, llm: LLM):
         self.llm = llm
-        self._inbox: queue.Queue = queue.Queue()  # (fn, args, concurrent Future | None), or _STOP
+        # (fn, args, concurrent Future | None), or _STOP; a SimpleQueue's put may run inside a signal handler that
+        # interrupted another put (shut_down, on Ctrl-C), where a Queue's lock would deadlock
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[int, _Active] = {}
         self._throughput = Throughput()
         self.num_finished_requests = 0
@@ -414,7 +416,7 @@ def _install_error_handlers(app: FastAPI):
 # request that sets one to any other value gets a 400 instead of an answer without it.
 UNSUPPORTED_OPTIONS = {
     "best_of": lambda v: v == 1,
-    "echo": lambda v: v is False,
+    "echo": lambda v: not v,
     "logprobs": lambda v: v is False,  # chat: a bool; completions: an int, where 0 asks for the sampled tokens'
     "top_logprobs": lambda v: v == 0,
     "logit_bias": lambda v: v == {},

@@ -37,7 +37,9 @@ class Sampler(nn.Module):
         """banned_token_ids: (row, token ids) that row may not sample (min_tokens); logits is masked in place."""
         pairs = [(row, i) for row, ids in banned_token_ids for i in ids if i < logits.size(1)]
         if pairs:
-            index = torch.tensor(pairs, dtype=torch.long, device=logits.device)
+            index = torch.tensor(pairs, dtype=torch.long)
+            if logits.is_cuda:  # pinned, so the copy does not wait for the forward (asynchronous scheduling)
+                index = index.pin_memory().to(logits.device, non_blocking=True)
             logits[index[:, 0], index[:, 1]] = float("-inf")
         if st.all_greedy:
             return logits.argmax(-1)
