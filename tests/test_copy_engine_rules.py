@@ -57,10 +57,10 @@ def test_the_pinned_pool_check_counts_the_power_of_two_the_allocator_locks(monke
     GiB = host_kv_cache.GiB
     monkeypatch.setattr(host_kv_cache.psutil, "virtual_memory", lambda: SimpleNamespace(available=50 * GiB))
     with pytest.raises(ValueError, match=r"swap_space=40 GiB locks 64\.0 GiB of pinned memory per rank x 1 rank"):
-        host_kv_cache.check_pinned_fits(40 * GiB, 1, 40)
-    host_kv_cache.check_pinned_fits(32 * GiB, 1, 32)  # a power of two: no rounding, fits
+        host_kv_cache.check_host_memory(40 * GiB, 1, 40, pinned=True)
+    host_kv_cache.check_host_memory(32 * GiB, 1, 32, pinned=True)  # a power of two: no rounding, fits
     with pytest.raises(ValueError, match="x 2 rank"):
-        host_kv_cache.check_pinned_fits(32 * GiB, 2, 32)
+        host_kv_cache.check_host_memory(32 * GiB, 2, 32, pinned=True)
     with caplog.at_level("WARNING"):
-        host_kv_cache.check_pinned_fits(20 * GiB, 1, 20)
+        host_kv_cache.check_host_memory(20 * GiB, 1, 20, pinned=True)
     assert "locks 32.0 GiB" in caplog.text and "swap_space=32 would use all of it" in caplog.text

@@ -78,6 +78,7 @@ class LLMEngine:
             num_cpu_blocks = self.runner.num_host_blocks()
             if not config.host_prefix_cache:
                 num_cpu_blocks = min(num_cpu_blocks, self.runner.max_useful_blocks())
+            self.runner.check_host_memory(num_cpu_blocks)
             self._call("allocate_host_cache", num_cpu_blocks)
             host_pool = HostBlockPool(num_cpu_blocks)
         self._call("capture_cuda_graphs")

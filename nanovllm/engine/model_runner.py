@@ -24,7 +24,7 @@ from nanovllm.utils.context import AttentionMetadata, reset_context, set_context
 from nanovllm.utils.distributed import tp_size
 from nanovllm.utils.loader import init_dummy_weights, load_weights
 from nanovllm_offload.copy_engine import CopyEngine
-from nanovllm_offload.host_kv_cache import HostKVCache, check_pinned_fits, num_host_blocks
+from nanovllm_offload.host_kv_cache import HostKVCache, check_host_memory, num_host_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -287,14 +287,17 @@ class ModelRunner:
                 and os.environ.get("NANOVLLM_FUSED_ROPE_STORE", "1") != "0")
 
     def allocate_host_cache(self, num_blocks: int):
-        if self.device.type == "cuda":
-            check_pinned_fits(num_blocks * self.block_bytes, tp_size(), self.config.swap_space)
         self.host_cache = HostKVCache(num_blocks, tuple(self.kv_cache.shape[1:]), self.dtype,
                                       pin_memory=self.device.type == "cuda")
         self.copy_engine = CopyEngine(self.kv_cache, self.host_cache.kv, self.block_size)
 
     def num_host_blocks(self) -> int:
-        return num_host_blocks(self.config.swap_space, self.block_bytes, tp_size())
+        return num_host_blocks(self.config.swap_space, self.block_bytes)
+
+    def check_host_memory(self, num_blocks: int):
+        """Before any rank allocates: can the host hold every rank's pool of num_blocks (pinned on CUDA)?"""
+        check_host_memory(num_blocks * self.block_bytes, tp_size(), self.config.swap_space,
+                          pinned=self.device.type == "cuda")
 
     # --- one step
     def prepare(self, plan: StepPlan) -> StepInputs:
