@@ -16,6 +16,15 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 HOST_CACHE_POLICIES = ("write_back", "write_through", "off")
+# the options that take one of a few values: checked by Config, offered by the CLI's flags
+OPTION_CHOICES = {
+    "device": ("auto", "cuda", "cpu"),
+    "dtype": DTYPES,
+    "load_format": ("auto", "dummy"),
+    "preemption_mode": PREEMPTION_MODES,
+    "attention_backend": ATTENTION_BACKENDS,
+    "host_cache_policy": HOST_CACHE_POLICIES,
+}
 
 
 @dataclass(slots=True)
@@ -59,12 +68,8 @@ class Config:
 
     def __post_init__(self):
         self._check_model_dir()
-        _check_choice("dtype", self.dtype, DTYPES)
-        _check_choice("device", self.device, ("auto", "cuda", "cpu"))
-        _check_choice("load_format", self.load_format, ("auto", "dummy"))
-        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
-        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _check_choice("host_cache_policy", self.host_cache_policy, HOST_CACHE_POLICIES)
+        for name, choices in OPTION_CHOICES.items():
+            _check_choice(name, getattr(self, name), choices)
         if self.kvcache_block_size is None:
             self.kvcache_block_size = 256 if _flash_backend_expected(self.attention_backend, self.device) else 64
         for name in ("kvcache_block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",

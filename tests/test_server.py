@@ -515,12 +515,12 @@ def test_a_failed_tensor_parallel_step_marks_the_engine_broken(qwen3_dir, monkey
     engine.start()
 
     async def scenario():
-        stream = await engine.submit(GenerateRequest(prompt=[5, 6, 7], sampling={"max_tokens": 4}))
+        stream = await engine.submit(GenerateRequest([5, 6, 7], SamplingParams(max_tokens=4)))
         with pytest.raises(EngineError, match="out of memory"):
             async for _ in stream.events():
                 pass
         with pytest.raises(EngineError, match="restart the server"):
-            await engine.submit(GenerateRequest(prompt=[5, 6, 7], sampling={"max_tokens": 4}))
+            await engine.submit(GenerateRequest([5, 6, 7], SamplingParams(max_tokens=4)))
     try:
         asyncio.run(scenario())
         assert not engine.is_alive and "out of step" in engine.broken
