@@ -4,10 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
-import sys
-import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -48,7 +45,7 @@ def build_app(llm: LLM, served_model_name: str, api_key: str | None = None,
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes={max_request_bytes} must be >= 1")
     engine = EngineLoop(llm)
-    preparers = ThreadPoolExecutor(NUM_PREPARE_THREADS, "nanovllm-prepare", initializer=_yield_cpu_to_the_engine)
+    preparers = ThreadPoolExecutor(NUM_PREPARE_THREADS, "nanovllm-prepare")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -66,17 +63,6 @@ def build_app(llm: LLM, served_model_name: str, api_key: str | None = None,
         app.add_middleware(APIKeyCheck, api_key=api_key)  # the outermost: nothing is read before the key is checked
     _add_routes(app, engine, llm, served_model_name, preparers)
     return app
-
-
-def _yield_cpu_to_the_engine():
-    """The threads that tokenize requests run at a lower CPU priority than the engine loop: a prompt of megabytes
-    takes seconds of CPU, which on a machine with few cores would otherwise slow the step of every stream. (On
-    Linux a thread has its own nice value; elsewhere this would renice the whole process, so it is left alone.)"""
-    if sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        except OSError:
-            pass
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
