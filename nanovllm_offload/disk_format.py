@@ -98,6 +98,8 @@ def write_block_file(path: str, fingerprint: bytes, block_hash: int, payload, ta
         finally:
             os.close(fd)
         os.replace(tmp, path)
+        if fsync:  # the rename itself survives a power loss only once the directory is synced
+            _fsync_dir(os.path.dirname(path))
     except BaseException:
         unlink_quietly(tmp)
         raise
@@ -135,6 +137,14 @@ def remove_if_same_file(path: str, inode: int) -> bool:
         return True
     except FileNotFoundError:
         return False
+
+
+def _fsync_dir(path: str):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, data):

@@ -37,6 +37,7 @@ class DiskRead:
     block_hashes: list[int]
     statuses: list[ReadStatus | None]
     num_pending: int
+    is_probe: bool = False  # a speed probe: read to be timed, not used (the blocks keep their LRU places)
     first_start_s: float = float("inf")
     last_end_s: float = 0.0
 
@@ -128,12 +129,26 @@ class DiskStore:
         for h, view in zip(block_hashes, views):
             if len(view) != self.block_bytes:
                 raise ValueError(f"the buffer for block hash {h:#x} is {len(view):,} bytes, not {self.block_bytes:,}")
-        handle = DiskRead(list(block_hashes), [None] * len(block_hashes), len(block_hashes))
+        return self._submit_read(DiskRead(list(block_hashes), [None] * len(block_hashes), len(block_hashes)), views)
+
+    def probe_read_speed(self, max_blocks: int = 4) -> DiskRead | None:
+        """Times a read of up to max_blocks of this fingerprint's stored blocks (most recently used first) into
+        scratch buffers, so that should_load has a measured speed before the first hit; without one the prior
+        decides, and a prior below the prefill speed would never load, so never measure. None with no blocks."""
         with self._lock:
-            for h in block_hashes:
-                self._index.touch(self._key(h))
+            keys = [k for k in reversed(self._index.entries) if k[0] == self.fingerprint.hex][:max_blocks]
+        if not keys:
+            return None
+        handle = DiskRead([h for _, h in keys], [None] * len(keys), len(keys), is_probe=True)
+        return self._submit_read(handle, [memoryview(bytearray(self.block_bytes)) for _ in keys])
+
+    def _submit_read(self, handle: DiskRead, views: list[memoryview]) -> DiskRead:
+        with self._lock:
+            if not handle.is_probe:
+                for h in handle.block_hashes:
+                    self._index.touch(self._key(h))
             self._num_in_flight += 1
-        if not block_hashes:
+        if not handle.block_hashes:
             self._finish(handle)
         for i, view in enumerate(views):
             self._pool.submit(self._read, handle, i, view).add_done_callback(_log_failure)
@@ -165,6 +180,11 @@ class DiskStore:
     def _write(self, handle: DiskWrite, view: memoryview):
         key = self._key(handle.block_hash)
         path = block_path(self.path, key)
+        if self._found_on_disk(key):  # another engine stored it since our last look
+            handle.is_ok = True
+            with self._lock:
+                self._writing.discard(handle.block_hash)
+            return self._finish(handle)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             num_bytes = write_block_file(path, self.fingerprint.digest, handle.block_hash, view,
@@ -194,7 +214,7 @@ class DiskStore:
         except OSError:
             status, inode = ReadStatus.MISSING, 0
         end_s = time.perf_counter()
-        if status is ReadStatus.OK:
+        if status is ReadStatus.OK and not handle.is_probe:
             _touch_file(path)
         elif status is ReadStatus.CORRUPT:
             remove_if_same_file(path, inode)

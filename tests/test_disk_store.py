@@ -334,62 +334,76 @@ def test_two_stores_in_one_process_see_each_others_blocks(tmp_path):
     assert second.lookup_prefix([1, 2, 3]) == 2  # found by name after second's start-up scan
     handle, buffers = read_blocks(second, [1, 2])
     assert handle.num_leading_ok == 2 and np.array_equal(buffers[1], block_bytes_for(2))
-    # first evicts (cap 1 file) what second has indexed: second's read is a plain miss, not corruption
+    write_blocks(first, [3])
+    assert write_blocks(second, [3])[0].is_ok  # first stored it meanwhile: found, not written again
+    assert second.stats()["blocks_written_to_disk"] == 0
+    # another engine (cap: 1 file) evicts what second has indexed: second's read is a plain miss, not corruption
     first.close()
+    set_last_used(second, [3, 1, 2])
     tiny = open_store(tmp_path, num_files=1)
-    assert len(stored_hashes(tmp_path)) == 1
+    assert stored_hashes(tmp_path) == [2]
     handle, _ = read_blocks(second, [1, 2])
-    assert sorted(s.value for s in handle.statuses) == ["missing", "ok"]
+    assert handle.statuses == [ReadStatus.MISSING, ReadStatus.OK] and not second.contains(1)
     assert second.stats()["disk_corrupt_blocks"] == 0 and tiny.stats()["disk_corrupt_blocks"] == 0
 
 
-def share_directory(path: str, seed: int, num_rounds: int, results):
+SHARED_BLOCK_BYTES = 256 * 1024  # big enough that a reader would catch a file being written, were it visible
+FP_SHARED = make_fingerprint({"model": "shared"}, SHARED_BLOCK_BYTES)
+NUM_SHARED_HASHES, NUM_SHARED_FILES = 12, 6  # twice as many blocks as room: constant eviction and rewriting
+
+
+def shared_block(block_hash: int) -> np.ndarray:
+    return np.full(SHARED_BLOCK_BYTES, block_hash + 1, np.uint8)
+
+
+def share_directory(path: str, seed: int, num_rounds: int, start, results):
     """One engine's traffic on a shared directory: writes and reads of overlapping blocks, checking every byte."""
-    store = DiskStore(path, FP_A, 24 * FILE_BYTES, num_io_threads=3, rescan_interval_s=0.01)
+    store = DiskStore(path, FP_SHARED, NUM_SHARED_FILES * (HEADER_BYTES + SHARED_BLOCK_BYTES), num_io_threads=3,
+                      rescan_interval_s=0.0)
     rng = np.random.default_rng(seed)
+    sources = [shared_block(h) for h in range(NUM_SHARED_HASHES)]
+    start.wait(60)  # both engines run at once
+    start_s = time.monotonic()
     num_ok = num_wrong = 0
     for _ in range(num_rounds):
-        for h in rng.integers(0, 48, 4):
-            store.write_async(int(h), block_bytes_for(int(h)))
-        hashes = [int(h) for h in rng.integers(0, 48, 6)]
-        buffers = [np.zeros(BLOCK_BYTES, np.uint8) for _ in hashes]
+        for h in rng.integers(0, NUM_SHARED_HASHES, 2):
+            store.write_async(int(h), sources[h])
+        hashes = [int(h) for h in rng.integers(0, NUM_SHARED_HASHES, 4)]
+        buffers = [np.zeros(SHARED_BLOCK_BYTES, np.uint8) for _ in hashes]
         handle = store.read_async(hashes, buffers)
         store.wait_idle(30)
         store.poll()
         for h, status, buffer in zip(hashes, handle.statuses, buffers):
             num_ok += status is ReadStatus.OK
-            num_wrong += status is ReadStatus.OK and not np.array_equal(buffer, block_bytes_for(h))
-    # verify every block this engine can read now, byte for byte
-    for h in range(48):
-        buffer = np.zeros(BLOCK_BYTES, np.uint8)
-        handle = store.read_async([h], [buffer])
-        store.wait_idle(30)
-        if handle.statuses[0] is ReadStatus.OK:
-            num_wrong += not np.array_equal(buffer, block_bytes_for(h))
+            num_wrong += status is ReadStatus.OK and not np.array_equal(buffer, sources[h])
+    end_s = time.monotonic()
     store.close()
-    results.put((seed, num_ok, num_wrong, store.stats()))
+    results.put((seed, num_ok, num_wrong, store.stats(), start_s, end_s))
 
 
 def test_two_processes_share_a_directory_without_corruption(tmp_path):
     ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=share_directory, args=(str(tmp_path), seed, 60, results)) for seed in (1, 2)]
+    results, start = ctx.Queue(), ctx.Barrier(2)
+    procs = [ctx.Process(target=share_directory, args=(str(tmp_path), seed, 300, start, results)) for seed in (1, 2)]
     for p in procs:
         p.start()
     outcomes = [results.get(timeout=120) for _ in procs]
     for p in procs:
         p.join(30)
         assert p.exitcode == 0
-    for seed, num_ok, num_wrong, stats in outcomes:
+    assert max(o[4] for o in outcomes) < min(o[5] for o in outcomes)  # their traffic overlapped
+    for seed, num_ok, num_wrong, stats, _, _ in outcomes:
         assert num_wrong == 0 and stats["disk_corrupt_blocks"] == 0, (seed, stats)
         assert num_ok > 0 and stats["blocks_evicted_from_disk"] > 0, (seed, stats)
-    # every file left is whole and right
-    store = open_store(tmp_path)
-    hashes = stored_hashes(tmp_path)
-    assert 0 < len(hashes) <= 24 + 2 * 3  # the cap, give or take each engine's writes in flight
-    handle, buffers = read_blocks(store, hashes)
+    # every file left is whole and right, and the directory is within the cap give or take the writes in flight
+    store = DiskStore(str(tmp_path), FP_SHARED, 100 * (HEADER_BYTES + SHARED_BLOCK_BYTES))
+    hashes = stored_hashes(tmp_path, FP_SHARED)
+    assert 0 < len(hashes) <= NUM_SHARED_FILES + 2 * 3
+    buffers = [np.zeros(SHARED_BLOCK_BYTES, np.uint8) for _ in hashes]
+    handle = store.read_async(hashes, buffers)
+    store.wait_idle(10)
     assert handle.num_leading_ok == len(hashes)
-    assert all(np.array_equal(b, block_bytes_for(h)) for h, b in zip(hashes, buffers))
+    assert all(np.array_equal(b, shared_block(h)) for h, b in zip(hashes, buffers))
 
 
 # --- the load-or-recompute rule
@@ -400,8 +414,24 @@ def test_read_speed_is_measured_and_decides_load_or_recompute(tmp_path):
     write_blocks(store, [1, 2])
     read_blocks(store, [1, 2])
     assert store.read_bytes_per_s != 1e9 and store.stats()["disk_read_bytes_per_s"] == store.read_bytes_per_s
-    missing, _ = read_blocks(store, [3])  # a miss reads nothing: no measurement
-    assert store.stats()["disk_read_bytes_per_s"] == store.read_bytes_per_s
+    speed = store.read_bytes_per_s
+    read_blocks(store, [3])  # a miss reads nothing: no measurement
+    assert store.read_bytes_per_s == speed
+
+
+def test_a_probe_measures_the_read_speed_without_changing_the_lru_order(tmp_path):
+    store = open_store(tmp_path, prior_read_bytes_per_s=1.0)  # a prior that would never load anything
+    assert store.probe_read_speed() is None  # nothing stored yet
+    write_blocks(store, [1, 2, 3], one_at_a_time=True)
+    set_last_used(store, [1, 2, 3])
+    store.close()
+    store = open_store(tmp_path, num_files=3, prior_read_bytes_per_s=1.0)
+    probe = store.probe_read_speed(max_blocks=2)
+    assert store.wait_idle(10) and store.poll() == [probe]
+    assert probe.block_hashes == [3, 2] and probe.num_leading_ok == 2  # the most recently used first
+    assert store.read_bytes_per_s > 1e3
+    write_blocks(store, [4])  # still evicts block 1, the least recently used: the probe used nothing
+    assert stored_hashes(tmp_path) == [2, 3, 4]
 
 
 # --- ls and clear
