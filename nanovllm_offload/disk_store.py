@@ -136,7 +136,8 @@ class DiskStore:
         scratch buffers, so that should_load has a measured speed before the first hit; without one the prior
         decides, and a prior below the prefill speed would never load, so never measure. None with no blocks."""
         with self._lock:
-            keys = [k for k in reversed(self._index.entries) if k[0] == self.fingerprint.hex][:max_blocks]
+            ours = (k for k in reversed(self._index.entries) if k[0] == self.fingerprint.hex)
+            keys = list(itertools.islice(ours, max_blocks))
         if not keys:
             return None
         handle = DiskRead([h for _, h in keys], [None] * len(keys), len(keys), is_probe=True)
