@@ -461,7 +461,7 @@ def test_list_and_clear_per_fingerprint(tmp_path):
 
 def test_disk_tier_modules_import_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import nanovllm_offload.disk_store, nanovllm_offload.disk_admin\n"
+            "import nanovllm_offload.disk_store, nanovllm_offload.disk_admin, nanovllm_offload.disk_transfers\n"
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -482,3 +482,49 @@ def test_index_orders_found_files_by_their_last_use_and_keeps_recent_entries_ove
     index.replace_with_scan(scanned, scan_started_ns=250)
     assert list(index.entries) == [("f", 1), ("g", 3), ("f", 2), ("f", 4)]  # 2 was used at 300, after the start
     assert index.num_bytes == 40 and index.pop_victims() == [("f", 1)]
+
+
+# --- host blocks <-> disk, by cpu_block_id
+def make_transfers(tmp_path, num_cpu_blocks: int = 8):
+    from nanovllm_offload.disk_transfers import DiskTransfers
+    host_blocks = np.zeros((num_cpu_blocks, BLOCK_BYTES), np.uint8)
+    return DiskTransfers(open_store(tmp_path), host_blocks), host_blocks
+
+
+def test_transfers_write_host_blocks_and_load_a_hit_into_others(tmp_path):
+    from nanovllm_offload.disk_transfers import FinishedLoad
+    transfers, host_blocks = make_transfers(tmp_path)
+    host_blocks[2], host_blocks[3] = block_bytes_for(20), block_bytes_for(30)
+    assert transfers.write(2, 20) and transfers.write(3, 30)
+    assert not transfers.write(3, 30)  # in flight already
+    assert dict(transfers.writing) == {2: 1, 3: 1} and transfers.num_in_flight == 2
+    with pytest.raises(RuntimeError, match=r"host blocks \[3\] are still in a disk transfer"):
+        transfers.load(1, [20], [3])
+    transfers.store.wait_idle(10)
+    written, loads = transfers.poll()
+    assert sorted(written) == [2, 3] and loads == [] and not transfers.writing
+    # seq 7's hit: blocks 20, 99 (not stored), 30 into host blocks 5, 6, 4
+    transfers.load(7, [20, 99, 30], [5, 6, 4])
+    assert transfers.loading == {4, 5, 6}
+    transfers.store.wait_idle(10)
+    assert transfers.poll() == ([], [FinishedLoad(7, [5, 6, 4], 1)])
+    assert np.array_equal(host_blocks[5], block_bytes_for(20)) and not transfers.loading
+    assert transfers.num_in_flight == 0
+
+
+def test_transfers_take_a_bfloat16_pool_as_bytes(tmp_path):
+    torch = pytest.importorskip("torch")
+    from nanovllm_offload.disk_transfers import DiskTransfers
+    host_kv = torch.randn(4, 2, 2, 8, 8, dtype=torch.bfloat16)  # (num_cpu_blocks, layers, K/V, tokens, dim)
+    block_bytes = host_kv[0].numel() * host_kv.element_size()
+    fingerprint = make_fingerprint({"model": "bf16"}, block_bytes)
+    store = DiskStore(str(tmp_path), fingerprint, 10 * (HEADER_BYTES + block_bytes))
+    transfers = DiskTransfers(store, host_kv.view(torch.uint8).view(4, -1).numpy())
+    transfers.write(1, 11)
+    store.wait_idle(10)
+    transfers.poll()
+    transfers.load(0, [11], [3])
+    store.wait_idle(10)
+    assert transfers.poll()[1][0].num_loaded == 1 and torch.equal(host_kv[3], host_kv[1])
+    with pytest.raises(ValueError, match="uint8 view of the host pool"):
+        DiskTransfers(store, np.zeros((4, block_bytes), np.float32))
