@@ -62,6 +62,8 @@ class DiskStore:
         self.path, self.fingerprint = path, fingerprint
         self.block_bytes = fingerprint.block_bytes
         self.file_bytes = HEADER_BYTES + self.block_bytes
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"kv_disk_path={path!r} is not a directory; pass a directory (it is created if missing)")
         if capacity_bytes < self.file_bytes:
             raise ValueError(f"kv_disk_gib={capacity_bytes / GiB:.6g} cannot hold one KV block file of "
                              f"{self.file_bytes:,} bytes; raise kv_disk_gib")

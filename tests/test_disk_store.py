@@ -116,6 +116,10 @@ def test_numpy_views_and_memoryviews_are_accepted_and_sizes_are_checked(tmp_path
         store.write_async(3, np.zeros((BLOCK_BYTES, 2), np.uint8)[:, 0])
     with pytest.raises(ValueError, match="kv_disk_gib"):
         DiskStore(str(tmp_path), FP_A, FILE_BYTES - 1)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="kv_disk_path=.* is not a directory"):
+        open_store(tmp_path / "file")
+    assert open_store(tmp_path / "new" / "dir").stats()["disk_num_blocks"] == 0  # created
 
 
 # --- LRU and the cap
