@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import shutil
+import time
 
 from nanovllm_offload.disk_index import META_FILE, fingerprint_dir, is_fingerprint_dir_name, scan
 
@@ -46,6 +47,23 @@ def clear(path: str, fingerprint: str | None = None) -> list[FingerprintInfo]:
     for info in infos:
         shutil.rmtree(fingerprint_dir(path, info.fingerprint), ignore_errors=True)
     return infos
+
+
+def format_listing(infos: list[FingerprintInfo]) -> str:
+    """`nanovllm cache ls`'s table: one line per fingerprint, then the total."""
+    lines = [f"{'FINGERPRINT':<12}  {'MODEL':<28} {'DTYPE':<9} {'KV DTYPE':<9} {'BLOCK':>5} {'TP':>5} "
+             f"{'BLOCKS':>8} {'GiB':>8}  LAST USED (UTC)"]
+    for info in infos:
+        meta = info.meta
+        tp = f"{meta.get('tp_rank', '?')}/{meta.get('tp_size', '?')}"
+        last_used = time.strftime("%Y-%m-%d %H:%M", time.gmtime(info.last_used)) if info.last_used else "-"
+        lines.append(f"{info.fingerprint[:12]:<12}  {str(meta.get('model_name', '?'))[:28]:<28} "
+                     f"{str(meta.get('dtype', '?')):<9} {str(meta.get('kv_cache_dtype', '?')):<9} "
+                     f"{str(meta.get('block_size', '?')):>5} {tp:>5} {info.num_blocks:>8} "
+                     f"{info.num_bytes / (1 << 30):>8.3f}  {last_used}")
+    total = sum(i.num_bytes for i in infos) / (1 << 30)
+    lines.append(f"{len(infos)} fingerprint(s), {sum(i.num_blocks for i in infos)} blocks, {total:.3f} GiB")
+    return "\n".join(lines)
 
 
 def _read_meta(path: str, fingerprint_hex: str) -> dict:

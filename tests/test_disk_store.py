@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from nanovllm_offload import disk_format
-from nanovllm_offload.disk_admin import clear, list_fingerprints
+from nanovllm_offload.disk_admin import clear, format_listing, list_fingerprints
 from nanovllm_offload.disk_fingerprint import kv_fingerprint, make_fingerprint, model_identity
 from nanovllm_offload.disk_format import HEADER_BYTES, ReadStatus, remove_if_same_file
 from nanovllm_offload.disk_index import block_path
@@ -449,6 +449,9 @@ def test_list_and_clear_per_fingerprint(tmp_path):
     assert (infos[FP_A.hex].num_blocks, infos[FP_A.hex].num_bytes) == (3, 3 * FILE_BYTES)
     assert infos[FP_A.hex].meta["model"] == "a" and infos[FP_B.hex].meta["model"] == "b"
     assert infos[FP_A.hex].meta["fingerprint"] == FP_A.hex and infos[FP_A.hex].last_used > 0
+    table = format_listing(list_fingerprints(str(tmp_path))).splitlines()
+    assert len(table) == 4 and table[-1] == f"2 fingerprint(s), 4 blocks, {4 * FILE_BYTES / (1 << 30):.3f} GiB"
+    assert {line.split()[0] for line in table[1:3]} == {FP_A.hex[:12], FP_B.hex[:12]}
     with pytest.raises(ValueError, match="exactly one"):
         clear(str(tmp_path), fingerprint="zz")
     removed = clear(str(tmp_path), fingerprint=FP_B.hex[:8])
