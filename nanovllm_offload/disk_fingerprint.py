@@ -41,15 +41,18 @@ def make_fingerprint(identity: dict, block_bytes: int, info: dict | None = None)
 
 def kv_fingerprint(model_dir: str, *, dtype: str, kv_cache_dtype: str, block_size: int, num_layers: int,
                    num_kv_heads: int, head_dim: int, tp_size: int, tp_rank: int, block_bytes: int,
-                   kv_scale_layout: str | None = None, load_format: str = "auto", seed: int = 0) -> Fingerprint:
-    """The fingerprint of one rank's KV blocks. `load_format="dummy"` weights are random from `seed`, so the seed
-    stands in for the weights."""
+                   kv_scale_layout: str | None = None, layout: str = LAYOUT, load_format: str = "auto",
+                   seed: int = 0) -> Fingerprint:
+    """The fingerprint of one rank's KV blocks. `layout` and `kv_scale_layout` describe how a block's bytes are
+    arranged (an FP8 block is values and per-token-head scales per (layer, K or V), K Hadamard-rotated: another
+    arrangement must get another string). `load_format="dummy"` weights are random from `seed`, so the seed stands
+    in for the weights."""
     identity = {
         "model_identity": model_identity(model_dir, include_weights=load_format != "dummy"),
         "dummy_weights_seed": seed if load_format == "dummy" else None,
         "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "kv_scale_layout": kv_scale_layout,
         "block_size": block_size, "num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-        "tp_size": tp_size, "tp_rank": tp_rank,
+        "tp_size": tp_size, "tp_rank": tp_rank, "layout": layout,
     }
     return make_fingerprint(identity, block_bytes, info={"model_name": os.path.basename(os.path.normpath(model_dir)),
                                                         "model_path": os.path.abspath(model_dir)})

@@ -189,7 +189,8 @@ def test_kv_fingerprint_changes_with_every_input(tmp_path):
     fp = kv_fingerprint(str(model), **base).hex
     assert kv_fingerprint(str(model), **base).hex == fp
     changes = dict(dtype="float16", kv_cache_dtype="fp8_e4m3", block_size=32, num_layers=3, num_kv_heads=1,
-                   head_dim=8, tp_size=2, tp_rank=1, block_bytes=8192, kv_scale_layout="per-block-per-head")
+                   head_dim=8, tp_size=2, tp_rank=1, block_bytes=8192, kv_scale_layout="per-token-head",
+                   layout="fp8 runs per (layer, K/V)")
     for name, value in changes.items():
         assert kv_fingerprint(str(model), **dict(base, **{name: value})).hex != fp, name
     assert kv_fingerprint(str(model), **base, load_format="dummy").hex != fp
