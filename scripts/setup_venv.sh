@@ -84,6 +84,7 @@ install_cuda_torch() {
     "$PY" -c 'import torch; torch.version.cuda or print("setup: WARNING: the torch installed is a CPU build")'
 }
 
+case "$TORCH" in cpu|cuda) ;; *) die "TORCH=$TORCH is neither cpu nor cuda" ;; esac
 PYTHON="$(find_python)"
 if [ ! -x "$VENV/bin/python" ]; then
     say "creating $VENV with $PYTHON ($("$PYTHON" --version 2>&1))"
@@ -96,7 +97,6 @@ PY="$VENV/bin/python"
 case "$TORCH" in
     cpu) torch_is_installed && say "torch $TORCH_VERSION: already in $VENV" || install_cpu_torch ;;
     cuda) install_cuda_torch ;;
-    *) die "TORCH=$TORCH is neither cpu nor cuda" ;;
 esac
 
 extras="$(echo "$*" | tr ' ' ',')"

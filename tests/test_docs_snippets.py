@@ -22,6 +22,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -147,38 +148,44 @@ def require_serving(client: bool = False):
 
 
 class Servers:
-    """`nanovllm serve` processes started by this module, one per command line, stopped at its end."""
+    """The `nanovllm serve` process this module runs: at most one at a time (each holds a model and its KV cache),
+    kept while the next snippet asks for the same command line, stopped at the module's end."""
 
     def __init__(self):
-        self.ports: dict[tuple, int] = {}
-        self.procs: list[subprocess.Popen] = []
+        self.argv: tuple | None = None
+        self.port: int | None = None
+        self.proc: subprocess.Popen | None = None
 
     def start(self, argv: list[str]) -> int:
-        key = tuple(argv)
-        if key not in self.ports:
-            port = free_port()
-            proc = subprocess.Popen(with_model(with_port(argv, port)), cwd=ROOT, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, text=True)
-            self.procs.append(proc)
-            wait_for_health(proc, port)
-            self.ports[key] = port
-        return self.ports[key]
+        if self.proc is None or self.argv != tuple(argv) or self.proc.poll() is not None:
+            self.stop()
+            self.argv, self.port = tuple(argv), free_port()
+            # stderr to a file: a pipe nobody reads would fill and block the server
+            self.log = tempfile.TemporaryFile(mode="w+")
+            self.proc = subprocess.Popen(with_model(with_port(argv, self.port)), cwd=ROOT, text=True,
+                                         stdout=subprocess.DEVNULL, stderr=self.log)
+            wait_for_health(self.proc, self.port, self.log)
+        return self.port
 
     def stop(self):
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+        self.log.close()
 
 
-def wait_for_health(proc: subprocess.Popen, port: int):
+def wait_for_health(proc: subprocess.Popen, port: int, log):
     deadline = time.monotonic() + SERVER_START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"`{' '.join(proc.args)}` exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            log.seek(0)
+            pytest.fail(f"`{' '.join(proc.args)}` exited with {proc.returncode}: {log.read()[-2000:]}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
                 if response.status == 200:
