@@ -2,8 +2,8 @@
 
 How a block is treated:
 - ```python blocks run in a subprocess from the repository root. One that talks to http://127.0.0.1:PORT runs
-  against a server the test starts from the first runnable `nanovllm serve` line of the same page (plain
-  `nanovllm serve` if the page has none), with PORT replaced by a free port.
+  against the server a reader following the page would have running: the last `nanovllm serve` line above it
+  (plain `nanovllm serve` if there is none), with PORT replaced by a free port.
 - ```bash / ```sh / ```shell blocks run line by line when every line is a command the test knows how to run:
   `nanovllm serve ...` is started, must answer /health, and is stopped at the end of the module; any other
   `nanovllm ...` must exit 0; `pip install ...` lines are not run (the test environment has the extras; .ci/run
@@ -202,13 +202,15 @@ def servers():
     started.stop()
 
 
-def page_server_command(page: Path) -> list[str]:
-    for block in read_blocks(page):
-        if block.lang in RUN_LANGS - {"python"} and block.marker is None:
-            for argv in shell_commands(block.text):
-                if argv[:2] == ["nanovllm", "serve"]:
-                    return argv
-    return ["nanovllm", "serve"]
+def server_command_before(block: Block) -> list[str]:
+    """The server a reader of the page has running when they reach this block: the last `nanovllm serve` line
+    above it (plain `nanovllm serve` if there is none)."""
+    command = ["nanovllm", "serve"]
+    for earlier in read_blocks(block.page):
+        if earlier.line < block.line and earlier.lang in RUN_LANGS - {"python"} and earlier.marker is None:
+            command = next((argv for argv in reversed(shell_commands(earlier.text))
+                            if argv[:2] == ["nanovllm", "serve"]), command)
+    return command
 
 
 def skip_unless_marker_allows(block: Block):
@@ -244,7 +246,7 @@ def run_python_snippet(block: Block, servers: Servers, tmp_path: Path):
     if LOCAL_URL.search(text):
         require_serving(client=True)
         require_nanovllm_command()
-        port = servers.start(page_server_command(block.page))
+        port = servers.start(server_command_before(block))
         text = LOCAL_URL.sub(lambda m: m.group(0).replace(m.group(1), str(port)), text)
     path = tmp_path / "snippet.py"
     path.write_text(text)
