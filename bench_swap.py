@@ -133,7 +133,7 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
     is not modelled. "unpressured" is skipped: its KV size comes from the GPU's memory."""
     from nanovllm.config import Config
     from nanovllm.engine.scheduler import Scheduler
-    from nanovllm.engine.sequence import Sequence
+    from nanovllm.core.sequence import Sequence
     from nanovllm.utils.presets import preset_dir
     from nanovllm_offload.host_block_pool import HostBlockPool
     from nanovllm_offload.policy import PreemptionPolicy

@@ -1,7 +1,7 @@
 """Small factories for the torch-free metadata tests."""
-from nanovllm.engine.block_manager import BlockManager
+from nanovllm.core.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 from nanovllm_offload.host_block_pool import HostBlockPool
 from nanovllm_offload.policy import PreemptionPolicy

@@ -3,7 +3,7 @@ sequences. Metadata tests with exact ids (no torch), then the real engine on CPU
 import pytest
 
 from metadata_factories import check, make_scheduler, make_seq, run_step
-from nanovllm.engine.block_manager import content_hash
+from nanovllm.core.hashing import content_hash
 from nanovllm_offload.host_block_pool import HostBlockPool
 
 

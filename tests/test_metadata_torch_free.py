@@ -7,7 +7,7 @@ import sys
 sys.modules["torch"] = None
 sys.modules["transformers"] = None
 import nanovllm, nanovllm.config, nanovllm.sampling_params
-import nanovllm.engine.sequence, nanovllm.engine.block_pool, nanovllm.engine.block_manager
+import nanovllm.core.sequence, nanovllm.core.block_pool, nanovllm.core.block_manager, nanovllm.core.hashing
 import nanovllm.engine.scheduler, nanovllm.engine.step_plan
 import nanovllm_offload.host_block_pool, nanovllm_offload.policy
 from nanovllm import SamplingParams

@@ -154,7 +154,7 @@ def test_min_tokens_bans_stop_tokens_and_eos_until_reached():
     """Rows of sequences short of min_tokens may not sample their stop tokens or EOS (id 0 here), unless
     ignore_eos; the ban lifts once min_tokens tokens exist (a placeholder counts), and with the finish."""
     from nanovllm import SamplingParams
-    from nanovllm.engine.sequence import Sequence
+    from nanovllm.core.sequence import Sequence
     s = make_scheduler()
     a = Sequence([1, 2, 3], SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[9, 5]), 4)
     b = make_seq(3)  # no min_tokens

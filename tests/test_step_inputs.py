@@ -7,7 +7,7 @@ import torch
 
 from nanovllm.engine.model_runner import _PackedInputs
 from nanovllm.engine.scheduler import SchedulerOutput
-from nanovllm.engine.sequence import PLACEHOLDER_TOKEN
+from nanovllm.core.sequence import PLACEHOLDER_TOKEN
 from nanovllm.engine.step_plan import StepPlan, _fill_decode_rows, _fill_rows, _slots, make_plan
 from metadata_factories import make_seq
 

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner, resolve_device
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.sequence import Sequence
 from nanovllm.engine.step_plan import make_plan
 from nanovllm.engine.workers import WorkerPool, free_init_method
 from nanovllm.sampling_params import SamplingParams

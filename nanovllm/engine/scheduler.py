@@ -5,8 +5,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from nanovllm.config import Config
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from nanovllm_offload.host_block_pool import HostBlockPool
 from nanovllm_offload.policy import PreemptionPolicy
 

@@ -3,7 +3,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from nanovllm.engine.scheduler import SchedulerOutput
-from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence
+from nanovllm.core.sequence import PLACEHOLDER_TOKEN, Sequence
 
 
 @dataclass
