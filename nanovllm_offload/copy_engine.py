@@ -85,6 +85,17 @@ class CopyEngine:
         self.recent_copies: list[tuple[int, float]] = []  # (bytes, seconds) timed since the last take_recent_copies
 
     # --- issuing copies
+    def issue_step_copies(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                          new_gpu_block_ids: list[int], block_tables: list[list[int]]):
+        """A step's copies, before its forward: retire finished ones, issue the swap-outs, make the forward wait for
+        what it must (rules 2 and 3), then issue the swap-ins. Rule 2 applies to the blocks the forward writes: a
+        swap-in's destinations are written by the copy, which is ordered after the swap-outs (rule 4)."""
+        self.poll()
+        self.swap_out(swap_out)
+        swap_in_dst = {gpu_block_id for _, gpu_block_id in swap_in}
+        self.wait_before_forward([b for b in new_gpu_block_ids if b not in swap_in_dst], block_tables)
+        self.swap_in(swap_in)
+
     def forward_issued(self, slot_mapping: list[int]):
         """Call after each forward is enqueued on the compute stream (rule 1). KV written on the compute stream by
         anything else would not be waited for by the swap-outs of blocks the last forward does not write."""

@@ -9,7 +9,7 @@ from nanovllm_offload.host_block_pool import HostBlockPool
 
 def host_cached_scheduler(num_gpu_blocks=4, num_cpu_blocks=8):
     s = make_scheduler(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, mode="swap")
-    s.host_prefix_cache = True
+    s.host_tier.prefix_cache = True
     return s
 
 

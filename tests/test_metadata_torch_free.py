@@ -9,7 +9,7 @@ sys.modules["transformers"] = None
 import nanovllm, nanovllm.config, nanovllm.sampling_params
 import nanovllm.core.sequence, nanovllm.core.block_pool, nanovllm.core.block_manager, nanovllm.core.hashing
 import nanovllm.engine.scheduler, nanovllm.engine.step_plan
-import nanovllm_offload.host_block_pool, nanovllm_offload.policy
+import nanovllm_offload.host_block_pool, nanovllm_offload.policy, nanovllm_offload.host_tier, nanovllm_offload.host_memory
 from nanovllm import SamplingParams
 assert "torch" not in [m for m in sys.modules if sys.modules[m] is not None]
 print("ok")

@@ -315,7 +315,7 @@ def test_scheduler_without_a_policy_recomputes():
     """The engine always passes a policy; a Scheduler built without one (its default) recomputes its victims
     instead of failing on the first preemption."""
     s = make_scheduler(num_gpu_blocks=6, num_cpu_blocks=8)
-    s.policy = None
+    s.host_tier.policy = None
     a = make_seq(8)
     s.add(a)
     run_step(s)

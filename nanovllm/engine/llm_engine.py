@@ -15,8 +15,7 @@ from nanovllm.core.sequence import Sequence
 from nanovllm.engine.step_plan import make_plan
 from nanovllm.engine.workers import WorkerPool, free_init_method
 from nanovllm.sampling_params import SamplingParams
-from nanovllm_offload.host_block_pool import HostBlockPool
-from nanovllm_offload.policy import PreemptionPolicy
+from nanovllm_offload.host_tier import HostTier
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -24,16 +23,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
         self.config = config = Config(model, **kwargs)
-        self.runner = self.workers = None
+        self.runner = self.workers = self.host_tier = None
         self.tokenizer = _load_tokenizer(model)
         try:
-            host_pool = self._start_runners()
+            self.host_tier = self._start_runners()
         except BaseException:
             self.close()
             raise
         self.block_bytes = self.runner.block_bytes
-        self.policy = PreemptionPolicy(config.preemption_mode, self.block_bytes)
-        self.scheduler = Scheduler.from_config(config, self.num_gpu_blocks, host_pool, self.policy,
+        self.scheduler = Scheduler.from_config(config, self.num_gpu_blocks, self.host_tier,
                                                _eos_token_ids(model, config.hf_config, self.tokenizer))
         copy_engine = self.runner.copy_engine
         if copy_engine is not None:
@@ -41,7 +39,6 @@ class LLMEngine:
             self.scheduler.hand_out_in_flight_last = copy_engine.overlap_swap_out
         self.requests: dict[int, Sequence] = {}
         self._num_empty_steps = 0
-        self._last_exposed = (0.0, 0.0)  # (exposed, copy) seconds at the last policy update
         self._in_flight = None  # (rows, SampledTokens) of the launched step not read back yet
         # prefill speed for the policy: prompt tokens and rows of the steps launched since the last read-back, which
         # waits for them on the GPU; the time between two read-backs is theirs (with asynchronous scheduling the
@@ -55,7 +52,7 @@ class LLMEngine:
         # caches are dropped as soon as no sequence holds blocks
         self._prefix_cache_suspect = False
 
-    def _start_runners(self) -> HostBlockPool | None:
+    def _start_runners(self) -> HostTier | None:
         """Rank 0 here, ranks 1..N-1 in worker processes; every rank sizes and allocates the same caches."""
         config = self.config
         init_method = None
@@ -71,18 +68,11 @@ class LLMEngine:
         self._call_workers_wait()  # the workers' runners are built
         self.num_gpu_blocks = self._call("num_kv_blocks_for_budget")
         self._call("allocate_kv_cache", self.num_gpu_blocks)
-        host_pool = None
-        if config.swap_space > 0 and (config.preemption_mode != "recompute" or config.host_prefix_cache):
-            # swapped sequences never hold more than max_num_seqs full-length tables (no admissions while anything
-            # is swapped); without the prefix-cache role, more host blocks than that would sit idle
-            num_cpu_blocks = self.runner.num_host_blocks()
-            if not config.host_prefix_cache:
-                num_cpu_blocks = min(num_cpu_blocks, self.runner.max_useful_blocks())
-            self.runner.check_host_memory(num_cpu_blocks)
-            self._call("allocate_host_cache", num_cpu_blocks)
-            host_pool = HostBlockPool(num_cpu_blocks)
+        host_tier = HostTier.from_config(config, self.runner.block_bytes, pinned=self.runner.device.type == "cuda")
+        if host_tier is not None:
+            self._call("allocate_host_cache", host_tier.num_blocks)
         self._call("capture_cuda_graphs")
-        return host_pool
+        return host_tier
 
     def _call(self, method: str, *args):
         """Run a runner method on every rank; returns rank 0's result."""
@@ -154,8 +144,7 @@ class LLMEngine:
         scheduler = self.scheduler
         if scheduler.running or scheduler.swapped:
             return False
-        host_pool = scheduler.host_pool
-        return scheduler.block_manager.reset_cache() and (host_pool is None or host_pool.reset_cache())
+        return scheduler.block_manager.reset_cache() and (self.host_tier is None or self.host_tier.reset_cache())
 
     def step(self) -> list[Sequence]:
         """Schedule and launch one step, read back the previous one (asynchronous scheduling) or this one, and
@@ -249,21 +238,15 @@ class LLMEngine:
         """After a read-back: the steps launched since the last one are done; mostly prompt tokens make a sample of
         prefill speed."""
         now = time.perf_counter()
-        if self._unsynced_prefill_tokens > self._unsynced_rows:
-            self.policy.observe_prefill(self._unsynced_prefill_tokens, now - self._last_sync)
+        if self._unsynced_prefill_tokens > self._unsynced_rows and self.host_tier is not None:
+            self.host_tier.observe_prefill(self._unsynced_prefill_tokens, now - self._last_sync)
         self._unsynced_prefill_tokens = self._unsynced_rows = 0
         self._last_sync = now
 
     def _observe_copies(self):
         engine = self.runner.copy_engine
-        if engine is not None:
-            copies = engine.take_recent_copies()
-            for num_bytes, copy_seconds in copies:
-                self.policy.observe_copy(num_bytes, copy_seconds)
-            if copies:
-                copy_s, exposed_s = engine.copy_seconds, engine.exposed_seconds
-                self.policy.observe_exposure(exposed_s - self._last_exposed[0], copy_s - self._last_exposed[1])
-                self._last_exposed = (exposed_s, copy_s)
+        if engine is not None and self.host_tier is not None:
+            self.host_tier.observe_copies(engine.take_recent_copies(), engine.copy_seconds, engine.exposed_seconds)
 
     def _detokenize(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -391,8 +374,7 @@ class LLMEngine:
         stats["swap_seconds"] = engine.copy_seconds if engine else 0.0
         stats["swap_exposed_seconds"] = engine.exposed_seconds if engine else 0.0
         stats["num_gpu_blocks"] = self.num_gpu_blocks
-        host_pool = self.scheduler.host_pool
-        stats["num_cpu_blocks"] = host_pool.num_blocks if host_pool else 0
+        stats["num_cpu_blocks"] = self.host_tier.num_blocks if self.host_tier is not None else 0
         return stats
 
     def close(self):

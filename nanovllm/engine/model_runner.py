@@ -24,7 +24,7 @@ from nanovllm.utils.context import AttentionMetadata, reset_context, set_context
 from nanovllm.utils.distributed import tp_size
 from nanovllm.utils.loader import init_dummy_weights, load_weights
 from nanovllm_offload.copy_engine import CopyEngine
-from nanovllm_offload.host_kv_cache import HostKVCache, check_host_memory, num_host_blocks
+from nanovllm_offload.host_kv_cache import HostKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -291,14 +291,6 @@ class ModelRunner:
                                       pin_memory=self.device.type == "cuda")
         self.copy_engine = CopyEngine(self.kv_cache, self.host_cache.kv, self.block_size)
 
-    def num_host_blocks(self) -> int:
-        return num_host_blocks(self.config.swap_space, self.block_bytes)
-
-    def check_host_memory(self, num_blocks: int):
-        """Before any rank allocates: can the host hold every rank's pool of num_blocks (pinned on CUDA)?"""
-        check_host_memory(num_blocks * self.block_bytes, tp_size(), self.config.swap_space,
-                          pinned=self.device.type == "cuda")
-
     # --- one step
     def prepare(self, plan: StepPlan) -> StepInputs:
         """Tensors for one step, packed into one host buffer (pinned on CUDA) and moved in one host-to-device copy;
@@ -404,14 +396,7 @@ class ModelRunner:
         """Like run, without waiting: the sampled tokens come back through the returned handle, so the host can
         schedule the next step while this one runs on the GPU."""
         if self.copy_engine is not None:
-            self.copy_engine.poll()
-            self.copy_engine.swap_out(plan.swap_out)
-            # rule 2 applies to the blocks this forward writes: a swap-in's destinations are written by the copy,
-            # which the copy engine orders after the swap-outs itself (rule 4)
-            swap_in_dst = {gpu_block_id for _, gpu_block_id in plan.swap_in}
-            self.copy_engine.wait_before_forward([b for b in plan.new_gpu_block_ids if b not in swap_in_dst],
-                                                 plan.block_tables)
-            self.copy_engine.swap_in(plan.swap_in)
+            self.copy_engine.issue_step_copies(plan.swap_out, plan.swap_in, plan.new_gpu_block_ids, plan.block_tables)
         if not plan.num_tokens:
             return SampledTokens(None)
         logits = self._forward(plan)

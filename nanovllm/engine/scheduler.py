@@ -8,7 +8,7 @@ from nanovllm.config import Config
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from nanovllm_offload.host_block_pool import HostBlockPool
-from nanovllm_offload.policy import PreemptionPolicy
+from nanovllm_offload.host_tier import HostTier
 
 
 @dataclass
@@ -64,12 +64,9 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: set[int], host_pool: HostBlockPool | None = None,
-                 policy: PreemptionPolicy | None = None, host_prefix_cache: bool = False):
+                 max_model_len: int, eos_token_ids: set[int], host_tier: HostTier | None = None):
         self.block_manager = block_manager
-        self.host_pool = host_pool
-        self.policy = policy
-        self.host_prefix_cache = host_prefix_cache and host_pool is not None
+        self.host_tier = host_tier  # the one door to the host tier; None: victims are recomputed
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -92,14 +89,19 @@ class Scheduler:
         self.min_tokens_pending: set[int] = set()  # ids of sequences still short of their min_tokens
 
     @classmethod
-    def from_config(cls, config: Config, num_gpu_blocks: int, host_pool: HostBlockPool | None,
-                    policy: PreemptionPolicy, eos_token_ids: set[int]) -> "Scheduler":
+    def from_config(cls, config: Config, num_gpu_blocks: int, host_tier: HostTier | None,
+                    eos_token_ids: set[int]) -> "Scheduler":
         """The scheduler and GPU block manager that the engine runs for `config` (bench_swap.py --simulate runs the
         same ones without a model)."""
         block_manager = BlockManager(num_gpu_blocks, config.kvcache_block_size, config.enable_prefix_caching,
                                      write_through=config.host_cache_policy == "write_through")
         return cls(block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-                   eos_token_ids, host_pool, policy, config.host_prefix_cache)
+                   eos_token_ids, host_tier)
+
+    @property
+    def host_pool(self) -> HostBlockPool | None:
+        """The host tier's block pool (read-only; for counters and tests)."""
+        return self.host_tier.pool if self.host_tier is not None else None
 
     def add(self, seq: Sequence):
         seq.max_num_tokens = min(seq.max_num_tokens, self.max_model_len)
@@ -174,7 +176,7 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
             cached_block_ids = self.block_manager.find_cached_prefix(seq)  # a waiting seq holds no blocks
-            host_block_ids = self._find_host_prefix(seq, len(cached_block_ids))
+            host_block_ids = self.host_tier.find_prefix(seq, len(cached_block_ids)) if self.host_tier else []
             # a finished sequence's partial block that continues the GPU hits (not after host hits)
             tail = None if host_block_ids else self.block_manager.find_cached_tail(seq, len(cached_block_ids))
             num_cached = len(cached_block_ids) * self.block_manager.block_size + (tail[1] if tail else 0)
@@ -198,11 +200,10 @@ class Scheduler:
         while self.swapped and not num_preempted and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             reserve = self.num_watermark_blocks if self.running else 0  # alone, it may take every block
-            copies = self.block_manager.allocate_for_swap_in(seq, reserve)
+            copies = self.host_tier.swap_in(seq, self.block_manager, reserve)
             if copies is None:
                 break
             self.swapped.popleft()
-            self.host_pool.free(seq)
             out.swap_in.extend(copies)
             if copies:
                 self.kv_arriving[seq.seq_id] = seq
@@ -240,45 +241,28 @@ class Scheduler:
             return set()
         return set(self.kv_arriving)
 
-    # --- the host prefix cache
-    def _find_host_prefix(self, seq: Sequence, num_gpu_hits: int) -> list[int]:
-        """Host blocks that continue seq's GPU prefix hit (never the block holding the last prompt token)."""
-        if not self.host_prefix_cache:
-            return []
-        num_candidates = (seq.num_tokens - 1) // self.block_manager.block_size - num_gpu_hits
-        if num_candidates <= 0:
-            return []
-        return self.host_pool.find_cached_prefix(seq, num_gpu_hits, num_candidates)
-
+    # --- the host prefix cache (decided by the host tier; counted here)
     def _count_prefix_lookup(self, seq: Sequence, num_gpu_hits: int, num_tail_hits: int = 0):
         """Counted once per admission (a lookup whose allocation failed is repeated, not counted twice)."""
         block_size = self.block_manager.block_size
         self.stats.prefix_cache_hit_tokens += num_gpu_hits * block_size + num_tail_hits
-        if self.host_prefix_cache:
-            num_candidates = max(0, (seq.num_tokens - 1) // block_size - num_gpu_hits)
-            self.stats.host_prefix_query_tokens += num_candidates * block_size
+        if self.host_tier is not None:
+            self.stats.host_prefix_query_tokens += self.host_tier.num_prefix_candidates(seq, num_gpu_hits) * block_size
 
     def _onload(self, out: SchedulerOutput, seq: Sequence, cpu_block_ids: list[int]):
-        """Copy host hits into the GPU blocks just allocated for them; they count as computed from now on
-        (the runner makes the next forward wait for the copies)."""
-        first = seq.num_computed_tokens // self.block_manager.block_size
-        gpu_block_ids = seq.block_table[first:first + len(cpu_block_ids)]
-        out.swap_in.extend(zip(cpu_block_ids, gpu_block_ids))
+        """Host hits go to the GPU blocks just allocated for them; seq waits out of the batch until they land."""
+        out.swap_in.extend(self.host_tier.onload(seq, cpu_block_ids))
         self.kv_arriving[seq.seq_id] = seq
-        seq.num_computed_tokens += len(cpu_block_ids) * self.block_manager.block_size
         self.stats.host_prefix_hit_tokens += len(cpu_block_ids) * self.block_manager.block_size
         self.stats.blocks_onloaded += len(cpu_block_ids)
 
     def _offload(self, out: SchedulerOutput):
         """Copy newly evictable (write-back) or newly cached (write-through) GPU blocks to the host prefix cache."""
-        candidates = self.block_manager.take_offload_candidates()
-        if not self.host_prefix_cache:
-            return
-        for gpu_block_id, block_hash in candidates:
-            cpu_block_id = self.host_pool.store(block_hash)
-            if cpu_block_id is not None:
-                out.swap_out.append((gpu_block_id, cpu_block_id))
-                self.stats.blocks_offloaded += 1
+        candidates = self.block_manager.take_offload_candidates()  # drained with or without a host tier
+        if self.host_tier is not None:
+            copies = self.host_tier.offload(candidates)
+            out.swap_out.extend(copies)
+            self.stats.blocks_offloaded += len(copies)
 
     def _add_to_batch(self, out: SchedulerOutput, seq: Sequence, num_new: int):
         out.seqs.append(seq)
@@ -308,15 +292,10 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput, mode: str | None = None):
         """Swap seq out when the policy says so and the host pool has room; else recompute it later."""
         self.stats.preemptions += 1
-        if self.host_pool is not None and seq.num_computed_tokens and self._wants_swap(seq, mode):
-            copies = self.host_pool.swap_out(seq, self.block_manager.computed_block_ids(seq))
+        if self.host_tier is not None and self.host_tier.wants_swap(seq, mode):
+            in_flight = self._blocks_in_flight(seq)
+            copies = self.host_tier.swap_out(seq, self.block_manager, hand_out_last=in_flight)
             if copies is not None:
-                # copy first the blocks that are handed out first, so the next owner's forward waits for one
-                # block's copy rather than for the victim's whole KV; the blocks the step in flight writes are
-                # copied after it, so they are handed out last
-                in_flight = self._blocks_in_flight(seq)
-                rank = self.block_manager.reuse_rank(seq.block_table, in_flight)
-                copies.sort(key=lambda c: rank[c[0]])
                 self.block_manager.free(seq, hand_out_last=in_flight)
                 seq.status = SequenceStatus.SWAPPED
                 self.swapped.appendleft(seq)  # victims go newest first: the oldest resumes first, as with recompute
@@ -330,11 +309,6 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-
-    def _wants_swap(self, seq: Sequence, mode: str | None) -> bool:
-        if mode is not None:
-            return mode == "swap"
-        return self.policy is not None and self.policy.should_swap(seq)  # no policy: recompute
 
     def _blocks_in_flight(self, seq: Sequence) -> list[int]:
         """seq's blocks that the last scheduled step writes: with asynchronous scheduling its forward may still
@@ -417,8 +391,8 @@ class Scheduler:
         elif seq.status == SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
         self.block_manager.free(seq, keep_tail=True)
-        if self.host_pool is not None:
-            self.host_pool.free(seq)
+        if self.host_tier is not None:
+            self.host_tier.free(seq)
         self.min_tokens_pending.discard(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
