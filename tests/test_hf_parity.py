@@ -90,11 +90,11 @@ def test_prefix_cache_hit_in_later_batch_with_new_prompts(llama_dir):
 def test_chunked_prefill_matches_hf(llama_dir, monkeypatch, split_mixed):
     # 40-token prompts with a 16-token budget per step: each prefill takes 3 steps, beside the others' decodes.
     # Split, a mixed step's decode rows run through the decode path and its prompt chunks through prefill.
-    from nanovllm.engine.model_runner import ModelRunner
+    from nanovllm.engine import step_inputs
     num_decode_rows = []
-    split = ModelRunner._split_mixed
-    monkeypatch.setattr(ModelRunner, "_split_mixed", staticmethod(
-        lambda md, d, *tensors: (num_decode_rows.append(d), split(md, d, *tensors))))
+    split = step_inputs.split_mixed
+    monkeypatch.setattr(step_inputs, "split_mixed",
+                        lambda md, d, *tensors: (num_decode_rows.append(d), split(md, d, *tensors)))
     monkeypatch.setenv("NANOVLLM_SPLIT_MIXED", "1" if split_mixed else "0")
     prompts = random_prompts((40, 37, 33, 5), seed=30)
     with LLM(llama_dir, **tiny_llm_kwargs(max_num_batched_tokens=16)) as llm:

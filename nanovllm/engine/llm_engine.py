@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner, resolve_device
+from nanovllm.engine.output import StreamCursor, TextOutput
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.core.sequence import Sequence
 from nanovllm.engine.step_plan import make_plan
@@ -25,6 +26,7 @@ class LLMEngine:
         self.config = config = Config(model, **kwargs)
         self.runner = self.workers = self.host_tier = None
         self.tokenizer = _load_tokenizer(model)
+        self.text_output = TextOutput(self.tokenizer)
         try:
             self.host_tier = self._start_runners()
         except BaseException:
@@ -198,7 +200,7 @@ class LLMEngine:
         token_ids = sampled.tolist()  # waits for the step on the GPU
         self._observe_prefill()
         updated, finished = self.scheduler.resolve(rows, token_ids)
-        return finished + self._apply_stop_strings(updated + finished)
+        return finished + self.text_output.apply_stop_strings(updated + finished, self.scheduler.finish)
 
     def _check_progress(self, out: SchedulerOutput):
         progress = not out.is_empty or self._in_flight is not None or self.scheduler.is_finished()  # idle is fine
@@ -207,32 +209,6 @@ class LLMEngine:
             s = self.scheduler
             raise RuntimeError(f"LLMEngine.step: no progress; waiting={list(s.waiting)} running={s.running} "
                                f"swapped={list(s.swapped)} free_gpu_blocks={s.block_manager.num_free_blocks}")
-
-    def _apply_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Ends each sequence whose text now holds a stop string, its text cut before the first match (after it
-        with include_stop_str_in_output). Sequences that just finished by length or a stop token are checked too,
-        as vLLM does: their reason becomes "stop". Returns the running sequences it finished."""
-        finished = []
-        for seq in seqs:
-            params = seq.sampling_params
-            if not params.stop or self.tokenizer is None or seq.num_completion_tokens <= params.min_tokens:
-                continue
-            text = self._detokenize(self._text_token_ids(seq))
-            # with min_tokens, a match must end after the text of the first min_tokens tokens (as in vLLM)
-            start = len(self._detokenize(seq.completion_token_ids[:params.min_tokens])) if params.min_tokens else 0
-            matches = [(i, stop) for stop in params.stop if (i := text.find(stop, max(start - len(stop) + 1, 0))) >= 0]
-            if not matches:
-                continue
-            cut, stop = min(matches, key=lambda match: match[0])
-            seq.output_text = text[:cut + len(stop)] if params.include_stop_str_in_output else text[:cut]
-            if seq.is_finished:
-                seq.finish_reason = "stop"
-                continue
-            del seq.token_ids[len(seq.token_ids) - seq.num_unresolved_tokens:]  # drop tokens after the stop
-            seq.num_unresolved_tokens = 0
-            self.scheduler.finish(seq, "stop")
-            finished.append(seq)
-        return finished
 
     def _observe_prefill(self):
         """After a read-back: the steps launched since the last one are done; mostly prompt tokens make a sample of
@@ -247,23 +223,6 @@ class LLMEngine:
         engine = self.runner.copy_engine
         if engine is not None and self.host_tier is not None:
             self.host_tier.observe_copies(engine.take_recent_copies(), engine.copy_seconds, engine.exposed_seconds)
-
-    def _detokenize(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    @staticmethod
-    def _text_token_ids(seq: Sequence) -> list[int]:
-        """The completion tokens whose text is shown: a stop token (stop_token_ids, EOS) stays in token_ids but its
-        text is left out, unless include_stop_str_in_output (vLLM's rule)."""
-        ids = seq.completion_token_ids
-        stopped_by_token = seq.finish_reason == "stop" and seq.output_text is None
-        return ids[:-1] if stopped_by_token and not seq.sampling_params.include_stop_str_in_output else ids
-
-    def output(self, seq: Sequence) -> dict:
-        text = seq.output_text if seq.output_text is not None else self._detokenize(self._text_token_ids(seq))
-        return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason}
 
     def _queue(self, prompts, sampling_params) -> list[int]:
         """Validate every request first, then queue them all: a bad one leaves the engine untouched."""
@@ -309,8 +268,7 @@ class LLMEngine:
         seq_ids = self._queue(prompts, sampling_params)
         pending = dict.fromkeys(seq_ids)
         self._generating.update(seq_ids)
-        num_sent = {seq_id: 0 for seq_id in seq_ids}
-        text_sent = {seq_id: "" for seq_id in seq_ids}
+        cursor = StreamCursor(self.text_output, seq_ids)
         try:
             while pending:
                 self._keep_others(self.step(), pending)
@@ -322,31 +280,23 @@ class LLMEngine:
                         del pending[seq_id]
                         yield {"index": i, "token_ids": [], "text": "", "finish_reason": "abort"}
                         continue
-                    new_ids = seq.completion_token_ids[num_sent[seq_id]:]
-                    if not new_ids and not seq.is_finished:
+                    chunk = cursor.chunk(seq, i)
+                    if chunk is None:
                         continue
-                    text = self._stream_text(seq)
-                    delta = text[len(text_sent[seq_id]):]
-                    num_sent[seq_id] += len(new_ids)
-                    text_sent[seq_id] = text
                     if seq.is_finished:
                         del pending[seq_id]
                         self.requests.pop(seq_id)
-                    yield {"index": i, "token_ids": new_ids, "text": delta, "finish_reason": seq.finish_reason}
+                    yield chunk
         finally:
             self._generating.difference_update(seq_ids)
             for seq_id in pending:
                 self.abort_request(seq_id)
 
-    def _stream_text(self, seq: Sequence) -> str:
-        """The text that is safe to send: all of it once finished; before that, without a trailing partial
-        character and without a tail that could still become a stop string."""
-        text = self.output(seq)["text"]
-        if seq.is_finished:
-            return text
-        text = text.rstrip("\ufffd")
-        holdback = max((len(s) - 1 for s in seq.sampling_params.stop), default=0)
-        return text[:max(len(text) - holdback, 0)]
+    def output(self, seq: Sequence) -> dict:
+        return self.text_output.output(seq)
+
+    def _stream_text(self, seq: Sequence) -> str:  # the server's stream reads it
+        return self.text_output.stream_text(seq)
 
     def _update_bar(self, bar, last):
         now = time.perf_counter()
