@@ -10,7 +10,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanovllm.models.registry import SUPPORTED_ARCHITECTURES
+# architecture name (config.json's `architectures`) -> model family; every family is built by
+# nanovllm.models.decoder.DecoderForCausalLM. Here, not in models/, so the config can check it without torch.
+SUPPORTED_ARCHITECTURES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen2ForCausalLM": "qwen2",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+}
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("auto", "swap", "recompute")

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanovllm.config import Config
+from nanovllm.config import SUPPORTED_ARCHITECTURES, Config
 from nanovllm.core.sequence import Sequence
 from nanovllm.engine.kv_cache import KVCacheLayout, layer_views, num_blocks_for_budget
 from nanovllm.engine.step_inputs import SampledTokens, prepare_step_inputs
@@ -20,7 +20,6 @@ from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.decoder import DecoderForCausalLM
-from nanovllm.models.registry import SUPPORTED_ARCHITECTURES
 from nanovllm.utils.compile import set_compile
 from nanovllm.utils.context import AttentionMetadata, reset_context, set_context
 from nanovllm.utils.distributed import tp_size
