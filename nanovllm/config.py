@@ -36,7 +36,7 @@ class Config:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # True: no CUDA graphs, no torch.compile
     # decode steps of up to min(max_num_seqs, this) rows replay CUDA graphs; larger ones run eagerly. vLLM stops at
-    # 512; 1,024 made bench.py's 8B run at max_num_seqs 1,024 1.024x faster (H200, docs/benchmarks.md run AG)
+    # 512; 1,024 made bench.py's 8B run at max_num_seqs 1,024 1.024x faster (H200, docs/benchmarks.md)
     max_cudagraph_capture_size: int = 1024
     # schedule step N+1 while step N runs on the GPU; a finished sequence may compute one extra, discarded token.
     # None: on when tensor_parallel_size == 1 (the workers need each sampled token before the next step)

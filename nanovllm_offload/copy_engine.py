@@ -16,7 +16,6 @@ Ordering rules (each enforced by an event wait, never by a device-wide sync):
 On a CPU-only machine the copies are plain synchronous memcpys and all of their time counts as exposed.
 """
 import itertools
-import os
 import time
 
 import torch
@@ -73,9 +72,7 @@ class CopyEngine:
         self.reading_gpu_blocks: dict[int, torch.cuda.Event] = {}  # swap-out sources still being read
         self.arriving_gpu_blocks: dict[int, torch.cuda.Event] = {}  # swap-in destinations still being filled
         self.last_out_event = self.last_in_event = None
-        # rule 1: events recorded after the last two forwards, and the slots the last one writes;
-        # NANOVLLM_OVERLAP_SWAP_OUT=0 makes every swap-out wait for all compute issued before it (side-by-side runs)
-        self.overlap_swap_out = os.environ.get("NANOVLLM_OVERLAP_SWAP_OUT") != "0"
+        # rule 1: events recorded after the last two forwards, and the slots the last one writes
         self.before_last_forward = self.last_forward = None
         self.last_forward_slots: list[int] = []
         self.pending_copies: list[tuple[object, object, int]] = []  # (start, end, bytes): copies not yet timed
@@ -112,7 +109,7 @@ class CopyEngine:
             return
         self.bytes_out += len(pairs) * self.block_bytes
         written = None  # on CPU forward_issued records nothing, so every pair is "hot": one synchronous copy
-        if self.before_last_forward is not None and self.overlap_swap_out:
+        if self.before_last_forward is not None:
             written = written_block_ids(self.last_forward_slots, self.block_size)
         stale, hot = split_by_last_forward(pairs, written)
         self._copy(stale, self.gpu_kv, self.host_kv, "out", after=self.before_last_forward)

@@ -65,7 +65,8 @@ class HostTier:
             return mode == "swap"
         return self.policy is not None and self.policy.should_swap(seq)
 
-    def swap_out(self, seq: Sequence, gpu_blocks: BlockManager, hand_out_last: list[int]) -> list[tuple[int, int]] | None:
+    def swap_out(self, seq: Sequence, gpu_blocks: BlockManager,
+                 hand_out_last: list[int]) -> list[tuple[int, int]] | None:
         """Host blocks for seq's computed GPU blocks: the (gpu_block_id, cpu_block_id) copies to make, or None when
         the pool is short (all or nothing). The copies come in the order the GPU blocks will be handed out again, so
         the next owner's forward waits for one block's copy rather than for the victim's whole KV; the blocks in
@@ -77,7 +78,8 @@ class HostTier:
         copies.sort(key=lambda c: rank[c[0]])
         return copies
 
-    def swap_in(self, seq: Sequence, gpu_blocks: BlockManager, num_reserved_blocks: int) -> list[tuple[int, int]] | None:
+    def swap_in(self, seq: Sequence, gpu_blocks: BlockManager,
+                num_reserved_blocks: int) -> list[tuple[int, int]] | None:
         """GPU blocks for a SWAPPED seq: the (cpu_block_id, gpu_block_id) copies to make (blocks still cached on the
         GPU need none), or None when the GPU is short. Its host blocks are released: once the copies are issued,
         nothing reads them (cached ones stay findable)."""

@@ -127,7 +127,8 @@ def test_prefill_speed_is_timed_between_read_backs(qwen3_dir, monkeypatch, async
         prior = llm.host_tier.policy.prefill_tokens_per_s
         llm.generate([prompt], greedy(4), use_tqdm=False)
         want = prior + llm.host_tier.policy.ema * (len(prompt) / 2.0 - prior)  # one sample: the prompt's step
-        assert llm.host_tier.policy.prefill_tokens_per_s == pytest.approx(want), (prior, llm.host_tier.policy.prefill_tokens_per_s)
+        policy = llm.host_tier.policy
+        assert policy.prefill_tokens_per_s == pytest.approx(want), (prior, policy.prefill_tokens_per_s)
 
 
 def test_an_idle_spell_is_not_timed_as_prefill(qwen3_dir, monkeypatch):

@@ -247,20 +247,6 @@ def test_blocks_the_step_in_flight_writes_are_copied_and_handed_out_last():
     check(s)
 
 
-def test_without_the_overlap_the_in_flight_block_is_handed_out_first():
-    """NANOVLLM_OVERLAP_SWAP_OUT=0 (the engine clears hand_out_in_flight_last): the order before the overlap."""
-    s = make_scheduler(num_gpu_blocks=6, num_cpu_blocks=8, mode="swap")
-    s.hand_out_in_flight_last = False
-    a, b = make_seq(7), make_seq(12, start=200)
-    s.add(a)
-    s.add(b)
-    run_step(s)
-    run_step(s)
-    out, _ = run_step(s)
-    assert out.swap_out == [(5, 3), (4, 2), (3, 1), (2, 0)] and a.block_table == [0, 1, 5]
-    check(s)
-
-
 def test_a_resumed_sequence_stays_out_of_the_batch_until_its_kv_has_landed():
     s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=8, mode="swap")
     a, b = make_seq(6), make_seq(6, start=200)

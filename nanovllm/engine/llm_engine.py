@@ -38,7 +38,6 @@ class LLMEngine:
         copy_engine = self.runner.copy_engine
         if copy_engine is not None:
             self.scheduler.kv_ready = lambda seq: copy_engine.blocks_ready(seq.block_table)
-            self.scheduler.hand_out_in_flight_last = copy_engine.overlap_swap_out
         self.requests: dict[int, Sequence] = {}
         self._num_empty_steps = 0
         self._in_flight = None  # (rows, SampledTokens) of the launched step not read back yet

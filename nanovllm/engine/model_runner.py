@@ -1,13 +1,10 @@
 """The model runner: the only owner of model weights, the GPU KV cache and (through the copy engine) the host KV
 cache. It turns a SchedulerOutput into tensors, issues the swap copies, runs the forward pass and samples."""
 import gc
-import itertools
 import logging
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -24,6 +21,7 @@ from nanovllm.utils.compile import set_compile
 from nanovllm.utils.context import AttentionMetadata, reset_context, set_context
 from nanovllm.utils.distributed import tp_size
 from nanovllm.utils.loader import init_dummy_weights, load_weights
+from nanovllm.utils.switches import SWITCHES
 from nanovllm_offload.copy_engine import CopyEngine
 from nanovllm_offload.host_kv_cache import HostKVCache
 
@@ -99,11 +97,11 @@ class ModelRunner:
         self._sampling_key, self._sampling = None, None  # the last batch's sampling tensors
         self._last_sampled = None  # [num_sampled] device tensor of the last launched step (rank 0)
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
-        # mixed steps: one-token rows through the decode kernel, the rest through prefill (docs/benchmarks.md,
-        # runs H-I: a 256-decode + 256-token step 18.5 -> 10.1 ms); NANOVLLM_SPLIT_MIXED=0 sends all to prefill
-        self.split_mixed_steps = self.backend.splits_mixed_steps and os.environ.get("NANOVLLM_SPLIT_MIXED") != "0"
+        # mixed steps: one-token rows through the decode kernel, the rest through prefill (a 256-decode + 256-token
+        # step took 10.1 ms instead of 18.5 on an H200); tests turn it off to cover backends that take them whole
+        self.split_mixed_steps = self.backend.splits_mixed_steps
         set_compile(self.device.type == "cuda" and not config.enforce_eager)
-        if self.backend.name in ("triton", "flash") and os.environ.get("NANOVLLM_TRITON_SILU") != "0":
+        if self.backend.name in ("triton", "flash"):
             from nanovllm.kernels.activation import silu_and_mul  # no per-element division (see its docstring)
             for act in (m for m in self.model.modules() if isinstance(m, SiluAndMul)):
                 act.kernel = silu_and_mul
@@ -173,11 +171,9 @@ class ModelRunner:
     def use_fused_rope_store(self) -> bool:
         """(q/k norm +) rope + KV store in one Triton kernel per layer instead of four to seven small kernels: on an
         H200 a batch-32 decode step drops from 2.78 to 2.49 ms and an eager mixed step's host time halves
-        (docs/benchmarks.md). Needs a Triton-capable backend and head_dim / 2 a power of two;
-        NANOVLLM_FUSED_ROPE_STORE=0 turns it off."""
+        (docs/benchmarks.md). Needs a Triton-capable backend and head_dim / 2 a power of two."""
         half = self.head_dim // 2
-        return (self.backend.name in ("triton", "flash") and self.head_dim % 2 == 0 and half & (half - 1) == 0
-                and os.environ.get("NANOVLLM_FUSED_ROPE_STORE", "1") != "0")
+        return self.backend.name in ("triton", "flash") and self.head_dim % 2 == 0 and half & (half - 1) == 0
 
     def allocate_host_cache(self, num_blocks: int):
         self.host_cache = HostKVCache(num_blocks, tuple(self.kv_cache.shape[1:]), self.dtype,
@@ -339,9 +335,9 @@ class ModelRunner:
         up to 2,048. On CPU, NANOVLLM_DECODE_GRAPHS=1 and NANOVLLM_PIECEWISE_GRAPHS=1 build the same graphs without
         capturing them: their static buffers, run eagerly (the CPU tests)."""
         self.warmup()
-        piecewise = os.environ.get("NANOVLLM_PIECEWISE_GRAPHS")
+        piecewise = SWITCHES.piecewise_graphs
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name == "torch":
-            if self.device.type == "cpu" and os.environ.get("NANOVLLM_DECODE_GRAPHS") == "1":
+            if self.device.type == "cpu" and SWITCHES.decode_graphs_on_cpu:
                 self._capture_decode_graphs(capture=False)
             if piecewise == "1" and self.device.type == "cpu":
                 self._capture_mixed_graphs(None, capture=False)

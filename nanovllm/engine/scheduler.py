@@ -2,58 +2,13 @@
 (plain Python; no torch)."""
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
 
 from nanovllm.config import Config
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from nanovllm.engine.scheduler_output import SchedulerOutput, SchedulerStats
 from nanovllm_offload.host_block_pool import HostBlockPool
 from nanovllm_offload.host_tier import HostTier
-
-
-@dataclass
-class SchedulerOutput:
-    """One step, as ids and counts. The runner turns it into tensors and copies."""
-    seqs: list[Sequence] = field(default_factory=list)  # sequences that compute tokens this step, in batch order
-    num_new_tokens: list[int] = field(default_factory=list)  # per seq: 1 for a decode, a chunk for a prefill
-    samples: list[bool] = field(default_factory=list)  # per seq: this step completes its input, so it samples
-    # (gpu_block_id, cpu_block_id): KV of swapped-out victims and of blocks stored in the host prefix cache;
-    # copied before any new owner writes the gpu block. Each cpu block at most once (the copies' order may change)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    # (cpu_block_id, gpu_block_id): KV of resumed sequences; they join the batch from the next step, so the copy
-    # overlaps this step's forward
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    # gpu blocks handed out this step: of the blocks this step's forward and swap-ins write, the only ones a
-    # swap-out still in flight may be reading (the others were handed out in earlier steps, which waited for theirs)
-    new_gpu_block_ids: list[int] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.seqs or self.swap_out or self.swap_in)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.num_new_tokens)
-
-
-@dataclass
-class SchedulerStats:
-    prefill_tokens: int = 0  # tokens computed for prompts (and for recomputed outputs)
-    decode_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-    preemptions: int = 0
-    preemptions_swap: int = 0
-    preemptions_recompute: int = 0
-    recomputed_tokens: int = 0  # tokens computed a second time because of a recompute preemption
-    blocks_swapped_out: int = 0
-    blocks_swapped_in: int = 0
-    host_prefix_query_tokens: int = 0  # prompt tokens looked up in the host prefix cache (past the GPU hits)
-    host_prefix_hit_tokens: int = 0
-    blocks_offloaded: int = 0  # cached GPU blocks copied to the host prefix cache
-    blocks_onloaded: int = 0  # host prefix-cache hits copied back to the GPU
-
-    def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class Scheduler:
@@ -79,9 +34,6 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._forced_swap_out: list[tuple[int, int]] = []  # copies of preempt() calls, issued with the next step
         self._last_out: SchedulerOutput | None = None  # the step scheduled last (its forward may be in flight)
-        # a swapped-out victim's blocks that the step in flight writes are handed out last (the engine turns this
-        # off with the copy engine's overlap, NANOVLLM_OVERLAP_SWAP_OUT=0)
-        self.hand_out_in_flight_last = True
         # sequences whose KV is being copied in (swap-in, host prefix hits) and `kv_ready`, which the engine points
         # at the copy engine: while others can run, such a sequence waits out of the batch instead of stalling it
         self.kv_arriving: dict[int, Sequence] = {}
@@ -135,16 +87,27 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def schedule(self) -> SchedulerOutput:
+        """One step: copies for the host prefix cache, then the running sequences (preempting when blocks run out),
+        then new prefills and swap-ins, which wait while anything was preempted this step."""
         out = SchedulerOutput(swap_out=self._forced_swap_out)
         self._forced_swap_out = []
         self.block_manager.begin_step()
-        budget = self.max_num_batched_tokens
-        num_preempted = 0
         self._offload(out)  # blocks freed by the last step, before anything can evict them
+        budget, num_preempted = self._schedule_running(out, self.max_num_batched_tokens)
+        if not num_preempted:
+            self._admit_waiting(out, budget)
+            self._resume_swapped(out)
+        out.new_gpu_block_ids = self.block_manager.new_gpu_block_ids
+        out.swap_out = _last_copy_per_host_block(out.swap_out)
+        self._one_token_rows_first(out)
+        self._last_out = out
+        return out
 
-        # running: one decode token, or the next prompt chunk, per sequence, oldest first;
-        # when blocks run out, preempt from the back (the newest) until this one fits
-        # (this loop runs once per row of every decode step: its hot path reads fields, not properties)
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
+        """One decode token, or the next prompt chunk, per running sequence, oldest first; when blocks run out,
+        preempt from the back (the newest) until this one fits. Returns (token budget left, sequences preempted).
+        This loop runs once per row of every decode step: its hot path reads fields, not properties."""
+        num_preempted = 0
         hold_arriving = self._hold_arriving()
         running, allocate = self.running, self.block_manager.allocate
         i = 0
@@ -170,10 +133,12 @@ class Scheduler:
                 i += 1
                 continue
             break
+        return budget, num_preempted
 
-        # waiting: admit new prefills, only when nothing is preempted or swapped (swapped sequences resume first)
-        while (self.waiting and budget > 0 and not num_preempted and not self.swapped
-               and len(self.running) < self.max_num_seqs):
+    def _admit_waiting(self, out: SchedulerOutput, budget: int):
+        """New prefills, only while nothing is swapped (swapped sequences resume first). A prompt whose next blocks
+        are in the host prefix cache gets GPU blocks for them now and prefills from the next step, after the copies."""
+        while self.waiting and budget > 0 and not self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached_block_ids = self.block_manager.find_cached_prefix(seq)  # a waiting seq holds no blocks
             host_block_ids = self.host_tier.find_prefix(seq, len(cached_block_ids)) if self.host_tier else []
@@ -181,7 +146,7 @@ class Scheduler:
             tail = None if host_block_ids else self.block_manager.find_cached_tail(seq, len(cached_block_ids))
             num_cached = len(cached_block_ids) * self.block_manager.block_size + (tail[1] if tail else 0)
             num_new = min(seq.num_uncomputed_tokens - num_cached, budget)
-            if host_block_ids:  # blocks for the host hits only; prefill starts next step, after their copies
+            if host_block_ids:  # blocks for the host hits only
                 num_new = len(host_block_ids) * self.block_manager.block_size
             reserve = self.num_watermark_blocks if self.running else 0
             if not self.block_manager.allocate(seq, num_new, cached_block_ids, reserve, tail):
@@ -196,8 +161,10 @@ class Scheduler:
             self._add_to_batch(out, seq, num_new)
             budget -= num_new
 
-        # swap-in: resume swapped sequences for the next step; the copies overlap this step's forward
-        while self.swapped and not num_preempted and len(self.running) < self.max_num_seqs:
+    def _resume_swapped(self, out: SchedulerOutput):
+        """Swapped sequences, oldest first, get GPU blocks and swap-in copies; they join the batch from the next step,
+        so the copies overlap this step's forward."""
+        while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             reserve = self.num_watermark_blocks if self.running else 0  # alone, it may take every block
             copies = self.host_tier.swap_in(seq, self.block_manager, reserve)
@@ -210,12 +177,6 @@ class Scheduler:
             self.stats.blocks_swapped_in += len(copies)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-
-        out.new_gpu_block_ids = self.block_manager.new_gpu_block_ids
-        out.swap_out = _last_copy_per_host_block(out.swap_out)
-        self._one_token_rows_first(out)
-        self._last_out = out
-        return out
 
     @staticmethod
     def _one_token_rows_first(out: SchedulerOutput):
@@ -314,7 +275,7 @@ class Scheduler:
         """seq's blocks that the last scheduled step writes: with asynchronous scheduling its forward may still
         be running while the next step is scheduled."""
         last = self._last_out
-        if last is None or not self.hand_out_in_flight_last:
+        if last is None:
             return []
         for other, num_new in zip(last.seqs, last.num_new_tokens):
             if other is seq:

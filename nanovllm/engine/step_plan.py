@@ -2,7 +2,7 @@
 import itertools
 from dataclasses import dataclass, field
 
-from nanovllm.engine.scheduler import SchedulerOutput
+from nanovllm.engine.scheduler_output import SchedulerOutput
 from nanovllm.core.sequence import PLACEHOLDER_TOKEN, Sequence
 
 

@@ -11,13 +11,13 @@ prefill and decode write into `out` when given. In a mixed step (some rows decod
 metadata); flash-attn's varlen kernel takes the whole mixed batch, as in vLLM.
 `TorchBackend` is the reference: plain torch, CPU and GPU; the Triton and flash-attn backends are tested against it.
 """
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.utils.context import AttentionMetadata, get_context
+from nanovllm.utils.switches import SWITCHES
 
 
 class TorchBackend:
@@ -78,8 +78,8 @@ class TritonBackend:
         from nanovllm.kernels import triton_attention
         self.ops = triton_attention
         # launch decode rows longest context first, so no long row starts last and leaves the GPU to a few
-        # programs (=0 turns it off; measured with heads_fastest, docs/benchmarks.md run V)
-        self.longest_first = os.environ.get("NANOVLLM_DECODE_LONGEST_FIRST", "1") != "0"
+        # programs (=0 turns it off; measured with heads_fastest, docs/benchmarks.md)
+        self.longest_first = SWITCHES.decode_longest_first
 
     def store_kv(self, k, v, k_cache, v_cache, md: AttentionMetadata):
         self.ops.store_kvcache(k, v, k_cache, v_cache, md.slot_mapping)
