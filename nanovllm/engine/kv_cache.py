@@ -1,7 +1,6 @@
-"""The GPU KV cache: the bytes of one block, how many blocks a memory budget buys, and the block-major tensor with
-each layer's views. The runner owns the tensor; this module only says its shape and size."""
+"""How many GPU KV blocks a memory budget buys. The bytes of one block, the block-major tensor and each layer's
+views are the KV layout's (nanovllm/layers/kv_layout.py); the runner owns the tensor."""
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -9,33 +8,6 @@ import torch.distributed as dist
 from nanovllm.config import Config
 
 GiB = 1 << 30
-
-
-@dataclass(frozen=True)
-class KVCacheLayout:
-    """kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] on one rank: a block of all layers, K and V,
-    is one contiguous chunk, so swapping it is one DMA (the host cache mirrors this layout)."""
-    num_layers: int
-    block_size: int  # tokens per block
-    num_kv_heads: int  # this rank's share
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def block_bytes(self) -> int:
-        """One block of all layers, K and V, on this rank."""
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
-
-    def block_shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
-
-    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
-        return torch.zeros((num_blocks, *self.block_shape()), dtype=self.dtype, device=device)
-
-
-def layer_views(kv_cache: torch.Tensor, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer i's K and V: strided views [num_blocks, block_size, num_kv_heads, head_dim] of the one tensor."""
-    return kv_cache[:, layer_index, 0], kv_cache[:, layer_index, 1]
 
 
 def max_useful_blocks(config: Config) -> int:

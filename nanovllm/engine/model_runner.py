@@ -10,11 +10,12 @@ import torch.distributed as dist
 
 from nanovllm.config import SUPPORTED_ARCHITECTURES, Config
 from nanovllm.core.sequence import Sequence
-from nanovllm.engine.kv_cache import KVCacheLayout, layer_views, num_blocks_for_budget
+from nanovllm.engine.kv_cache import num_blocks_for_budget
 from nanovllm.engine.step_inputs import SampledTokens, prepare_step_inputs
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, select_backend
+from nanovllm.layers.kv_layout import KVLayout, check_fp8_support, hadamard
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.utils.compile import set_compile
@@ -90,7 +91,9 @@ class ModelRunner:
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = config.num_kv_heads // tp_size()
         self.head_dim = config.head_dim
-        self.kv_layout = KVCacheLayout(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        self.kv_layout = KVLayout(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype,
+                                  config.kv_cache_dtype)
+        check_fp8_support(config.kv_cache_dtype, self.device)
         self.model = self._build_model()
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> per-request generator (SamplingParams.seed)
@@ -130,6 +133,7 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
+        """One block of all layers, K and V (and their scales with an FP8 cache), on this rank."""
         return self.kv_layout.block_bytes
 
     def num_kv_blocks_for_budget(self) -> int:
@@ -158,12 +162,15 @@ class ModelRunner:
         return int(total * config.gpu_memory_utilization - used - (peak - current))
 
     def allocate_kv_cache(self, num_blocks: int):
-        """The block-major KV tensor (see KVCacheLayout); each layer sees strided views of its K and V."""
+        """One block-major tensor (kv_layout.py): a block of all layers is one contiguous chunk, so swapping it is
+        one DMA. Each layer sees strided views of its K and V (and, with FP8, of their scales)."""
         self.kv_cache = self.kv_layout.allocate(num_blocks, self.device)
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         fused = self.use_fused_rope_store()
+        rotation = hadamard(self.head_dim, torch.float32, self.device) if self.kv_layout.is_fp8 else None
         for i, attn in enumerate(layers):
-            attn.k_cache, attn.v_cache = layer_views(self.kv_cache, i)
+            attn.kv = self.kv_layout.layer_views(self.kv_cache, i)
+            attn.rotation = rotation
             attn.backend = self.backend
             attn.fused_rope_store = fused
             attn.is_first_layer = i == 0
@@ -176,7 +183,7 @@ class ModelRunner:
         return self.backend.name in ("triton", "flash") and self.head_dim % 2 == 0 and half & (half - 1) == 0
 
     def allocate_host_cache(self, num_blocks: int):
-        self.host_cache = HostKVCache(num_blocks, tuple(self.kv_cache.shape[1:]), self.dtype,
+        self.host_cache = HostKVCache(num_blocks, tuple(self.kv_cache.shape[1:]), self.kv_cache.dtype,
                                       pin_memory=self.device.type == "cuda")
         self.copy_engine = CopyEngine(self.kv_cache, self.host_cache.kv, self.block_size)
 
@@ -381,7 +388,7 @@ class ModelRunner:
         if self.copy_engine is not None:
             self.copy_engine.synchronize()
         for attn in (m for m in self.model.modules() if isinstance(m, Attention)):
-            attn.k_cache = attn.v_cache = torch.tensor([])
+            attn.kv = attn.rotation = None
         self.graphs.clear()
         self.mixed_graphs.clear()
         self.model = self.kv_cache = self.host_cache = self.copy_engine = None
