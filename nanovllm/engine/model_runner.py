@@ -191,9 +191,7 @@ class ModelRunner:
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A list on the device; through pinned memory on CUDA so the copy is asynchronous."""
         t = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         """Per-row sampling parameters; reused while the batch holds the same sequences in the same order."""
