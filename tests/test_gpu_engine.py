@@ -206,17 +206,16 @@ def test_no_compile_after_warmup(gpu_models):
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_fp8_triton_engine_matches_the_torch_backend_in_float32(gpu_models, kv_cache_dtype):
-    """FP8 KV on the GPU: the Triton store (fused rope + rotation + quantization), prefill and decode kernels
-    under CUDA graphs give the torch backend's greedy tokens (its store writes the same bytes; its attention
-    dequantizes), in float32 compute, a mixed-step budget included."""
-    for family in ("qwen3", "llama"):
-        kwargs = dict(kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=64)
-        ref = run(gpu_models[family], attention_backend="torch", enforce_eager=True, **kwargs)
-        got = run(gpu_models[family], **kwargs)
-        assert got["backend"] == "triton" and got["graphs"] > 0
-        assert got["token_ids"] == ref["token_ids"], (family, got["token_ids"], ref["token_ids"])
+def test_fp8_triton_engine_matches_the_torch_backend_in_float32(gpu_models):
+    """FP8 KV on the GPU: the Triton store (fused q/k norm + rope + rotation + quantization), prefill and decode
+    kernels under CUDA graphs give the torch backend's greedy tokens (its store writes the same bytes; its
+    attention dequantizes), in float32 compute, with a budget that makes mixed steps. (e5m2 differs only in the
+    conversion, which tests/test_fp8_kv.py checks byte for byte on the GPU.)"""
+    kwargs = dict(kv_cache_dtype="fp8_e4m3", max_num_batched_tokens=64)
+    ref = run(gpu_models["qwen3"], attention_backend="torch", enforce_eager=True, **kwargs)
+    got = run(gpu_models["qwen3"], **kwargs)
+    assert got["backend"] == "triton" and got["graphs"] > 0
+    assert got["token_ids"] == ref["token_ids"], (got["token_ids"], ref["token_ids"])
 
 
 def test_fp8_swap_on_cuda_streams_matches_the_unpressured_run(gpu_models):
