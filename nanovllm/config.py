@@ -10,7 +10,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanovllm.models.registry import SUPPORTED_ARCHITECTURES
+# architecture name (config.json's `architectures`) -> model family; every family is built by
+# nanovllm.models.decoder.DecoderForCausalLM. Here, not in models/, so the config can check it without torch.
+SUPPORTED_ARCHITECTURES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen2ForCausalLM": "qwen2",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+}
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
@@ -40,7 +47,7 @@ class Config:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # True: no CUDA graphs, no torch.compile
     # decode steps of up to min(max_num_seqs, this) rows replay CUDA graphs; larger ones run eagerly. vLLM stops at
-    # 512; 1,024 made bench.py's 8B run at max_num_seqs 1,024 1.024x faster (H200, docs/benchmarks.md run AG)
+    # 512; 1,024 made bench.py's 8B run at max_num_seqs 1,024 1.024x faster (H200, docs/benchmarks.md)
     max_cudagraph_capture_size: int = 1024
     # schedule step N+1 while step N runs on the GPU; a finished sequence may compute one extra, discarded token.
     # None: on when tensor_parallel_size == 1 (the workers need each sampled token before the next step)
