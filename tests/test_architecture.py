@@ -134,11 +134,8 @@ def violations(root: pathlib.Path = ROOT) -> list[str]:
 
 # known violations that another change under way removes (the server split breaks the CLI <-> server cycle);
 # delete an entry once it no longer occurs
-KNOWN = {"module cycle ['nanovllm.entrypoints.cli', 'nanovllm.entrypoints.server']"}
-
-
 def test_imports_run_downward_without_cycles():
-    assert [v for v in violations() if v not in KNOWN] == []
+    assert violations() == []
 
 
 @pytest.mark.parametrize("plant", [
