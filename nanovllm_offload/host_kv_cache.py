@@ -1,11 +1,13 @@
 """The host tensors of the swap tier: one pinned block pool that mirrors the GPU cache block for block."""
 import logging
+import weakref
 
 import psutil
 import torch
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
+CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context of the process, not only the current device's
 
 
 def num_host_blocks(swap_space_gib: float, block_bytes: int) -> int:
@@ -14,33 +16,60 @@ def num_host_blocks(swap_space_gib: float, block_bytes: int) -> int:
 
 
 def check_host_memory(num_bytes: int, num_ranks: int, swap_space_gib: float, pinned: bool):
-    """Raises ValueError when every rank's pool does not fit in the host's available memory. A pinned pool counts
-    at the size PyTorch's pinned allocator really locks: it rounds a request up to a power of two
-    (pytorch/pytorch#95823), so a 40 GiB pool locks 64 GiB; a rounding that locks much more than asked is warned
-    about."""
-    locked = 1 << max(num_bytes - 1, 0).bit_length() if pinned else num_bytes
-    rounded = " (PyTorch rounds pinned allocations up to a power of two)" if locked > num_bytes else ""
+    """Raises ValueError when every rank's pool does not fit in the host's available memory. The pool locks
+    exactly num_bytes (HostKVCache registers its own pages rather than asking PyTorch's pinned allocator, which
+    rounds up to a power of two)."""
     available = psutil.virtual_memory().available
-    if locked * num_ranks > 0.9 * available:
-        raise ValueError(f"swap_space={swap_space_gib:g} GiB locks {locked / GiB:.1f} GiB of "
-                         f"{'pinned ' if pinned else ''}memory per rank x {num_ranks} rank(s){rounded}, but only "
-                         f"{available / GiB:.1f} GiB of host memory is available; lower swap_space"
-                         f"{', ideally to a power of two' if pinned else ''}")
-    if locked > 1.1 * num_bytes:
-        logger.warning("swap_space=%g GiB locks %.1f GiB of pinned memory per rank%s: swap_space=%g would use all of "
-                       "it", swap_space_gib, locked / GiB, rounded, locked / GiB)
+    if num_bytes * num_ranks > 0.9 * available:
+        raise ValueError(f"swap_space={swap_space_gib:g} GiB needs {num_bytes / GiB:.1f} GiB of "
+                         f"{'pinned ' if pinned else ''}memory per rank x {num_ranks} rank(s), but only "
+                         f"{available / GiB:.1f} GiB of host memory is available; lower swap_space")
 
 
 class HostKVCache:
     """kv[num_cpu_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], the GPU layout with cpu_block_ids.
 
     Block-major like the GPU cache, so one block (all layers, K and V) is one contiguous chunk: one DMA per block,
-    one per run of consecutive ids. Pinned on CUDA machines so copies are asynchronous and run at link speed.
+    one per run of consecutive ids. Pinned on CUDA machines so copies are asynchronous and run at link speed: the
+    pages of a plain allocation are registered with cudaHostRegister (as SGLang's host pool does), so the pool
+    locks exactly its size; torch.empty(pin_memory=True) would lock the next power of two (40 GiB -> 64 GiB).
+    NOTE: the pages stay registered until close(), or until the tensor is freed if close() is never called.
     """
 
     def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool):
-        self.kv = torch.empty((num_blocks, *block_shape), dtype=dtype, device="cpu", pin_memory=pin_memory)
+        self.kv = torch.empty((num_blocks, *block_shape), dtype=dtype, device="cpu")
+        self._unregister = None
+        num_bytes = self.kv.numel() * self.kv.element_size()
+        if pin_memory and num_bytes:
+            ptr = self.kv.data_ptr()
+            cudart = _cudart()
+            _check(cudart.cudaHostRegister(ptr, num_bytes, CUDA_HOST_REGISTER_PORTABLE), "cudaHostRegister", num_bytes)
+            # tied to the tensor, not to self: the copy engine holds the tensor, and its pages must stay
+            # registered while it can still copy from them
+            self._unregister = weakref.finalize(self.kv, _unregister_pages, cudart, ptr)
+            logger.info("host KV pool: %d blocks, %.2f GiB pinned", num_blocks, num_bytes / GiB)
 
     @property
     def num_blocks(self) -> int:
         return self.kv.size(0)
+
+    def close(self):
+        """Unregister the pages (safe to call twice); call it once no copy from or to the pool is in flight."""
+        if self._unregister is not None:
+            self._unregister()
+
+
+def _cudart():
+    return torch.cuda.cudart()
+
+
+def _unregister_pages(cudart, ptr: int):
+    result = int(cudart.cudaHostUnregister(ptr))
+    if result != 0:  # the pages are freed next either way; a failure here must not mask the caller's error
+        logger.warning("cudaHostUnregister of the host KV pool failed with cudaError %d", result)
+
+
+def _check(result, call: str, num_bytes: int):
+    if int(result) != 0:
+        raise RuntimeError(f"{call} of {num_bytes / GiB:.2f} GiB failed with cudaError {int(result)} (a lower swap_space may fit the "
+                           f"host's limit on locked memory, see `ulimit -l`)")

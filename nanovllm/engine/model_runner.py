@@ -556,6 +556,8 @@ class ModelRunner:
     def close(self):
         if self.copy_engine is not None:
             self.copy_engine.synchronize()
+        if self.host_cache is not None:
+            self.host_cache.close()
         for attn in (m for m in self.model.modules() if isinstance(m, Attention)):
             attn.k_cache = attn.v_cache = torch.tensor([])
         self.graphs.clear()

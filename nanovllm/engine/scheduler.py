@@ -1,5 +1,6 @@
 """The scheduler: decides what each step computes, preempts, swaps. It owns the queues and nothing else
 (plain Python; no torch)."""
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -9,6 +10,8 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from nanovllm_offload.host_block_pool import HostBlockPool
 from nanovllm_offload.policy import PreemptionPolicy
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,6 +48,8 @@ class SchedulerStats:
     preemptions_swap: int = 0
     preemptions_recompute: int = 0
     recomputed_tokens: int = 0  # tokens computed a second time because of a recompute preemption
+    # preemptions that the policy (or mode) meant to swap but recomputed: no host pool, or no room in it
+    swap_fallback_recomputes: int = 0
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
     host_prefix_query_tokens: int = 0  # prompt tokens looked up in the host prefix cache (past the GPU hits)
@@ -308,7 +313,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput, mode: str | None = None):
         """Swap seq out when the policy says so and the host pool has room; else recompute it later."""
         self.stats.preemptions += 1
-        if self.host_pool is not None and seq.num_computed_tokens and self._wants_swap(seq, mode):
+        wants_swap = bool(seq.num_computed_tokens) and self._wants_swap(seq, mode)
+        if self.host_pool is not None and wants_swap:
             copies = self.host_pool.swap_out(seq, self.block_manager.computed_block_ids(seq))
             if copies is not None:
                 # copy first the blocks that are handed out first, so the next owner's forward waits for one
@@ -324,12 +330,27 @@ class Scheduler:
                 self.stats.preemptions_swap += 1
                 self.stats.blocks_swapped_out += len(copies)
                 return
+        if wants_swap:
+            self._count_swap_fallback(seq)
         self.stats.preemptions_recompute += 1
         self.block_manager.free(seq)
         seq.num_recompute_pending = max(seq.num_recompute_pending, seq.num_computed_tokens)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def _count_swap_fallback(self, seq: Sequence):
+        """A swap became a recompute: counted, and said once in the log, since it costs prefill time that the
+        user chose swapping to save."""
+        self.stats.swap_fallback_recomputes += 1
+        if self.stats.swap_fallback_recomputes > 1:
+            return
+        num_blocks = len(self.block_manager.computed_block_ids(seq))
+        num_cpu_blocks = self.host_pool.num_blocks if self.host_pool is not None else 0
+        why = (f"the host pool holds {num_cpu_blocks} blocks, fewer than its {num_blocks}" if num_blocks > num_cpu_blocks
+               else f"the host pool has {self.host_pool.num_free_blocks} of {num_cpu_blocks} blocks free")
+        logger.warning("seq %d was to be swapped out but is recomputed: %s; raise swap_space (counted in stats()"
+                       "['swap_fallback_recomputes'], said once)", seq.seq_id, why)
 
     def _wants_swap(self, seq: Sequence, mode: str | None) -> bool:
         if mode is not None:
