@@ -162,8 +162,10 @@ class LLMEngine:
             self._prefix_cache_suspect = False
         try:
             return self._step()
-        except BaseException:  # an error, or Ctrl-C between scheduling a step and launching it
+        except BaseException as error:  # an error, or Ctrl-C between scheduling a step and launching it
             self._prefix_cache_suspect = True
+            if self.workers is not None:
+                self.workers.abandon_call(error)  # raises a worker's failure when that is the cause
             raise
 
     def _step(self) -> list[Sequence]:
