@@ -31,6 +31,7 @@ def check_prompt(prompt) -> str | list[int]:
     """One prompt: the string itself, or its token ids as Python ints (their range is the engine's to check)."""
     prompt = _as_array_list(prompt, "prompt")
     if isinstance(prompt, str):
+        _check_encodable(prompt)
         return prompt
     if isinstance(prompt, (bytes, bytearray)):
         raise ValueError(_bytes_message("prompt", prompt))
@@ -51,6 +52,15 @@ def _as_array_list(value, name: str):
             raise ValueError(f"{name}={_short.repr(value)} is a scalar array; pass {PROMPT_FORMS}")
         return value.tolist()
     return value
+
+
+def _check_encodable(text: str):
+    """A lone surrogate ("\\ud800", which JSON and Python strings can hold) is no text a tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"prompt has a lone surrogate {text[error.start]!r} at character {error.start}, which is not "
+                         f"valid Unicode text; remove or replace it") from None
 
 
 def _bytes_message(name: str, value) -> str:

@@ -63,8 +63,9 @@ def _generator():
     ([[5, 6], None], r"prompt None \(NoneType\) must be a string or a list of token ids"),
     ([[5, 6], {"a": 1}], r"prompt \{'a': 1\} \(dict\) must be"),
     ([True, False], r"token id True is not an integer"),
+    ("x\ud800y", r"prompt has a lone surrogate '\\ud800' at character 1"),
 ], ids=["bytes", "bytearray", "bytes-in-list", "None", "int", "floats", "np-floats", "np-floats-2d", "np-scalar",
-        "generator", "dict", "None-in-list", "dict-in-list", "bools"])
+        "generator", "dict", "None-in-list", "dict-in-list", "bools", "lone-surrogate"])
 def test_bad_prompts_are_value_errors(llm, serves_the_same, prompts, pattern):
     with pytest.raises(ValueError, match=pattern):
         llm.generate(prompts, greedy(4), use_tqdm=False)
@@ -120,9 +121,12 @@ def test_a_change_after_add_request_does_not_reach_the_request(llm, serves_the_s
 
 
 @pytest.mark.parametrize("kwargs, pattern", [
-    (dict(swap_space=1e300), r"swap_space=1e\+300 GiB is more than this host's .* GiB of memory"),
+    (dict(swap_space=1e300), r"swap_space=1e\+300 GiB must be in \[0, 1048576\]"),
+    (dict(swap_space=-1), r"swap_space=-1 GiB must be in \[0, 1048576\]"),
     (dict(swap_space=float("inf")), r"swap_space=inf must be a finite number"),
-], ids=["swap_space-1e300", "swap_space-inf"])
+    (dict(swap_space=100000), r"swap_space=100000 GiB needs 100000\.0 GiB of memory per rank x 1 rank\(s\), but only"),
+], ids=["swap_space-1e300", "swap_space-negative", "swap_space-inf",
+                                  "swap_space-beyond-the-host"])
 def test_bad_engine_options(llm, serves_the_same, qwen3_dir, kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         LLM(qwen3_dir, **tiny_llm_kwargs(**kwargs))

@@ -11,6 +11,7 @@ import nanovllm.engine.sequence, nanovllm.engine.block_pool, nanovllm.engine.blo
 import nanovllm.engine.scheduler, nanovllm.engine.step_plan
 import nanovllm_offload.host_block_pool, nanovllm_offload.policy
 from nanovllm import SamplingParams
+import nanovllm.inputs
 assert "torch" not in [m for m in sys.modules if sys.modules[m] is not None]
 print("ok")
 """

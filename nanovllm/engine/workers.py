@@ -92,6 +92,7 @@ class WorkerPool:
         self.is_call_outstanding = False  # a call was sent and its replies are not all in
         self._lock = threading.Lock()  # guards failure and is_closing
         self._procs_lock = threading.Lock()  # one thread at a time reaps the processes (join, exitcode)
+        self._error_read_lock = threading.Lock()  # one thread at a time reads an error pipe (a message is read once)
         self._watchdog = threading.Thread(target=self._watch, name="nanovllm-tp-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -170,10 +171,11 @@ class WorkerPool:
     def _failure_of(self, rank: int) -> str:
         """What became of worker `rank`: its traceback when it sent one, else how its process ended."""
         error_conn, proc = self.error_conns[rank - 1], self.procs[rank - 1]
-        if error_conn.poll(FAILURE_GRACE_S if proc.is_alive() else 0):
+        with self._error_read_lock:
             try:
-                return f"tensor-parallel worker rank {rank} failed:\n{error_conn.recv()}"
-            except (EOFError, OSError):
+                if error_conn.poll(FAILURE_GRACE_S if proc.is_alive() else 0):
+                    return f"tensor-parallel worker rank {rank} failed:\n{error_conn.recv()}"
+            except (EOFError, OSError):  # it died without a message (or another thread read it)
                 pass
         with self._procs_lock:
             proc.join(FAILURE_GRACE_S)
