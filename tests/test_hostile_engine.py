@@ -156,8 +156,8 @@ def interrupt_after(monkeypatch, llm, num_steps: int):
 
 @pytest.mark.parametrize("num_steps", [3, 9, 14])
 def test_an_interrupted_generate_leaves_nothing_behind(llm, serves_the_same, monkeypatch, num_steps):
-    """Three prompts of 8 tokens finish at different steps (the longest prompt is prefilled in more than one step
-    only with a small budget; here each interrupt lands with some requests finished, some not)."""
+    """Requests of 4, 8 and 16 new tokens finish at different steps, so the interrupts land with none, some or
+    most of them finished; three interrupts in a row, as a user pressing Ctrl-C again and again."""
     params = [greedy(4), greedy(8), greedy(16)]
     for _ in range(3):
         interrupt_after(monkeypatch, llm, num_steps)
