@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import flash_attn_standin
 from nanovllm.config import Config
 from nanovllm.layers.attention import FlashBackend, TorchBackend, TritonBackend, select_backend
+from nanovllm.layers.kv_layout import LayerKV
 from nanovllm.utils.context import AttentionMetadata
 
 BS = 256  # flash-attn's paged KV needs a multiple of 256
@@ -64,9 +65,9 @@ def test_prefill_matches_the_torch_reference(flash, rows):
     k_cache, v_cache = make_cache(8)
     md = make_metadata(rows, 8)
     q = queries(sum(ql for _, ql in rows))
-    want = TorchBackend().prefill(q, k_cache, v_cache, md, SCALE)
+    want = TorchBackend().prefill(q, LayerKV(k_cache, v_cache), md, SCALE)
     out = torch.empty_like(q)
-    assert flash.prefill(q, k_cache, v_cache, md, SCALE, out=out) is out
+    assert flash.prefill(q, LayerKV(k_cache, v_cache), md, SCALE, out=out) is out
     assert_close(out, want)
     assert flash_attn_standin.CALLS == ["varlen"]
 
@@ -80,9 +81,9 @@ def test_the_mixed_batch_goes_through_varlen_whole(flash):
     assert not flash.splits_mixed_steps and not md.is_decode_only
     q = queries(1 + 1 + 45 + 20)
     torch_backend = TorchBackend()
-    want = torch.cat([torch_backend.decode(q[:2], k_cache, v_cache, make_metadata(rows[:2], 8), SCALE),
-                      torch_backend.prefill(q[2:], k_cache, v_cache, _tail(md, 2), SCALE)])
-    assert_close(flash.prefill(q, k_cache, v_cache, md, SCALE), want)
+    want = torch.cat([torch_backend.decode(q[:2], LayerKV(k_cache, v_cache), make_metadata(rows[:2], 8), SCALE),
+                      torch_backend.prefill(q[2:], LayerKV(k_cache, v_cache), _tail(md, 2), SCALE)])
+    assert_close(flash.prefill(q, LayerKV(k_cache, v_cache), md, SCALE), want)
 
 
 def _tail(md: AttentionMetadata, d: int) -> AttentionMetadata:
@@ -99,15 +100,15 @@ def test_decode_matches_the_torch_reference_with_graph_padding(flash):
     k_cache, v_cache = make_cache(12)
     md = make_metadata(rows, 12)
     q = queries(len(rows))
-    want = TorchBackend().decode(q, k_cache, v_cache, md, SCALE)
-    assert_close(flash.decode(q, k_cache, v_cache, md, SCALE), want)
+    want = TorchBackend().decode(q, LayerKV(k_cache, v_cache), md, SCALE)
+    assert_close(flash.decode(q, LayerKV(k_cache, v_cache), md, SCALE), want)
     n, padded = len(rows), 8
     graph_md = AttentionMetadata(True, md.slot_mapping, torch.ones(padded, dtype=torch.int32),
                                  torch.zeros(padded, 6, dtype=torch.int32), max_seq_len=1)
     graph_md.seq_lens[:n] = md.seq_lens
     graph_md.block_tables[:n, :md.block_tables.size(1)] = md.block_tables.clamp(min=0)
     out = torch.zeros(padded, H, D, dtype=DTYPE)
-    flash.decode(torch.cat([q, queries(padded - n, seed=2)]), k_cache, v_cache, graph_md, SCALE, out=out)
+    flash.decode(torch.cat([q, queries(padded - n, seed=2)]), LayerKV(k_cache, v_cache), graph_md, SCALE, out=out)
     assert_close(out[:n], want)
     assert flash_attn_standin.CALLS == ["with_kvcache", "with_kvcache"]
 
