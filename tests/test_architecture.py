@@ -16,7 +16,7 @@ PACKAGES = ("nanovllm", "nanovllm_offload")
 # lowest first; a module may import modules of its own layer or of a lower one. The longest matching prefix names a
 # module's layer.
 LAYERS = [
-    ("floor", ["nanovllm.core", "nanovllm.sampling_params"]),  # metadata: sequences, block pools, block hashing
+    ("floor", ["nanovllm.core", "nanovllm.sampling_params", "nanovllm.inputs"]),  # metadata and request checks
     ("config", ["nanovllm.config", "nanovllm.utils"]),
     ("offload", ["nanovllm_offload"]),  # the host tier: the floor, torch, config types
     ("kernels", ["nanovllm.kernels"]),
