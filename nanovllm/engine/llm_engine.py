@@ -1,5 +1,6 @@
 """The engine loop: add requests, then step (schedule -> run -> postprocess) until they finish."""
 import atexit
+import itertools
 import json
 import numbers
 import os
@@ -12,8 +13,9 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner, resolve_device
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_plan import make_plan
+from nanovllm.engine.step_plan import LogprobRows, add_logprob_rows, make_plan
 from nanovllm.engine.workers import WorkerPool, free_init_method
+from nanovllm.logprobs import position_logprobs
 from nanovllm.sampling_params import SamplingParams
 from nanovllm_offload.host_block_pool import HostBlockPool
 from nanovllm_offload.policy import PreemptionPolicy
@@ -42,7 +44,9 @@ class LLMEngine:
         self.requests: dict[int, Sequence] = {}
         self._num_empty_steps = 0
         self._last_exposed = (0.0, 0.0)  # (exposed, copy) seconds at the last policy update
-        self._in_flight = None  # (rows, SampledTokens) of the launched step not read back yet
+        self._in_flight = None  # (rows, SampledTokens, LogprobRows | None) of the launched step not read back yet
+        self._logprob_seq_ids: set[int] = set()  # requests that asked for logprobs: steps without any skip them
+        self._token_texts: dict[int, str] = {}  # Logprob.decoded_token per token id, decoded once
         # prefill speed for the policy: prompt tokens and rows of the steps launched since the last read-back, which
         # waits for them on the GPU; the time between two read-backs is theirs (with asynchronous scheduling the
         # host's own time for a step overlaps the GPU's, so a step's wall time would be its predecessor's)
@@ -102,6 +106,8 @@ class LLMEngine:
                        self.config.kvcache_block_size)
         self.scheduler.add(seq)
         self.requests[seq.seq_id] = seq
+        if seq.logprobs is not None or seq.prompt_logprobs is not None:
+            self._logprob_seq_ids.add(seq.seq_id)
         return seq.seq_id
 
     def _prompt_token_ids(self, prompt, sampling_params: SamplingParams) -> list[int]:
@@ -141,6 +147,7 @@ class LLMEngine:
 
     def abort_request(self, seq_id: int):
         seq = self.requests.pop(seq_id, None)
+        self._logprob_seq_ids.discard(seq_id)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
             self.runner.release([seq_id])
@@ -178,6 +185,7 @@ class LLMEngine:
         self._check_progress(out)
         plan, sample_seqs = make_plan(out, self.config.kvcache_block_size)
         plan.banned_token_ids = self.scheduler.banned_token_ids(sample_seqs)
+        logprob_rows = add_logprob_rows(plan, out, sample_seqs) if self._logprob_seq_ids else None
         if self.workers is not None:
             self.workers.send("run", plan)
         sampled = self.runner.launch(plan, sample_seqs)
@@ -185,12 +193,13 @@ class LLMEngine:
         self._unsynced_prefill_tokens += sum(n for n in out.num_new_tokens if n > 1)
         self._unsynced_rows += len(out.seqs)
         rows = self.scheduler.advance(out)
-        self._in_flight = (rows, sampled) if rows else None
+        self._in_flight = (rows, sampled, logprob_rows) if rows or logprob_rows else None
         if not self.config.async_scheduling:
             finished += self._read_back()
         self._call_workers_wait()
         self._observe_copies()
         self.runner.release([seq.seq_id for seq in finished])
+        self._logprob_seq_ids.difference_update(seq.seq_id for seq in finished)
         finished, self._unclaimed = self._unclaimed + finished, []
         return finished
 
@@ -204,12 +213,37 @@ class LLMEngine:
         """Fill in the tokens of the step in flight; returns the sequences that finished."""
         if self._in_flight is None:
             return []
-        rows, sampled = self._in_flight
+        rows, sampled, logprob_rows = self._in_flight
         self._in_flight = None
         token_ids = sampled.tolist()  # waits for the step on the GPU
         self._observe_prefill()
+        if logprob_rows is not None:
+            self._attach_logprobs(logprob_rows, *sampled.logprob_lists())
         updated, finished = self.scheduler.resolve(rows, token_ids)
         return finished + self._apply_stop_strings(updated + finished)
+
+    def _attach_logprobs(self, owners: LogprobRows, token_ids: list[list[int]], values: list[list[float]],
+                         ranks: list[int]):
+        """Hand a read-back step's logprob rows to their sequences (before resolve, which may finish them: the
+        token a sequence ends with keeps its logprobs; a row whose sequence already finished is dropped, as its
+        token is)."""
+        rows = zip(token_ids, values, ranks)
+        for seq, (ids, row_values, rank) in zip(owners.sample_seqs, rows):
+            if not seq.is_finished:
+                seq.logprobs.append(position_logprobs(ids, row_values, rank, seq.sampling_params.logprobs,
+                                                      self._token_text))
+        for seq, num_rows in owners.prompt_chunks:
+            num_top = seq.sampling_params.prompt_logprobs
+            seq.prompt_logprobs.extend(position_logprobs(ids, row_values, rank, num_top, self._token_text)
+                                       for ids, row_values, rank in itertools.islice(rows, num_rows))
+
+    def _token_text(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _check_progress(self, out: SchedulerOutput):
         progress = not out.is_empty or self._in_flight is not None or self.scheduler.is_finished()  # idle is fine
@@ -280,7 +314,8 @@ class LLMEngine:
 
     def output(self, seq: Sequence) -> dict:
         text = seq.output_text if seq.output_text is not None else self._detokenize(self._text_token_ids(seq))
-        return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason}
+        return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
+                "logprobs": seq.logprobs, "prompt_logprobs": seq.prompt_logprobs}
 
     def _queue(self, prompts, sampling_params) -> list[int]:
         """Validate every request first, then queue them all: a bad one leaves the engine untouched."""
@@ -297,7 +332,8 @@ class LLMEngine:
         return [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
 
     def generate(self, prompts: list[str] | list[list[int]] | str, sampling_params=None, use_tqdm: bool = True):
-        """Run prompts to completion; returns {"text", "token_ids", "finish_reason"} per prompt, in input order."""
+        """Run prompts to completion; returns {"text", "token_ids", "finish_reason", "logprobs", "prompt_logprobs"}
+        per prompt, in input order (the logprobs None unless SamplingParams asked for them)."""
         seq_ids = self._queue(prompts, sampling_params)
         pending = set(seq_ids)
         self._generating.update(seq_ids)
@@ -319,8 +355,9 @@ class LLMEngine:
         return [self.output(self.requests.pop(seq_id)) for seq_id in seq_ids]
 
     def generate_stream(self, prompts: list[str] | list[list[int]] | str, sampling_params=None):
-        """Like generate, but yields {"index", "token_ids", "text", "finish_reason"} with the new tokens and text
-        of a request as soon as a step produces them; finish_reason is None until its last chunk.
+        """Like generate, but yields {"index", "token_ids", "text", "finish_reason", "logprobs", "prompt_logprobs"}
+        with the new tokens, text and logprobs of a request as soon as a step produces them; finish_reason is None
+        until its last chunk, prompt_logprobs None after its first.
         Closing the generator early aborts the unfinished requests and frees their blocks; a request aborted by
         abort_request meanwhile ends with finish_reason "abort"."""
         seq_ids = self._queue(prompts, sampling_params)
@@ -337,23 +374,33 @@ class LLMEngine:
                     seq = self.requests.get(seq_id)
                     if seq is None:  # aborted by abort_request
                         del pending[seq_id]
-                        yield {"index": i, "token_ids": [], "text": "", "finish_reason": "abort"}
+                        yield {"index": i, "token_ids": [], "text": "", "finish_reason": "abort", "logprobs": None,
+                               "prompt_logprobs": None}
                         continue
                     new_ids = seq.completion_token_ids[num_sent[seq_id]:]
                     if not new_ids and not seq.is_finished:
                         continue
                     text = self._stream_text(seq)
                     delta = text[len(text_sent[seq_id]):]
+                    chunk = {"index": i, "token_ids": new_ids, "text": delta, "finish_reason": seq.finish_reason,
+                             **self._stream_logprobs(seq, num_sent[seq_id], len(new_ids))}
                     num_sent[seq_id] += len(new_ids)
                     text_sent[seq_id] = text
                     if seq.is_finished:
                         del pending[seq_id]
                         self.requests.pop(seq_id)
-                    yield {"index": i, "token_ids": new_ids, "text": delta, "finish_reason": seq.finish_reason}
+                    yield chunk
         finally:
             self._generating.difference_update(seq_ids)
             for seq_id in pending:
                 self.abort_request(seq_id)
+
+    @staticmethod
+    def _stream_logprobs(seq: Sequence, num_sent: int, num_new: int) -> dict:
+        """A chunk's "logprobs" (its new tokens') and "prompt_logprobs" (all of them, in a request's first chunk,
+        which comes after its whole prompt is computed)."""
+        return {"logprobs": None if seq.logprobs is None else seq.logprobs[num_sent:num_sent + num_new],
+                "prompt_logprobs": seq.prompt_logprobs if num_sent == 0 else None}
 
     def _stream_text(self, seq: Sequence) -> str:
         """The text that is safe to send: all of it once finished; before that, without a trailing partial

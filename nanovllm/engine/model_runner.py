@@ -16,6 +16,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, select_backend
+from nanovllm.layers.logprobs import chosen_and_top, raw_logprobs
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.registry import SUPPORTED_ARCHITECTURES
@@ -120,24 +121,33 @@ class StepInputs:
 
 
 class SampledTokens:
-    """Token ids sampled by a launched step, on their way to the host: a pinned copy and an event on CUDA."""
+    """Token ids sampled by a launched step, and the logprob rows it computed (chosen_and_top's three tensors,
+    sample rows then prompt rows), on their way to the host: pinned copies and an event on CUDA."""
 
-    def __init__(self, sampled: torch.Tensor | None):
-        self.host = self.event = None
-        if sampled is None or not sampled.is_cuda:
-            self.host = sampled
+    def __init__(self, sampled: torch.Tensor | None, logprobs: tuple[torch.Tensor, ...] | None = None):
+        self.event = None
+        self.host, self.logprobs = sampled, logprobs
+        if not any(t is not None and t.is_cuda for t in (sampled, *(logprobs or ()))):
             return
-        self.host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-        self.host.copy_(sampled, non_blocking=True)
+        self.host, self.logprobs = self._to_host(sampled), logprobs and tuple(map(self._to_host, logprobs))
         self.event = torch.cuda.Event()
         self.event.record()
 
+    @staticmethod
+    def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+
     def tolist(self) -> list[int]:
-        if self.host is None:
-            return []
         if self.event is not None:
             self.event.synchronize()
-        return self.host.tolist()
+        return [] if self.host is None else self.host.tolist()
+
+    def logprob_lists(self) -> tuple[list[list[int]], list[list[float]], list[int]] | None:
+        """(token ids, logprobs, chosen ranks) per row; call after tolist (which waits for the copies)."""
+        return self.logprobs and tuple(t.tolist() for t in self.logprobs)
 
 
 class ModelRunner:
@@ -414,16 +424,39 @@ class ModelRunner:
             self.copy_engine.swap_in(plan.swap_in)
         if not plan.num_tokens:
             return SampledTokens(None)
-        logits = self._forward(plan)
+        logits, prompt_logprobs = self._forward(plan)
         if self.copy_engine is not None:
             self.copy_engine.forward_issued(plan.slot_mapping)
-        if logits is None or self.rank != 0:
+        if self.rank != 0:
             return SampledTokens(None)
+        if logits is None:
+            return SampledTokens(None, prompt_logprobs)
+        rows = self._to_device(plan.sample_logprob_rows, torch.int64) if plan.sample_logprob_rows else None
+        logprobs = raw_logprobs(logits[rows]) if rows is not None else None  # before the sampler masks logits
         self._last_sampled = self.sampler(logits, self.sampling_tensors(sample_seqs), plan.banned_token_ids)
-        return SampledTokens(self._last_sampled)
+        if logprobs is not None:
+            sample_logprobs = chosen_and_top(logprobs, self._last_sampled[rows], plan.num_top_logprobs)
+            prompt_logprobs = _cat_rows(sample_logprobs, prompt_logprobs)
+        return SampledTokens(self._last_sampled, prompt_logprobs)
 
-    def _forward(self, plan: StepPlan) -> torch.Tensor | None:
-        """Logits of the sampled rows (rank 0; None elsewhere or when nothing is sampled)."""
+    PROMPT_LOGPROB_ROWS = 512  # rows per full-vocabulary logits slice: bounds the memory of a long prompt chunk
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> tuple[torch.Tensor, ...] | None:
+        """chosen_and_top of the prompt rows (rank 0; every rank computes their logits, a collective at TP > 1)."""
+        indices = self._to_device(plan.prompt_logprob_indices, torch.int64)
+        token_ids = self._to_device(plan.prompt_logprob_token_ids, torch.int64)
+        parts = None
+        for start in range(0, len(plan.prompt_logprob_indices), self.PROMPT_LOGPROB_ROWS):
+            end = start + self.PROMPT_LOGPROB_ROWS
+            logits = self.model.compute_logits(hidden[indices[start:end]])
+            if logits is not None:
+                parts = _cat_rows(parts, chosen_and_top(raw_logprobs(logits), token_ids[start:end],
+                                                         plan.num_top_logprobs))
+        return parts
+
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
+        """Logits of the sampled rows (rank 0; None elsewhere or when nothing is sampled), and the prompt rows'
+        logprobs (rank 0; None elsewhere or when the step has none)."""
         graph = self._graph_for(plan)
         inputs = self.prepare(plan)
         if graph is not None:
@@ -438,9 +471,10 @@ class ModelRunner:
                     hidden = self.model(inputs.input_ids, inputs.positions)
             finally:
                 reset_context()
+        prompt_logprobs = self._prompt_logprobs(hidden, plan) if plan.prompt_logprob_indices else None
         if not plan.logits_indices:
-            return None
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+            return None, prompt_logprobs
+        return self.model.compute_logits(hidden[inputs.logits_indices]), prompt_logprobs
 
     @torch.inference_mode()
     def warmup(self):
@@ -568,3 +602,10 @@ class ModelRunner:
             torch.cuda.empty_cache()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _cat_rows(first: tuple[torch.Tensor, ...] | None, second: tuple[torch.Tensor, ...] | None):
+    """Two chosen_and_top results, one's rows after the other's (either may be None)."""
+    if first is None or second is None:
+        return first if second is None else second
+    return tuple(torch.cat(pair) for pair in zip(first, second))

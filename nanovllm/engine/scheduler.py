@@ -173,10 +173,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and not num_preempted and not self.swapped
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            cached_block_ids = self.block_manager.find_cached_prefix(seq)  # a waiting seq holds no blocks
-            host_block_ids = self._find_host_prefix(seq, len(cached_block_ids))
-            # a finished sequence's partial block that continues the GPU hits (not after host hits)
-            tail = None if host_block_ids else self.block_manager.find_cached_tail(seq, len(cached_block_ids))
+            cached_block_ids, host_block_ids, tail = self._find_prefix_hits(seq)
             num_cached = len(cached_block_ids) * self.block_manager.block_size + (tail[1] if tail else 0)
             num_new = min(seq.num_uncomputed_tokens - num_cached, budget)
             if host_block_ids:  # blocks for the host hits only; prefill starts next step, after their copies
@@ -240,6 +237,17 @@ class Scheduler:
             return set()
         return set(self.kv_arriving)
 
+    def _find_prefix_hits(self, seq: Sequence) -> tuple[list[int], list[int], tuple[int, int] | None]:
+        """A waiting seq's (GPU hits, host hits, cached tail). None for a request whose prompt tokens still need
+        their logprobs: a hit would skip the positions that give them (vLLM skips the lookup too)."""
+        if seq.needs_prompt_logprobs:
+            return [], [], None
+        cached_block_ids = self.block_manager.find_cached_prefix(seq)  # a waiting seq holds no blocks
+        host_block_ids = self._find_host_prefix(seq, len(cached_block_ids))
+        # a finished sequence's partial block that continues the GPU hits (not after host hits)
+        tail = None if host_block_ids else self.block_manager.find_cached_tail(seq, len(cached_block_ids))
+        return cached_block_ids, host_block_ids, tail
+
     # --- the host prefix cache
     def _find_host_prefix(self, seq: Sequence, num_gpu_hits: int) -> list[int]:
         """Host blocks that continue seq's GPU prefix hit (never the block holding the last prompt token)."""
@@ -254,7 +262,7 @@ class Scheduler:
         """Counted once per admission (a lookup whose allocation failed is repeated, not counted twice)."""
         block_size = self.block_manager.block_size
         self.stats.prefix_cache_hit_tokens += num_gpu_hits * block_size + num_tail_hits
-        if self.host_prefix_cache:
+        if self.host_prefix_cache and not seq.needs_prompt_logprobs:  # no lookup was made
             num_candidates = max(0, (seq.num_tokens - 1) // block_size - num_gpu_hits)
             self.stats.host_prefix_query_tokens += num_candidates * block_size
 
