@@ -27,7 +27,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token but the first; no prefix-cache hits then
 
     def __post_init__(self):
-        for name in ("top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs"):  # numpy / torch-free integers become Python ints
+        # numpy / torch-free integers become Python ints
+        for name in ("top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool):
                 setattr(self, name, int(value))

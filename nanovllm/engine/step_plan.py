@@ -83,7 +83,8 @@ def add_logprob_rows(plan: StepPlan, out: SchedulerOutput, sample_seqs: list[Seq
     for seq, num_new in zip(out.seqs, out.num_new_tokens):
         if seq.needs_prompt_logprobs:
             end = seq.num_computed_tokens + num_new  # the scheduled chunk is [num_computed_tokens, end)
-            first, last = max(seq.num_computed_tokens, seq.num_prompt_logprobs_planned), min(end, seq.num_prompt_tokens - 1)
+            first = max(seq.num_computed_tokens, seq.num_prompt_logprobs_planned)
+            last = min(end, seq.num_prompt_tokens - 1)
             if first < last:
                 row = token_start + first - seq.num_computed_tokens
                 plan.prompt_logprob_indices.extend(range(row, row + last - first))
