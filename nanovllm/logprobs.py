@@ -13,7 +13,7 @@ PositionLogprobs = dict[int, "Logprob"]
 @dataclass(slots=True)
 class Logprob:
     logprob: float  # natural log of the token's probability under the raw (untempered, unfiltered) distribution
-    rank: int  # 1 for the most likely token; ties share the lower rank (vLLM's count of tokens >= this one)
+    rank: int  # 1 for the most likely token: the number of tokens at least as likely (vLLM's count)
     decoded_token: str | None = None  # the token's text; None when the model has no tokenizer
 
 
