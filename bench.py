@@ -23,6 +23,7 @@ import time
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import llm_engine
 from nanovllm.engine.step_plan import StepPlan
+from nanovllm.config import KV_CACHE_DTYPES
 from nanovllm.utils.presets import preset_dir
 
 
@@ -285,6 +286,7 @@ def main():
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--kvcache-block-size", type=int, default=None, help="default: the engine's (64)")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--profile-decode", nargs="*", default=(), metavar="BATCH[:CONTEXT]",
                         help="after the run, time decode steps (forward + sampling) at these batch sizes, each row "
@@ -311,7 +313,7 @@ def main():
               max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
               attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
               preemption_mode="recompute", async_scheduling=args.async_scheduling,
-              kvcache_block_size=args.kvcache_block_size)
+              kvcache_block_size=args.kvcache_block_size, kv_cache_dtype=args.kv_cache_dtype)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     if not args.skip_run:
         run(llm, args)

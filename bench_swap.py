@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 
+from nanovllm.config import KV_CACHE_DTYPES
+
 GiB = 1 << 30
 SCENARIOS = {
     "rtx4070": dict(shape="qwen3-0.6b", num_seqs=256, kv_gib=4, swap_space=16),
@@ -48,7 +50,7 @@ def engine_options(scenario: str, mode: str, args) -> dict:
     options = dict(load_format="dummy", max_model_len=8192 if scenario == "chat" else 4096,
                    max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
                    tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
-                   kvcache_block_size=args.kvcache_block_size)
+                   kvcache_block_size=args.kvcache_block_size, kv_cache_dtype=args.kv_cache_dtype)
     if mode != "unpressured":
         options.update(kv_cache_memory_bytes=int(s["kv_gib"] * GiB) // args.tensor_parallel_size)
     if mode in ("unpressured", "recompute", "no_host_tier"):
@@ -141,7 +143,10 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
     hf, block_size = config.hf_config, config.kvcache_block_size
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     num_kv_heads = hf.num_key_value_heads // config.tensor_parallel_size  # one rank's, as its budget is
-    block_bytes = block_size * hf.num_hidden_layers * 2 * num_kv_heads * head_dim * 2  # bf16, as on GPU
+    import torch
+    from nanovllm.layers.kv_layout import KVLayout
+    block_bytes = KVLayout(hf.num_hidden_layers, block_size, num_kv_heads, head_dim, torch.bfloat16,  # as on GPU
+                           config.kv_cache_dtype).block_bytes
     host_pool = None
     if config.swap_space > 0 and (config.preemption_mode != "recompute" or config.host_prefix_cache):
         # sized as the engine sizes it: without the prefix-cache role, at most max_num_seqs full tables
@@ -270,6 +275,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--kvcache-block-size", type=int, default=None, help="default: the engine's (64)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="the KV cache's dtype on the GPU and in the host tier (kv_cache_memory_bytes stays the "
+                             "scenario's, so FP8 gets about twice the blocks)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="schedule step N+1 while step N runs (default: on at TP 1)")
     parser.add_argument("--plot", action="store_true", help="write bench_swap_<scenario>.png (needs matplotlib)")

@@ -12,8 +12,9 @@ import subprocess
 import sys
 import time
 
-CHECKS = ["kv_roundtrip", "resume_mid_decode", "heavy_swap", "counters", "bandwidth", "tp2"]
-CUDA_ONLY = {"kv_roundtrip", "bandwidth", "tp2"}
+CHECKS = ["kv_roundtrip", "resume_mid_decode", "heavy_swap", "counters", "bandwidth", "tp2", "fp8_kv_roundtrip",
+          "fp8_resume_mid_decode"]
+CUDA_ONLY = {"kv_roundtrip", "bandwidth", "tp2", "fp8_kv_roundtrip"}
 MODEL = None  # the model directory of this process's check
 
 
@@ -37,31 +38,35 @@ def random_prompts(num: int, min_len: int, max_len: int, vocab: int = 10000, see
 
 
 # --- the checks: each returns a detail string or raises AssertionError
-def check_kv_roundtrip(model, cuda):
+def check_kv_roundtrip(model, cuda, **overrides):
     import torch
     from nanovllm import LLM
     with LLM(model, **engine_args(model, cuda, num_kvcache_blocks=16, swap_space=0.25, preemption_mode="swap",
-                                  kvcache_block_size=16)) as llm:
+                                  kvcache_block_size=16, **overrides)) as llm:
         kv, host = llm.runner.kv_cache, llm.runner.host_cache.kv
         assert host.is_pinned(), "host cache is not pinned"
-        kv.copy_(torch.randn(kv.shape, device=kv.device).to(kv.dtype))
+        if kv.dtype == torch.uint8:  # FP8: raw bytes, each block's values then its scales
+            kv.copy_(torch.randint(0, 256, kv.shape, dtype=torch.uint8, device=kv.device))
+        else:
+            kv.copy_(torch.randn(kv.shape, device=kv.device).to(kv.dtype))
         engine = llm.runner.copy_engine
         src, cpu, dst = [1, 3, 4, 7], [5, 0, 1, 2], [8, 9, 12, 2]
         engine.swap_out(list(zip(src, cpu)))
         engine.swap_in(list(zip(cpu, dst)))
         engine.synchronize()
-        bits = lambda t: t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+        bits = lambda t: t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
         for s, c, d in zip(src, cpu, dst):
             assert torch.equal(bits(host[c]), bits(kv[s].cpu())), f"gpu block {s} -> host block {c} differs"
             assert torch.equal(bits(kv[d]), bits(kv[s])), f"gpu block {s} -> host -> gpu block {d} differs"
         return f"{len(src)} blocks of {engine.block_bytes / 2**20:.2f} MiB round-tripped byte-exact"
 
 
-def check_resume_mid_decode(model, cuda):
+def check_resume_mid_decode(model, cuda, **overrides):
     from nanovllm import LLM, SamplingParams
     prompt = random_prompts(1, 40, 40)[0]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    with LLM(model, **engine_args(model, cuda, enable_prefix_caching=False, preemption_mode="swap")) as llm:
+    with LLM(model, **engine_args(model, cuda, enable_prefix_caching=False, preemption_mode="swap",
+                                  **overrides)) as llm:
         expected = llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
         seq_id = llm.add_request(prompt, params)
         seq = llm.requests[seq_id]
@@ -77,6 +82,16 @@ def check_resume_mid_decode(model, cuda):
     assert stats["blocks_swapped_in"] > 0 and stats["recomputed_tokens"] == 0, stats
     return (f"swapped out after 20 tokens, resumed, {len(got)} tokens identical, "
             f"blocks swapped in: {stats['blocks_swapped_in']}")
+
+
+def check_fp8_kv_roundtrip(model, cuda):
+    """An FP8 block (values, then one scale per token and kv head) to the pinned host pool and back, byte-exact."""
+    return check_kv_roundtrip(model, cuda, kv_cache_dtype="fp8")
+
+
+def check_fp8_resume_mid_decode(model, cuda):
+    """With FP8 KV, a sequence swapped out mid-decode and resumed continues exactly as one that never left."""
+    return check_resume_mid_decode(model, cuda, kv_cache_dtype="fp8")
 
 
 def _heavy_workload(cuda):

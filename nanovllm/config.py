@@ -16,6 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 HOST_CACHE_POLICIES = ("write_back", "write_through", "off")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names: "fp8" is e4m3
 
 
 @dataclass(slots=True)
@@ -47,6 +48,9 @@ class Config:
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; overrides gpu_memory_utilization
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may fill (weights + activations + KV)
     enable_prefix_caching: bool = True
+    # "auto": the model dtype. "fp8"/"fp8_e4m3"/"fp8_e5m2": 8-bit values with one scale per token and kv head inside
+    # the block (nanovllm/layers/kv_layout.py), about half the bytes per block on the GPU, over PCIe and on the host
+    kv_cache_dtype: str = "auto"
     # --- host tier (nanovllm_offload)
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks, per tensor-parallel rank
     preemption_mode: str = "auto"  # "auto" picks swap or recompute per victim from measured speeds
@@ -65,6 +69,7 @@ class Config:
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("host_cache_policy", self.host_cache_policy, HOST_CACHE_POLICIES)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.kvcache_block_size is None:
             self.kvcache_block_size = 256 if _flash_backend_expected(self.attention_backend, self.device) else 64
         for name in ("kvcache_block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
@@ -100,6 +105,18 @@ class Config:
             raise ValueError(f"swap_space={self.swap_space} GiB must be >= 0")
         self.hf_config = load_hf_config(self.model)
         self._check_model_shape()
+        self._check_kv_cache_dtype()
+
+    def _check_kv_cache_dtype(self):
+        if self.kv_cache_dtype == "auto":
+            return
+        head_dim = self.head_dim
+        if head_dim & (head_dim - 1):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs head_dim a power of two (K is stored "
+                             f"Hadamard-rotated), the model has {head_dim}; use kv_cache_dtype='auto'")
+        if self.attention_backend == "flash":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported by attention_backend='flash'; "
+                             f"use attention_backend='auto' (the Triton kernels read FP8 KV)")
 
     def _check_model_dir(self):
         path = os.path.join(self.model, "config.json")
@@ -143,6 +160,10 @@ class Config:
         rope_type = rope_parameters(hf).get("rope_type", "default")
         if rope_type != "default":
             raise ValueError(f"rope_type={rope_type!r} is not supported (only the default rope)")
+
+    @property
+    def is_fp8_kv(self) -> bool:
+        return self.kv_cache_dtype != "auto"
 
     @property
     def host_prefix_cache(self) -> bool:

@@ -85,7 +85,7 @@ class RecordingDecodeBackend:
     def __init__(self):
         self.orders = []
 
-    def decode(self, q, k_cache, v_cache, md, scale, out=None):
+    def decode(self, q, kv, md, scale, out=None):
         self.orders.append(md.decode_row_order.tolist())
         return q
 

@@ -12,7 +12,7 @@ def test_verify_swap_on_cpu(qwen3_dir):
                           text=True, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    for check in ("resume_mid_decode", "heavy_swap", "counters"):
+    for check in ("resume_mid_decode", "heavy_swap", "counters", "fp8_resume_mid_decode"):
         assert any(line.startswith(f"PASS {check}") for line in lines), proc.stdout
-    for check in ("kv_roundtrip", "bandwidth", "tp2"):
+    for check in ("kv_roundtrip", "bandwidth", "tp2", "fp8_kv_roundtrip"):
         assert any(line.startswith(f"SKIP {check}") for line in lines), proc.stdout

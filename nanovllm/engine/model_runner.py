@@ -16,6 +16,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, select_backend
+from nanovllm.layers.kv_layout import KVLayout, check_fp8_support, hadamard
 from nanovllm.layers.logprobs import chosen_and_top, raw_logprobs
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.decoder import DecoderForCausalLM
@@ -179,6 +180,9 @@ class ModelRunner:
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = config.num_kv_heads // tp_size()
         self.head_dim = config.head_dim
+        self.kv_layout = KVLayout(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype,
+                                  config.kv_cache_dtype)
+        check_fp8_support(config.kv_cache_dtype, self.device)
         self.model = self._build_model()
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> per-request generator (SamplingParams.seed)
@@ -218,8 +222,8 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """One block of all layers, K and V, on this rank."""
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """One block of all layers, K and V (and their scales with an FP8 cache), on this rank."""
+        return self.kv_layout.block_bytes
 
     def max_useful_blocks(self) -> int:
         blocks_per_seq = (self.config.max_model_len + self.block_size - 1) // self.block_size
@@ -275,14 +279,15 @@ class ModelRunner:
         return int(total * config.gpu_memory_utilization - used - (peak - current))
 
     def allocate_kv_cache(self, num_blocks: int):
-        """One block-major tensor kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: a block of all
-        layers is one contiguous chunk, so swapping it is one DMA. Each layer sees strided views of its K and V."""
-        shape = (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        """One block-major tensor (kv_layout.py): a block of all layers is one contiguous chunk, so swapping it is
+        one DMA. Each layer sees strided views of its K and V (and, with FP8, of their scales)."""
+        self.kv_cache = self.kv_layout.allocate(num_blocks, self.device)
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         fused = self.use_fused_rope_store()
+        rotation = hadamard(self.head_dim, torch.float32, self.device) if self.kv_layout.is_fp8 else None
         for i, attn in enumerate(layers):
-            attn.k_cache, attn.v_cache = self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]
+            attn.kv = self.kv_layout.layer_views(self.kv_cache, i)
+            attn.rotation = rotation
             attn.backend = self.backend
             attn.fused_rope_store = fused
             attn.is_first_layer = i == 0
@@ -297,7 +302,7 @@ class ModelRunner:
                 and os.environ.get("NANOVLLM_FUSED_ROPE_STORE", "1") != "0")
 
     def allocate_host_cache(self, num_blocks: int):
-        self.host_cache = HostKVCache(num_blocks, tuple(self.kv_cache.shape[1:]), self.dtype,
+        self.host_cache = HostKVCache(num_blocks, tuple(self.kv_cache.shape[1:]), self.kv_cache.dtype,
                                       pin_memory=self.device.type == "cuda")
         self.copy_engine = CopyEngine(self.kv_cache, self.host_cache.kv, self.block_size)
 
@@ -591,7 +596,7 @@ class ModelRunner:
         if self.copy_engine is not None:
             self.copy_engine.synchronize()
         for attn in (m for m in self.model.modules() if isinstance(m, Attention)):
-            attn.k_cache = attn.v_cache = torch.tensor([])
+            attn.kv = attn.rotation = None
         self.graphs.clear()
         self.mixed_graphs.clear()
         self.model = self.kv_cache = self.host_cache = self.copy_engine = None

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.triton_attention import quantize_fp8_rows
+
 
 @triton.jit
 def _norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr, OUT_DTYPE: tl.constexpr):
@@ -43,13 +45,52 @@ def _load_norm_rope(src, mask, weight_ptr, cos, sin, eps, offs, HALF: tl.constex
 
 
 @triton.jit
+def _rotate(x1, x2, rot_ptr, offs, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, EXACT: tl.constexpr):
+    """[x1 x2] @ H for halves x1, x2 [R, HALF] fp32 (R >= 16 for tl.dot), H [HEAD_DIM, HEAD_DIM] fp32 at rot_ptr.
+    EXACT (fp32 models): IEEE fp32 products; otherwise tf32, whose rounding is far below the FP8 values' and the
+    model dtype's."""
+    cols = tl.arange(0, HEAD_DIM)
+    top = tl.load(rot_ptr + offs[:, None] * HEAD_DIM + cols[None, :])  # [HALF, HEAD_DIM]
+    bottom = tl.load(rot_ptr + (HALF + offs[:, None]) * HEAD_DIM + cols[None, :])
+    if EXACT:
+        return tl.dot(x1, top, input_precision="ieee") + tl.dot(x2, bottom, input_precision="ieee")
+    return tl.dot(x1, top) + tl.dot(x2, bottom)  # [R, HEAD_DIM] fp32
+
+
+@triton.jit
+def _rope_store_fp8(row, k1, k2, rot_ptr, blk, off, offs, offs_kh, kmask,
+                    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_sb, stride_st,
+                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    HALF: tl.constexpr, FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """An FP8 cache: k (roped, rounded to the model dtype as the unfused path has it) rotated, then k and v
+    quantized with one scale per kv head."""
+    h_mask = offs_kh < NUM_KV_HEADS
+    cols = tl.arange(0, HEAD_DIM)
+    full_mask = h_mask[:, None] & (cols < HEAD_DIM)[None, :]
+    k = _rotate(k1.to(OUT_DTYPE).to(tl.float32), k2.to(OUT_DTYPE).to(tl.float32), rot_ptr, offs, HALF, HEAD_DIM,
+                OUT_DTYPE == tl.float32)
+    values, scale = quantize_fp8_rows(k, FP8_MAX, k_cache_ptr.dtype.element_ty)
+    tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kct + offs_kh[:, None] * stride_kch + cols[None, :],
+             values, mask=full_mask)
+    tl.store(k_scale_ptr + blk * stride_sb + off * stride_st + offs_kh, scale, mask=h_mask)
+    v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + offs_kh[:, None]) * HEAD_DIM + cols[None, :], mask=full_mask,
+                other=0.0).to(tl.float32)
+    values, scale = quantize_fp8_rows(v, FP8_MAX, v_cache_ptr.dtype.element_ty)
+    tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vct + offs_kh[:, None] * stride_vch + cols[None, :],
+             values, mask=full_mask)
+    tl.store(v_scale_ptr + blk * stride_sb + off * stride_st + offs_kh, scale, mask=h_mask)
+
+
+@triton.jit
 def _rope_store_kernel(
     qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, slot_mapping_ptr,
-    q_out_ptr, k_cache_ptr, v_cache_ptr, eps,
+    q_out_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, rot_ptr, eps,
     stride_qkv_t, stride_cs, stride_qt, stride_qh,
-    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_sb, stride_st,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, HALF)
@@ -64,9 +105,16 @@ def _rope_store_kernel(
     mask = (offs_h < NUM_HEADS)[:, None]
     y1, y2 = _load_norm_rope(row + offs_h[:, None] * HEAD_DIM + offs[None, :], mask, q_weight_ptr, cos, sin, eps,
                              offs, HALF, HEAD_DIM, NORM, out_dtype)
-    dst = q_out_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs[None, :]
-    tl.store(dst, y1.to(out_dtype), mask=mask)
-    tl.store(dst + HALF, y2.to(out_dtype), mask=mask)
+    if FP8:  # q rotated like the cached K, from q as the unfused path rounds it
+        y = _rotate(y1.to(out_dtype).to(tl.float32), y2.to(out_dtype).to(tl.float32), rot_ptr, offs, HALF, HEAD_DIM,
+                    out_dtype == tl.float32)
+        cols = tl.arange(0, HEAD_DIM)
+        tl.store(q_out_ptr + t * stride_qt + offs_h[:, None] * stride_qh + cols[None, :], y.to(out_dtype),
+                 mask=mask & (cols < HEAD_DIM)[None, :])
+    else:
+        dst = q_out_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs[None, :]
+        tl.store(dst, y1.to(out_dtype), mask=mask)
+        tl.store(dst + HALF, y2.to(out_dtype), mask=mask)
 
     # k and v: the next 2 * NUM_KV_HEADS heads, to the cache (slot -1: CUDA-graph padding, nothing to store)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -78,22 +126,31 @@ def _rope_store_kernel(
         # names differ from q's above: Triton wants a value's shape to stay the same across an `if`
         k1, k2 = _load_norm_rope(row + (NUM_HEADS + offs_kh[:, None]) * HEAD_DIM + offs[None, :], kmask,
                                  k_weight_ptr, cos, sin, eps, offs, HALF, HEAD_DIM, NORM, out_dtype)
-        cache_dtype = k_cache_ptr.dtype.element_ty
-        k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kct + offs_kh[:, None] * stride_kch + offs[None, :]
-        tl.store(k_dst, k1.to(cache_dtype), mask=kmask)
-        tl.store(k_dst + HALF, k2.to(cache_dtype), mask=kmask)
-        v_src = row + (NUM_HEADS + NUM_KV_HEADS + offs_kh[:, None]) * HEAD_DIM + offs[None, :]
-        v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vct + offs_kh[:, None] * stride_vch + offs[None, :]
-        tl.store(v_dst, tl.load(v_src, mask=kmask, other=0.0).to(cache_dtype), mask=kmask)
-        tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kmask, other=0.0).to(cache_dtype), mask=kmask)
+        if FP8:
+            _rope_store_fp8(row, k1, k2, rot_ptr, blk, off, offs, offs_kh, kmask,
+                            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                            stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_sb,
+                            stride_st, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, FP8_MAX, out_dtype)
+        else:
+            cache_dtype = k_cache_ptr.dtype.element_ty
+            k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kct + offs_kh[:, None] * stride_kch + offs[None, :]
+            tl.store(k_dst, k1.to(cache_dtype), mask=kmask)
+            tl.store(k_dst + HALF, k2.to(cache_dtype), mask=kmask)
+            v_src = row + (NUM_HEADS + NUM_KV_HEADS + offs_kh[:, None]) * HEAD_DIM + offs[None, :]
+            v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vct + offs_kh[:, None] * stride_vch + offs[None, :]
+            tl.store(v_dst, tl.load(v_src, mask=kmask, other=0.0).to(cache_dtype), mask=kmask)
+            tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kmask, other=0.0).to(cache_dtype), mask=kmask)
 
 def rope_store_kvcache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                        num_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, q_weight: torch.Tensor | None = None,
-                       k_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+                       k_weight: torch.Tensor | None = None, eps: float = 1e-6, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None, rotation: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [T, (num_heads + 2 * num_kv_heads) * head_dim] -> roped q [T, num_heads, head_dim]; the roped k and
     v go to their slots in k_cache / v_cache ([num_blocks, block_size, num_kv_heads, head_dim] views).
-    With q_weight and k_weight, q and k get a per-head RMSNorm first (Qwen3)."""
+    With q_weight and k_weight, q and k get a per-head RMSNorm first (Qwen3). With an FP8 cache (scales
+    `k_scale` / `v_scale` [num_blocks, block_size, num_kv_heads]), `rotation` is the layout's Hadamard matrix
+    [head_dim, head_dim] fp32: q comes back rotated and k is rotated before it is quantized."""
     num_tokens = qkv.shape[0]
     assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
     assert head_dim % 2 == 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0, "head_dim / 2 must be a power of two"
@@ -101,14 +158,18 @@ def rope_store_kvcache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q
-    norm = q_weight is not None
+    norm, fp8 = q_weight is not None, k_scale is not None
+    assert fp8 == (rotation is not None), "an FP8 cache needs its rotation, and only an FP8 cache has one"
+    min_rows = 16 if fp8 else 1  # the rotation is a tl.dot, which needs 16 rows
     _rope_store_kernel[(num_tokens,)](
         qkv, positions, cos_sin_cache, q_weight if norm else qkv, k_weight if norm else qkv, slot_mapping,
-        q, k_cache, v_cache, eps,
+        q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,
+        rotation if fp8 else qkv, eps,
         qkv.stride(0), cos_sin_cache.stride(0), q.stride(0), q.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *k_cache.stride()[:3], *v_cache.stride()[:3], *(k_scale.stride()[:2] if fp8 else (0, 0)),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(num_kv_heads),
-        HALF=head_dim // 2, NORM=norm, num_warps=4,
+        BLOCK_H=max(min_rows, triton.next_power_of_2(num_heads)),
+        BLOCK_KH=max(min_rows, triton.next_power_of_2(num_kv_heads)),
+        HALF=head_dim // 2, NORM=norm, FP8=fp8, FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0, num_warps=4,
     )
     return q

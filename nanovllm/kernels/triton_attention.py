@@ -64,13 +64,16 @@ def _cache_rows(bt_row_ptr, n_start, pos, pos_mask, stride_b, stride_t,
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, k_head, v_head, bt_row_ptr, n_start, q_pos, kv_end,
-                 stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+def _attend_tile(acc, m_i, l_i, q, k_head, v_head, ks_head, vs_head, bt_row_ptr, n_start, q_pos, kv_end,
+                 stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale,
                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr):
+                 BLOCK_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, FP8: tl.constexpr):
     """One online-softmax step of the query rows ``q`` [M, BLOCK_D] over keys [n_start, n_start+BLOCK_N).
 
     MASK: keys >= kv_end are invalid (last tile); CAUSAL: row r only sees keys <= q_pos[r].
+    FP8: K/V are FP8 with one scale per token (``ks_head``/``vs_head``, strides ``stride_sb``/``stride_st``): the
+    values go through the dot in q's dtype and the scales are applied to its result (K: per key column of the
+    scores; V: per key column of p), so no dequantized tile is materialised.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -92,10 +95,16 @@ def _attend_tile(acc, m_i, l_i, q, k_head, v_head, bt_row_ptr, n_start, q_pos, k
     else:
         k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
 
-    if k.dtype == tl.float32:  # full fp32 for the float32 parity tests (tl.dot would round to tf32)
+    if FP8:
+        s_rows = _cache_rows(bt_row_ptr, n_start, pos, n_mask, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N)
+        k_scale = tl.load(ks_head + s_rows, mask=n_mask, other=0.0).to(tl.float32)  # [BLOCK_N]
+        k = k.to(q.dtype)
+    if q.dtype == tl.float32:  # full fp32 for the float32 parity tests (tl.dot would round to tf32)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [M, BLOCK_N] fp32, log2 domain
     else:
         qk = tl.dot(q, tl.trans(k)) * qk_scale
+    if FP8:
+        qk = qk * k_scale[None, :]
     if CAUSAL:
         qk = tl.where(pos[None, :] <= q_pos[:, None], qk, float("-inf"))
     elif MASK:
@@ -112,10 +121,14 @@ def _attend_tile(acc, m_i, l_i, q, k_head, v_head, bt_row_ptr, n_start, q_pos, k
         v = tl.load(v_head + v_rows[:, None] + offs_d[None, :])
     else:
         v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    if v.dtype == tl.float32:
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")  # [M, BLOCK_D]
+    pv = p
+    if FP8:
+        pv = p * tl.load(vs_head + s_rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        v = v.to(q.dtype)
+    if q.dtype == tl.float32:
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")  # [M, BLOCK_D]
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v)
     return acc, m_new, l_i
 
 
@@ -125,14 +138,40 @@ def _attend_tile(acc, m_i, l_i, q, k_head, v_head, bt_row_ptr, n_start, q_pos, k
 
 
 @triton.jit
+def quantize_fp8_rows(x, FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr):
+    """x [R, D] fp32 -> (FP8 values [R, D], bf16 scales [R]): one power-of-two scale per row, amax / FP8_MAX
+    rounded up to a power of two; the same bytes as kv_layout.quantize_fp8 on every platform (see there)."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30)  # [R]
+    ratio = tl.math.div_rn(amax, FP8_MAX).to(tl.int32, bitcast=True)  # IEEE division (Triton's `/` is not)
+    scale = ((ratio + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)  # next power of two, exact
+    values = tl.math.div_rn(x, scale[:, None])  # exact: a power of two
+    values = tl.minimum(tl.maximum(values, -FP8_MAX), FP8_MAX).to(FP8_DTYPE)
+    return values, scale.to(tl.bfloat16)
+
+
+@triton.jit
+def _store_row(x, cache_ptr, scale_ptr, blk, off, offs_h, offs_d, h_mask, mask,
+               stride_cb, stride_ct, stride_ch, stride_sb, stride_st, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Store one token's head rows x [BLOCK_H, BLOCK_D] at (blk, off): as they are, or as FP8 values + scales."""
+    dst = cache_ptr + blk * stride_cb + off * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
+    if FP8:
+        values, scale = quantize_fp8_rows(x.to(tl.float32), FP8_MAX, cache_ptr.dtype.element_ty)
+        tl.store(dst, values, mask=mask)
+        tl.store(scale_ptr + blk * stride_sb + off * stride_st + offs_h, scale, mask=h_mask)
+    else:
+        tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _store_kvcache_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_kcb, stride_kct, stride_kch,
     stride_vcb, stride_vct, stride_vch,
+    stride_sb, stride_st,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -142,32 +181,39 @@ def _store_kvcache_kernel(
     off = slot % BLOCK_SIZE
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h < NUM_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_H, BLOCK_D]
+    h_mask = offs_h < NUM_HEADS
+    mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_H, BLOCK_D]
     t64 = t.to(tl.int64)
 
-    k = tl.load(key_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
-    v = tl.load(value_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
-    k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kct + offs_h[:, None] * stride_kch + offs_d[None, :]
-    v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :]
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    k = tl.load(key_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask,
+                other=0.0)
+    v = tl.load(value_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask,
+                other=0.0)
+    _store_row(k, k_cache_ptr, k_scale_ptr, blk, off, offs_h, offs_d, h_mask, mask,
+               stride_kcb, stride_kct, stride_kch, stride_sb, stride_st, FP8, FP8_MAX)
+    _store_row(v, v_cache_ptr, v_scale_ptr, blk, off, offs_h, offs_d, h_mask, mask,
+               stride_vcb, stride_vct, stride_vch, stride_sb, stride_st, FP8, FP8_MAX)
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
-    """Write key/value [num_tokens, num_kv_heads, head_dim] to their slots; slot -1 is skipped."""
+                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_dim] to their slots; slot -1 is skipped. With FP8 caches
+    each token's head vectors are quantized and their scales written to k_scale / v_scale."""
     num_tokens, num_heads, head_dim = key.shape
     _check_cache(k_cache, v_cache, num_heads, head_dim)
     assert value.shape == key.shape and slot_mapping.shape[0] == num_tokens
     if num_tokens == 0:
         return
+    fp8 = k_scale is not None
+    k_scale, v_scale, scale_strides = _scale_args(k_cache, k_scale, v_scale)
     _store_kvcache_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping,
         *key.stride(), *value.stride(),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *k_cache.stride()[:3], *v_cache.stride()[:3], *scale_strides,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        FP8=fp8, FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0, num_warps=4,
     )
 
 
@@ -195,16 +241,18 @@ def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 # block-table width change from step to step, so without this every new class would JIT-compile mid-run.
 @triton.jit(do_not_specialize=["num_seqs", "stride_btb"])
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
     qk_scale, num_seqs,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
+    stride_sb, stride_st,
     stride_btb,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # last (heaviest) tiles are scheduled first
     kvh = tl.program_id(1)
@@ -232,6 +280,8 @@ def _prefill_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_btb
     k_head = k_cache_ptr + kvh * stride_kh
     v_head = v_cache_ptr + kvh * stride_vh
+    ks_head = k_scale_ptr + kvh  # a token's scales are [num_kv_heads], contiguous
+    vs_head = v_scale_ptr + kvh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -240,13 +290,13 @@ def _prefill_kernel(
     kv_end = ctx_start + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)  # one past the last visible key
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # key tiles below this are visible to every row
     for n in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_head, v_head, bt_row, n, q_pos, kv_end,
-                                     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, False)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_head, v_head, ks_head, vs_head, bt_row, n, q_pos, kv_end,
+                                     stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, False, FP8)
     for n in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_head, v_head, bt_row, n, q_pos, kv_end,
-                                     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, True)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_head, v_head, ks_head, vs_head, bt_row, n, q_pos, kv_end,
+                                     stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, True, FP8)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -296,9 +346,10 @@ def _prefill_config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                             max_query_len: int, scale: float, config: KernelConfig | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of new queries over their whole (paged) context. Returns [num_tokens, H, D] (`out` when
-    given)."""
+    given). With FP8 caches, `k_scale`/`v_scale` [num_blocks, block_size, num_kv_heads] hold each token's scales."""
     num_tokens, num_heads, head_dim = q.shape  # [T, H, D]
     num_kv_heads = k_cache.shape[2]
     _check_cache(k_cache, v_cache, num_kv_heads, head_dim)
@@ -317,15 +368,17 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    fp8 = k_scale is not None
+    k_scale, v_scale, scale_strides = _scale_args(k_cache, k_scale, v_scale)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
+        q, k_cache, v_cache, k_scale, v_scale, out, cu_seqlens_q, seq_lens, block_tables,
         scale * _LOG2E, num_seqs,
         *q.stride(), *out.stride(),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *k_cache.stride()[:3], *v_cache.stride()[:3], *scale_strides,
         block_tables.stride(0),
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FP8=fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
@@ -337,17 +390,18 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 @triton.jit(do_not_specialize=["tokens_per_split", "num_splits", "stride_btb"])
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr, row_order_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, seq_lens_ptr, block_tables_ptr, row_order_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,
     qk_scale, tokens_per_split, num_heads, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_ob, stride_oh, stride_od,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
+    stride_sb, stride_st,
     stride_btb,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_FASTEST: tl.constexpr,
-    ORDERED: tl.constexpr, ROW_SPLITS: tl.constexpr,
+    ORDERED: tl.constexpr, ROW_SPLITS: tl.constexpr, FP8: tl.constexpr,
 ):
     if HEADS_FASTEST:
         kvh = tl.program_id(0)
@@ -377,13 +431,15 @@ def _decode_kernel(
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_btb
     k_head = k_cache_ptr + kvh * stride_kh
     v_head = v_cache_ptr + kvh * stride_vh
+    ks_head = k_scale_ptr + kvh
+    vs_head = v_scale_ptr + kvh
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for n in range(start, end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_head, v_head, bt_row, n, m_i, end,
-                                     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, False)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_head, v_head, ks_head, vs_head, bt_row, n, m_i, end,
+                                     stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, False, FP8)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]  # [BLOCK_G, BLOCK_D]
@@ -513,7 +569,8 @@ def _decode_config(dtype: torch.dtype, head_dim: int, block_size: int, split: bo
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                            num_splits: int | None = None, config: KernelConfig | None = None,
-                           row_order: torch.Tensor | None = None, row_splits: bool | None = None) -> torch.Tensor:
+                           row_order: torch.Tensor | None = None, row_splits: bool | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence (at its last position) over its paged context. Returns [B, H, D].
 
     CUDA-graph safe: no host sync, scratch sized from shapes only. ``num_splits``/``config``
@@ -547,17 +604,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_o = part_lse = out  # unused
     grid = (num_kv_heads, batch, splits) if cfg.heads_fastest else (batch, num_kv_heads, splits)
+    fp8 = k_scale is not None
+    k_scale, v_scale, scale_strides = _scale_args(k_cache, k_scale, v_scale)
     _decode_kernel[grid](
-        q, k_cache, v_cache, seq_lens, block_tables, row_order if row_order is not None else seq_lens,
+        q, k_cache, v_cache, k_scale, v_scale, seq_lens, block_tables,
+        row_order if row_order is not None else seq_lens,
         out, part_o, part_lse,
         scale * _LOG2E, tokens_per_split, num_heads, splits,
         *q.stride(), *out.stride(),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *k_cache.stride()[:3], *v_cache.stride()[:3], *scale_strides,
         block_tables.stride(0),
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=block_size, SPLIT=splits > 1,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         HEADS_FASTEST=cfg.heads_fastest, ORDERED=row_order is not None, ROW_SPLITS=row_splits and splits > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FP8=fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -568,6 +628,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             num_warps=4,
         )
     return out
+
+
+def _scale_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None):
+    """(k_scale, v_scale, (stride_block, stride_token)) for the kernels; without FP8 the cache stands in for the
+    unused scale pointers, which FP8=False never reads."""
+    if k_scale is None:
+        return k_cache, k_cache, (0, 0)
+    assert v_scale is not None and k_scale.shape == v_scale.shape == k_cache.shape[:3]
+    assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1, "scales: [N, block_size, H], H contiguous"
+    return k_scale, v_scale, k_scale.stride()[:2]
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
