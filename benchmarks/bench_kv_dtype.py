@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from nanovllm.kernels.triton_attention import paged_decode_attention
+from nanovllm.kernels.triton_attention import KernelConfig, paged_decode_attention
 from nanovllm.layers.kv_layout import KVLayout, hadamard
 
 
@@ -30,7 +30,7 @@ def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
 
 
 def run(kv_cache_dtype: str, rows: int, layers: int, lens: list[int], block_size: int = 64, kv_heads: int = 8,
-        heads: int = 32, head_dim: int = 128):
+        heads: int = 32, head_dim: int = 128, config: KernelConfig | None = None):
     layout = KVLayout(layers, block_size, kv_heads, head_dim, torch.bfloat16, kv_cache_dtype)
     widths = [-(-n // block_size) for n in lens]
     num_blocks = sum(widths) + 1
@@ -61,7 +61,7 @@ def run(kv_cache_dtype: str, rows: int, layers: int, lens: list[int], block_size
     def step():
         for v in views:
             paged_decode_attention(q, v.k, v.v, seq_lens, tables, head_dim ** -0.5, out=out, row_order=order,
-                                   k_scale=v.k_scale, v_scale=v.v_scale)
+                                   k_scale=v.k_scale, v_scale=v.v_scale, config=config)
     for _ in range(3):
         step()
     graph = torch.cuda.CUDAGraph()
@@ -85,6 +85,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1024, 256])
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--fp8-tiles", nargs="*", default=[], metavar="BLOCK_N,WARPS,STAGES",
+                        help="also time the FP8 cache with these decode tiles")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s")
@@ -94,6 +96,12 @@ def main():
         for kv_dtype in ("auto", "fp8"):
             per_layer, rate = run(kv_dtype, rows, args.layers, lens)
             print(f"rows {rows} kv {kv_dtype:5s}: {per_layer * 1e6:7.1f} us/layer, KV read {rate / 1e12:.2f} TB/s "
+                  f"= {rate / bandwidth:.0%} of copy bandwidth")
+        for tile in args.fp8_tiles:
+            block_n, warps, stages = (int(x) for x in tile.split(","))
+            config = KernelConfig(16, block_n, warps, stages, heads_fastest=True)
+            per_layer, rate = run("fp8", rows, args.layers, lens, config=config)
+            print(f"rows {rows} kv fp8 tile {tile}: {per_layer * 1e6:7.1f} us/layer, KV read {rate / 1e12:.2f} TB/s "
                   f"= {rate / bandwidth:.0%} of copy bandwidth")
 
 

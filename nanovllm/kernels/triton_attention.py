@@ -95,10 +95,10 @@ def _attend_tile(acc, m_i, l_i, q, k_head, v_head, ks_head, vs_head, bt_row_ptr,
     else:
         k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
 
-    if FP8:
+    if FP8:  # q is fp32 or, for half-precision models, fp16 (fp16_query)
         s_rows = _cache_rows(bt_row_ptr, n_start, pos, n_mask, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N)
         k_scale = tl.load(ks_head + s_rows, mask=n_mask, other=0.0).to(tl.float32)  # [BLOCK_N]
-        k = k.to(q.dtype)
+        k = k.to(q.dtype)  # exact: every FP8 value is an fp16 value
     if q.dtype == tl.float32:  # full fp32 for the float32 parity tests (tl.dot would round to tf32)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [M, BLOCK_N] fp32, log2 domain
     else:
@@ -123,13 +123,33 @@ def _attend_tile(acc, m_i, l_i, q, k_head, v_head, ks_head, vs_head, bt_row_ptr,
         v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     pv = p
     if FP8:
-        pv = p * tl.load(vs_head + s_rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        v_scale = tl.load(vs_head + s_rows, mask=n_mask, other=0.0).to(tl.float32)  # [BLOCK_N]
         v = v.to(q.dtype)
+        if q.dtype == tl.float32:
+            pv = p * v_scale[None, :]
+        else:  # p times the scales relative to the tile's largest (powers of two: exact), in [0, 1] for fp16
+            v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
+            pv = p * (v_scale / v_max)[None, :]
     if q.dtype == tl.float32:
         acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")  # [M, BLOCK_D]
+    elif FP8:
+        acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v) * v_max
     else:
         acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v)
     return acc, m_new, l_i
+
+
+@triton.jit
+def fp16_query(q, qk_scale):
+    """q [M, D] for dots against FP8 keys and values: in fp16, because FP8 -> fp16 is one conversion instruction per
+    two values and FP8 -> bf16 several (a bf16 dot left the FP8 decode kernel compute-bound at half the copy
+    bandwidth). q is divided by a power of two that brings its largest entry to at most 2^14, so it fits fp16's
+    range and a bf16 q converts exactly; the factor moves into qk_scale."""
+    q32 = q.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.max(tl.abs(q32), 1), 0), 1e-30)
+    ratio = tl.math.div_rn(amax, 16384.0).to(tl.int32, bitcast=True)
+    factor = ((ratio + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)  # the next power of two, exact
+    return tl.math.div_rn(q32, factor).to(tl.float16), qk_scale * factor
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,6 +296,9 @@ def _prefill_kernel(
     q_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    if FP8:
+        if q.dtype != tl.float32:
+            q, qk_scale = fp16_query(q, qk_scale)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_btb
     k_head = k_cache_ptr + kvh * stride_kh
@@ -427,6 +450,9 @@ def _decode_kernel(
     qo_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_G, BLOCK_D]
     q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=qo_mask, other=0.0)  # [BLOCK_G, BLOCK_D]
+    if FP8:
+        if q.dtype != tl.float32:
+            q, qk_scale = fp16_query(q, qk_scale)
 
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_btb
     k_head = k_cache_ptr + kvh * stride_kh

@@ -1,0 +1,311 @@
+"""The disk tier: KV blocks as files under kv_disk_path, kept across restarts (no torch).
+
+The engine's thread only asks and submits; reads and writes run on a few I/O threads, straight into and out of the
+caller's buffers (pinned host blocks, in the engine), and come back through `poll()`. The index (disk_index.py)
+decides what is there and what to evict; the file format (disk_format.py) makes every file whole or a clean miss.
+"""
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from nanovllm_offload.disk_fingerprint import Fingerprint
+from nanovllm_offload.disk_format import (HEADER_BYTES, ReadStatus, as_byte_view, read_block_file,
+                                          remove_if_same_file, unlink_quietly, write_block_file)
+from nanovllm_offload.disk_index import (META_FILE, BlockKey, DiskIndex, block_path, fingerprint_dir, scan)
+
+logger = logging.getLogger(__name__)
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class DiskWrite:
+    """One block written (or not: disk full, directory removed). The source buffer is free again once polled."""
+    block_hash: int
+    is_ok: bool = False
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class DiskRead:
+    """Blocks read into the caller's buffers. statuses[i] says whether buffer i holds block_hashes[i]; a prefix hit
+    uses the first `num_leading_ok` of them. Complete once polled."""
+    block_hashes: list[int]
+    statuses: list[ReadStatus | None]
+    num_pending: int
+    is_probe: bool = False  # a speed probe: read to be timed, not used (the blocks keep their LRU places)
+    first_start_s: float = float("inf")
+    last_end_s: float = 0.0
+
+    @property
+    def num_leading_ok(self) -> int:
+        return next((i for i, s in enumerate(self.statuses) if s is not ReadStatus.OK), len(self.statuses))
+
+
+class DiskStore:
+    """One fingerprint's blocks under `path`, within a cap on the whole directory.
+
+    NOTE: no lock is held during file I/O; `_lock` guards the index, the counters and the writes in flight only.
+          Several engines may share the directory: files appear by atomic rename, a file evicted or removed as
+          corrupt by another engine is a plain miss, and unlinking a file that another process is reading is safe
+          on POSIX (the reader keeps the inode). Each engine keeps the cap on what it sees (its scan at start, its
+          own writes, rescans every `rescan_interval_s`); writes in flight may pass it by a few blocks.
+    """
+
+    def __init__(self, path: str, fingerprint: Fingerprint, capacity_bytes: int, *, num_io_threads: int = 2,
+                 fsync: bool = False, rescan_interval_s: float = 60.0, stale_tmp_s: float = 600.0,
+                 prior_read_bytes_per_s: float = 1e9, ema: float = 0.2):
+        self.path, self.fingerprint = path, fingerprint
+        self.block_bytes = fingerprint.block_bytes
+        self.file_bytes = HEADER_BYTES + self.block_bytes
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"kv_disk_path={path!r} is not a directory; pass a directory (it is created if missing)")
+        if capacity_bytes < self.file_bytes:
+            raise ValueError(f"kv_disk_gib={capacity_bytes / GiB:.6g} cannot hold one KV block file of "
+                             f"{self.file_bytes:,} bytes; raise kv_disk_gib")
+        self.fsync, self.rescan_interval_s, self.stale_tmp_s, self.ema = fsync, rescan_interval_s, stale_tmp_s, ema
+        self.read_bytes_per_s = prior_read_bytes_per_s  # EMA over completed reads; see should_load
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._num_in_flight = 0
+        self._writing: set[int] = set()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._tags = itertools.count()
+        self._counters = dict(disk_read_bytes=0, disk_write_bytes=0, blocks_written_to_disk=0,
+                              blocks_read_from_disk=0, disk_corrupt_blocks=0, disk_write_errors=0,
+                              blocks_evicted_from_disk=0)
+        os.makedirs(fingerprint_dir(path, fingerprint.hex), exist_ok=True)
+        self._write_meta()
+        self._index = DiskIndex(capacity_bytes)
+        self._is_rescanning = False
+        self._last_scan_s = time.monotonic()
+        self._index.replace_with_scan(scan(path, stale_tmp_s), time.time_ns())
+        self._delete(self._index.pop_victims())
+        self._pool = ThreadPoolExecutor(num_io_threads, thread_name_prefix="kv-disk")
+
+    # --- queries (engine thread; no I/O but one stat on a miss)
+    def contains(self, block_hash: int) -> bool:
+        key = self._key(block_hash)
+        with self._lock:
+            if key in self._index:
+                return True
+        return self._found_on_disk(key)
+
+    def lookup_prefix(self, block_hashes: list[int]) -> int:
+        """How many of the leading block_hashes are stored (without reading them or changing their LRU place)."""
+        return next((i for i, h in enumerate(block_hashes) if not self.contains(h)), len(block_hashes))
+
+    def should_load(self, num_tokens: int, num_bytes: int, prefill_tokens_per_s: float) -> bool:
+        """Load a disk hit when reading its bytes at the measured read speed takes no longer than prefilling its
+        tokens at the measured prefill speed (the preemption policy's measurement)."""
+        return num_bytes / self.read_bytes_per_s <= num_tokens / prefill_tokens_per_s
+
+    # --- I/O (submitted here, done on the I/O threads, reported by poll)
+    def write_async(self, block_hash: int, data) -> DiskWrite | None:
+        """Stores one block from the caller's buffer, which must stay unchanged until poll() returns the write.
+        None when the block is stored already or being written (nothing to do)."""
+        view = as_byte_view(data)
+        if len(view) != self.block_bytes:
+            raise ValueError(f"a block of fingerprint {self.fingerprint.hex} is {self.block_bytes:,} bytes, "
+                             f"got {len(view):,} for block hash {block_hash:#x}")
+        key = self._key(block_hash)
+        with self._lock:
+            if key in self._index or block_hash in self._writing:
+                return None
+            self._writing.add(block_hash)
+            self._num_in_flight += 1
+        handle = DiskWrite(block_hash)
+        self._pool.submit(self._write, handle, view).add_done_callback(_log_failure)
+        return handle
+
+    def read_async(self, block_hashes: list[int], into: list) -> DiskRead:
+        """Reads each block into the caller's buffer of the same index (each block_bytes long); the buffers are
+        the store's until poll() returns the read. The blocks become the most recently used."""
+        if len(block_hashes) != len(into):
+            raise ValueError(f"{len(block_hashes)} block hashes but {len(into)} buffers")
+        views = [as_byte_view(b) for b in into]
+        for h, view in zip(block_hashes, views):
+            if len(view) != self.block_bytes:
+                raise ValueError(f"the buffer for block hash {h:#x} is {len(view):,} bytes, not {self.block_bytes:,}")
+        return self._submit_read(DiskRead(list(block_hashes), [None] * len(block_hashes), len(block_hashes)), views)
+
+    def probe_read_speed(self, max_blocks: int = 4) -> DiskRead | None:
+        """Times a read of up to max_blocks of this fingerprint's stored blocks (most recently used first) into
+        scratch buffers, so that should_load has a measured speed before the first hit; without one the prior
+        decides, and a prior below the prefill speed would never load, so never measure. None with no blocks."""
+        with self._lock:
+            ours = (k for k in reversed(self._index.entries) if k[0] == self.fingerprint.hex)
+            keys = list(itertools.islice(ours, max_blocks))
+        if not keys:
+            return None
+        handle = DiskRead([h for _, h in keys], [None] * len(keys), len(keys), is_probe=True)
+        return self._submit_read(handle, [memoryview(bytearray(self.block_bytes)) for _ in keys])
+
+    def _submit_read(self, handle: DiskRead, views: list[memoryview]) -> DiskRead:
+        with self._lock:
+            if not handle.is_probe:
+                for h in handle.block_hashes:
+                    self._index.touch(self._key(h))
+            self._num_in_flight += 1
+        if not handle.block_hashes:
+            self._finish(handle)
+        for i, view in enumerate(views):
+            self._pool.submit(self._read, handle, i, view).add_done_callback(_log_failure)
+        return handle
+
+    def poll(self) -> list[DiskRead | DiskWrite]:
+        """The reads and writes finished since the last poll (never blocks)."""
+        finished = []
+        while True:
+            try:
+                finished.append(self._done.get_nowait())
+            except queue.Empty:
+                return finished
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Blocks until no read or write is in flight (tests, shutdown); poll() still returns them."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._num_in_flight == 0, timeout_s)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(self._counters, disk_used_bytes=self._index.num_bytes, disk_num_blocks=len(self._index),
+                        disk_read_bytes_per_s=self.read_bytes_per_s)
+
+    def close(self):
+        self._pool.shutdown(wait=True)
+
+    # --- the I/O threads
+    def _write(self, handle: DiskWrite, view: memoryview):
+        key = self._key(handle.block_hash)
+        path = block_path(self.path, key)
+        if self._found_on_disk(key):  # another engine stored it since our last look
+            handle.is_ok = True
+            with self._lock:
+                self._writing.discard(handle.block_hash)
+            return self._finish(handle)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            num_bytes = write_block_file(path, self.fingerprint.digest, handle.block_hash, view,
+                                         tag=f"{threading.get_ident()}-{next(self._tags)}", fsync=self.fsync)
+            handle.is_ok = True
+        except OSError:  # disk full, or the directory cleared under us: the block is just not stored
+            num_bytes = 0
+        with self._lock:
+            self._writing.discard(handle.block_hash)
+            if handle.is_ok:
+                self._index.add(key, num_bytes)
+                self._counters["disk_write_bytes"] += num_bytes
+                self._counters["blocks_written_to_disk"] += 1
+            else:
+                self._counters["disk_write_errors"] += 1
+            victims = self._index.pop_victims()
+        self._delete(victims)
+        self._maybe_rescan()
+        self._finish(handle)
+
+    def _read(self, handle: DiskRead, i: int, view: memoryview):
+        key = self._key(handle.block_hashes[i])
+        path = block_path(self.path, key)
+        start_s = time.perf_counter()
+        try:
+            status, inode = read_block_file(path, self.fingerprint.digest, key[1], view)
+        except OSError:
+            status, inode = ReadStatus.MISSING, 0
+        end_s = time.perf_counter()
+        if status is ReadStatus.OK and not handle.is_probe:
+            _touch_file(path)
+        elif status is ReadStatus.CORRUPT:
+            remove_if_same_file(path, inode)
+        with self._lock:
+            handle.statuses[i] = status
+            handle.first_start_s = min(handle.first_start_s, start_s)
+            handle.last_end_s = max(handle.last_end_s, end_s)
+            if status is ReadStatus.OK:
+                self._counters["disk_read_bytes"] += self.file_bytes
+                self._counters["blocks_read_from_disk"] += 1
+            else:
+                self._index.remove(key)
+                self._counters["disk_corrupt_blocks"] += status is ReadStatus.CORRUPT
+            handle.num_pending -= 1
+            if handle.num_pending:
+                return
+            num_ok = sum(s is ReadStatus.OK for s in handle.statuses)
+            self._observe_read(num_ok * self.file_bytes, handle.last_end_s - handle.first_start_s)
+        self._finish(handle)
+
+    def _observe_read(self, num_bytes: int, seconds: float):
+        """Read speed from the first block's start to the last block's end: the device's throughput at the queue
+        depth we give it, not the time the read waited behind writes."""
+        if num_bytes > 0 and seconds > 0:
+            self.read_bytes_per_s += self.ema * (num_bytes / seconds - self.read_bytes_per_s)
+
+    def _finish(self, handle: DiskRead | DiskWrite):
+        self._done.put(handle)
+        with self._idle:
+            self._num_in_flight -= 1
+            self._idle.notify_all()
+
+    # --- the directory
+    def _key(self, block_hash: int) -> BlockKey:
+        return self.fingerprint.hex, block_hash
+
+    def _found_on_disk(self, key: BlockKey) -> bool:
+        """A block another engine stored after our last scan is found by its name (one stat) and indexed."""
+        try:
+            st = os.stat(block_path(self.path, key))
+        except OSError:
+            return False
+        if st.st_size != self.file_bytes:
+            return False
+        with self._lock:
+            self._index.add(key, st.st_size, st.st_mtime_ns)
+        return True
+
+    def _maybe_rescan(self):
+        """Every rescan_interval_s, on an I/O thread: take in what other engines wrote and evicted."""
+        with self._lock:
+            if self._is_rescanning or time.monotonic() - self._last_scan_s < self.rescan_interval_s:
+                return
+            self._is_rescanning = True
+        started_ns = time.time_ns()
+        scanned = scan(self.path, self.stale_tmp_s)
+        with self._lock:
+            self._index.replace_with_scan(scanned, started_ns)
+            victims = self._index.pop_victims()
+            self._last_scan_s, self._is_rescanning = time.monotonic(), False
+        self._delete(victims)
+
+    def _delete(self, victims: list[BlockKey]):
+        for key in victims:
+            unlink_quietly(block_path(self.path, key))
+        with self._lock:
+            self._counters["blocks_evicted_from_disk"] += len(victims)
+
+    def _write_meta(self):
+        """meta.json: what `nanovllm cache ls` shows for this fingerprint (written once, atomically)."""
+        path = os.path.join(fingerprint_dir(self.path, self.fingerprint.hex), META_FILE)
+        if os.path.exists(path):
+            return
+        tmp = os.path.join(os.path.dirname(path), f".{META_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(dict(self.fingerprint.meta, fingerprint=self.fingerprint.hex), f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+
+
+def _touch_file(path: str):
+    """A hit's last use, kept in the file's mtime so that LRU order survives restarts."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def _log_failure(future):
+    """A bug on an I/O thread would otherwise vanish with its future (OSErrors are handled where they happen)."""
+    if future.exception() is not None:
+        logger.error("disk tier I/O thread failed", exc_info=future.exception())
