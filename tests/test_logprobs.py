@@ -239,3 +239,22 @@ def test_decode_graph_buffers_and_scheduling_modes(qwen3_dir, tiny_reference, mo
 def test_tensor_parallel_logprobs(qwen3_dir, tiny_reference):
     got, _ = tiny_logprobs(qwen3_dir, tensor_parallel_size=2)
     assert_same_logprobs(got, tiny_reference)
+
+
+# --- OpenAI's formats (the server's)
+
+def test_openai_formats_of_an_entry():
+    from nanovllm.entrypoints.openai_logprobs import chat_logprobs, completion_logprobs
+    outside = {7: Logprob(-3.0, 4, "c"), 5: Logprob(-0.5, 1, "a"), 6: Logprob(-1.5, 2, "bb")}  # chosen: rank 4
+    inside = {6: Logprob(-1.5, 2, "bb"), 5: Logprob(-0.5, 1, "a")}  # chosen among the top 2
+    infinite = {9: Logprob(float("-inf"), 50, None)}  # no tokenizer, k = 0
+    legacy = completion_logprobs([outside, inside, infinite], text_offset=10)
+    assert legacy == {"tokens": ["c", "bb", "token_id:9"], "token_logprobs": [-3.0, -1.5, -9999.0],
+                      "top_logprobs": [{"c": -3.0, "a": -0.5, "bb": -1.5}, {"bb": -1.5, "a": -0.5},
+                                       {"token_id:9": -9999.0}],
+                      "text_offset": [10, 11, 13]}
+    chat = chat_logprobs([outside, inside], num_top=2)["content"]
+    assert [c["token"] for c in chat] == ["c", "bb"] and chat[1]["bytes"] == [98, 98]
+    assert [[t["token"] for t in c["top_logprobs"]] for c in chat] == [["a", "bb"], ["a", "bb"]]
+    assert chat_logprobs([infinite], num_top=0)["content"] == [
+        {"token": "token_id:9", "logprob": -9999.0, "bytes": list(b"token_id:9"), "top_logprobs": []}]
