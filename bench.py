@@ -21,7 +21,7 @@ import sys
 import time
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine import llm_engine
+from nanovllm.engine import llm_engine, model_runner
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.config import KV_CACHE_DTYPES
 from nanovllm.utils.presets import preset_dir
@@ -87,7 +87,7 @@ class HostTimer:
             llm.runner.launch = timed_launch
         self._wrap(llm.scheduler, "schedule")
         self._wrap(llm_engine, "make_plan")
-        self._wrap(llm.runner, "prepare")
+        self._wrap(model_runner, "prepare_step_inputs")
         self._wrap(llm.runner, "sampling_tensors")
         self._wrap(llm.scheduler, "advance")
         self._wrap(llm.scheduler, "resolve")

@@ -135,9 +135,9 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
     is not modelled. "unpressured" is skipped: its KV size comes from the GPU's memory."""
     from nanovllm.config import Config
     from nanovllm.engine.scheduler import Scheduler
-    from nanovllm.engine.sequence import Sequence
+    from nanovllm.core.sequence import Sequence
     from nanovllm.utils.presets import preset_dir
-    from nanovllm_offload.host_block_pool import HostBlockPool
+    from nanovllm_offload.host_tier import HostTier, num_host_blocks_for
     from nanovllm_offload.policy import PreemptionPolicy
     config = Config(preset_dir(SCENARIOS[scenario]["shape"]), **engine_options(scenario, mode, args))
     hf, block_size = config.hf_config, config.kvcache_block_size
@@ -147,16 +147,12 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
     from nanovllm.layers.kv_layout import KVLayout
     block_bytes = KVLayout(hf.num_hidden_layers, block_size, num_kv_heads, head_dim, torch.bfloat16,  # as on GPU
                            config.kv_cache_dtype).block_bytes
-    host_pool = None
-    if config.swap_space > 0 and (config.preemption_mode != "recompute" or config.host_prefix_cache):
-        # sized as the engine sizes it: without the prefix-cache role, at most max_num_seqs full tables
-        num_cpu_blocks = int(config.swap_space * GiB) // block_bytes
-        if not config.host_prefix_cache:
-            blocks_per_seq = (config.max_model_len + block_size - 1) // block_size
-            num_cpu_blocks = min(num_cpu_blocks, config.max_num_seqs * blocks_per_seq)
-        host_pool = HostBlockPool(num_cpu_blocks)
-    policy = PreemptionPolicy("swap" if config.preemption_mode == "auto" else config.preemption_mode, block_bytes)
-    scheduler = Scheduler.from_config(config, config.kv_cache_memory_bytes // block_bytes, host_pool, policy, set())
+    num_cpu_blocks = num_host_blocks_for(config, block_bytes)  # sized as the engine sizes it
+    host_tier = None
+    if num_cpu_blocks is not None:
+        policy = PreemptionPolicy("swap" if config.preemption_mode == "auto" else config.preemption_mode, block_bytes)
+        host_tier = HostTier(num_cpu_blocks, block_size, policy, config.host_prefix_cache)
+    scheduler = Scheduler.from_config(config, config.kv_cache_memory_bytes // block_bytes, host_tier, set())
     rng = random.Random(0)
     counts = dict(steps=0, decode_steps=0, batch_rows=0)
 

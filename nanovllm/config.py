@@ -10,13 +10,30 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanovllm.models.registry import SUPPORTED_ARCHITECTURES
+# architecture name (config.json's `architectures`) -> model family; every family is built by
+# nanovllm.models.decoder.DecoderForCausalLM. Here, not in models/, so the config can check it without torch.
+SUPPORTED_ARCHITECTURES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen2ForCausalLM": "qwen2",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+}
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 HOST_CACHE_POLICIES = ("write_back", "write_through", "off")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names: "fp8" is e4m3
+# the options that take one of a few values: checked by Config, offered by the CLI's flags
+OPTION_CHOICES = {
+    "device": ("auto", "cuda", "cpu"),
+    "dtype": DTYPES,
+    "load_format": ("auto", "dummy"),
+    "preemption_mode": PREEMPTION_MODES,
+    "attention_backend": ATTENTION_BACKENDS,
+    "host_cache_policy": HOST_CACHE_POLICIES,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
+}
 
 
 @dataclass(slots=True)
@@ -30,7 +47,7 @@ class Config:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # True: no CUDA graphs, no torch.compile
     # decode steps of up to min(max_num_seqs, this) rows replay CUDA graphs; larger ones run eagerly. vLLM stops at
-    # 512; 1,024 made bench.py's 8B run at max_num_seqs 1,024 1.024x faster (H200, docs/benchmarks.md run AG)
+    # 512; 1,024 made bench.py's 8B run at max_num_seqs 1,024 1.024x faster (H200, docs/benchmarks.md)
     max_cudagraph_capture_size: int = 1024
     # schedule step N+1 while step N runs on the GPU; a finished sequence may compute one extra, discarded token.
     # None: on when tensor_parallel_size == 1 (the workers need each sampled token before the next step)
@@ -63,13 +80,8 @@ class Config:
 
     def __post_init__(self):
         self._check_model_dir()
-        _check_choice("dtype", self.dtype, DTYPES)
-        _check_choice("device", self.device, ("auto", "cuda", "cpu"))
-        _check_choice("load_format", self.load_format, ("auto", "dummy"))
-        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
-        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _check_choice("host_cache_policy", self.host_cache_policy, HOST_CACHE_POLICIES)
-        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        for name, choices in OPTION_CHOICES.items():
+            _check_choice(name, getattr(self, name), choices)
         if self.kvcache_block_size is None:
             self.kvcache_block_size = 256 if _flash_backend_expected(self.attention_backend, self.device) else 64
         for name in ("kvcache_block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",

@@ -16,7 +16,6 @@ Ordering rules (each enforced by an event wait, never by a device-wide sync):
 On a CPU-only machine the copies are plain synchronous memcpys and all of their time counts as exposed.
 """
 import itertools
-import os
 import time
 
 import torch
@@ -73,9 +72,7 @@ class CopyEngine:
         self.reading_gpu_blocks: dict[int, torch.cuda.Event] = {}  # swap-out sources still being read
         self.arriving_gpu_blocks: dict[int, torch.cuda.Event] = {}  # swap-in destinations still being filled
         self.last_out_event = self.last_in_event = None
-        # rule 1: events recorded after the last two forwards, and the slots the last one writes;
-        # NANOVLLM_OVERLAP_SWAP_OUT=0 makes every swap-out wait for all compute issued before it (side-by-side runs)
-        self.overlap_swap_out = os.environ.get("NANOVLLM_OVERLAP_SWAP_OUT") != "0"
+        # rule 1: events recorded after the last two forwards, and the slots the last one writes
         self.before_last_forward = self.last_forward = None
         self.last_forward_slots: list[int] = []
         self.pending_copies: list[tuple[object, object, int]] = []  # (start, end, bytes): copies not yet timed
@@ -85,6 +82,17 @@ class CopyEngine:
         self.recent_copies: list[tuple[int, float]] = []  # (bytes, seconds) timed since the last take_recent_copies
 
     # --- issuing copies
+    def issue_step_copies(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                          new_gpu_block_ids: list[int], block_tables: list[list[int]]):
+        """A step's copies, before its forward: retire finished ones, issue the swap-outs, make the forward wait for
+        what it must (rules 2 and 3), then issue the swap-ins. Rule 2 applies to the blocks the forward writes: a
+        swap-in's destinations are written by the copy, which is ordered after the swap-outs (rule 4)."""
+        self.poll()
+        self.swap_out(swap_out)
+        swap_in_dst = {gpu_block_id for _, gpu_block_id in swap_in}
+        self.wait_before_forward([b for b in new_gpu_block_ids if b not in swap_in_dst], block_tables)
+        self.swap_in(swap_in)
+
     def forward_issued(self, slot_mapping: list[int]):
         """Call after each forward is enqueued on the compute stream (rule 1). KV written on the compute stream by
         anything else would not be waited for by the swap-outs of blocks the last forward does not write."""
@@ -101,7 +109,7 @@ class CopyEngine:
             return
         self.bytes_out += len(pairs) * self.block_bytes
         written = None  # on CPU forward_issued records nothing, so every pair is "hot": one synchronous copy
-        if self.before_last_forward is not None and self.overlap_swap_out:
+        if self.before_last_forward is not None:
             written = written_block_ids(self.last_forward_slots, self.block_size)
         stale, hot = split_by_last_forward(pairs, written)
         self._copy(stale, self.gpu_kv, self.host_kv, "out", after=self.before_last_forward)

@@ -1,7 +1,7 @@
 """Host block ids for swapped-out KV and the host prefix cache (plain Python; no torch)."""
-from nanovllm.engine.block_manager import content_hash
-from nanovllm.engine.block_pool import BlockPool
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.hashing import content_hash
+from nanovllm.core.block_pool import BlockPool
+from nanovllm.core.sequence import Sequence
 
 
 class HostBlockPool(BlockPool):

@@ -1,7 +1,7 @@
 """Swap or recompute, per preempted sequence (plain Python; no torch)."""
 from dataclasses import dataclass
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -22,6 +22,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
+
+
+@pytest.fixture
+def switches(monkeypatch):
+    """Sets tuning switches (nanovllm/utils/switches.py) for one test: switches(triton_sampler=False). Objects built
+    afterwards read the new values; the old ones come back after the test."""
+    from nanovllm.utils.switches import SWITCHES
+
+    def set_switches(**values):
+        for name, value in values.items():
+            if not hasattr(SWITCHES, name):
+                raise AttributeError(f"no switch {name!r} in nanovllm/utils/switches.py")
+            monkeypatch.setattr(SWITCHES, name, value)
+    return set_switches
+
+
 VOCAB = 512
 BOS, EOS = 1, 2
 # Tiny models use small KV blocks so even short prompts span many blocks.

@@ -1,9 +1,9 @@
 """Small factories for the torch-free metadata tests."""
-from nanovllm.engine.block_manager import BlockManager
+from nanovllm.core.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
-from nanovllm_offload.host_block_pool import HostBlockPool
+from nanovllm_offload.host_tier import HostTier
 from nanovllm_offload.policy import PreemptionPolicy
 
 BLOCK_SIZE = 4
@@ -17,9 +17,9 @@ def make_seq(num_tokens: int = 6, start: int = 100, max_tokens: int = 8, token_i
 def make_scheduler(num_gpu_blocks=8, num_cpu_blocks=8, mode="swap", max_num_seqs=8, max_num_batched_tokens=64,
                    max_model_len=64, prefix_caching=True) -> Scheduler:
     bm = BlockManager(num_gpu_blocks, BLOCK_SIZE, prefix_caching)
-    host = HostBlockPool(num_cpu_blocks) if num_cpu_blocks is not None else None
-    return Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len, eos_token_ids={0}, host_pool=host,
-                     policy=PreemptionPolicy(mode, block_bytes=1024))
+    policy = PreemptionPolicy(mode, block_bytes=1024)
+    host = HostTier(num_cpu_blocks, BLOCK_SIZE, policy, prefix_cache=False) if num_cpu_blocks is not None else None
+    return Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len, eos_token_ids={0}, host_tier=host)
 
 
 def all_seqs(s: Scheduler) -> list[Sequence]:

@@ -124,10 +124,11 @@ def test_prefill_speed_is_timed_between_read_backs(qwen3_dir, monkeypatch, async
             handle.tolist = lambda: clock.__setitem__(0, clock[0] + device_s) or tolist()
             return handle
         llm.runner.launch = launch_with_device_time
-        prior = llm.policy.prefill_tokens_per_s
+        prior = llm.host_tier.policy.prefill_tokens_per_s
         llm.generate([prompt], greedy(4), use_tqdm=False)
-        want = prior + llm.policy.ema * (len(prompt) / 2.0 - prior)  # one sample: the prompt's step
-        assert llm.policy.prefill_tokens_per_s == pytest.approx(want), (prior, llm.policy.prefill_tokens_per_s)
+        want = prior + llm.host_tier.policy.ema * (len(prompt) / 2.0 - prior)  # one sample: the prompt's step
+        policy = llm.host_tier.policy
+        assert policy.prefill_tokens_per_s == pytest.approx(want), (prior, policy.prefill_tokens_per_s)
 
 
 def test_an_idle_spell_is_not_timed_as_prefill(qwen3_dir, monkeypatch):
@@ -143,6 +144,6 @@ def test_an_idle_spell_is_not_timed_as_prefill(qwen3_dir, monkeypatch):
         llm.step()  # the first chunk: nothing sampled, nothing read back
         llm.abort_request(seq_id)
         clock[0] += 3.0
-        prior = llm.policy.prefill_tokens_per_s
+        prior = llm.host_tier.policy.prefill_tokens_per_s
         llm.generate([PROMPTS[1]], greedy(2), use_tqdm=False)  # 17 tokens; the fake device time is 0
-        assert llm.policy.prefill_tokens_per_s == prior  # a 0 s sample is skipped; a 3 s one would lower it
+        assert llm.host_tier.policy.prefill_tokens_per_s == prior  # a 0 s sample is skipped; a 3 s one would lower it

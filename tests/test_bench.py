@@ -37,7 +37,7 @@ def test_a_failed_variant_makes_the_comparison_fail(monkeypatch, capsys):
     import subprocess
     monkeypatch.setattr(sys, "argv", ["bench.py", "--shape", "no-such-shape"])
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "ValueError: shape"))
-    assert bench.run_variants(["", "NANOVLLM_TRITON_SILU=0"], 1) == 1
+    assert bench.run_variants(["", "NANOVLLM_DECODE_TILE=64,32,2,4"], 1) == 1
     ok = subprocess.CompletedProcess([], 0, "Throughput: 100 tok/s", "")
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: ok)
-    assert bench.run_variants(["", "NANOVLLM_TRITON_SILU=0"], 1) == 0
+    assert bench.run_variants(["", "NANOVLLM_DECODE_TILE=64,32,2,4"], 1) == 0

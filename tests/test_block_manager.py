@@ -2,7 +2,7 @@
 import pytest
 
 from metadata_factories import BLOCK_SIZE, make_seq
-from nanovllm.engine.block_manager import BlockManager
+from nanovllm.core.block_manager import BlockManager
 
 
 def test_allocate_takes_blocks_from_the_head_in_order():

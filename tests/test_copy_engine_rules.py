@@ -53,14 +53,14 @@ def test_the_pinned_pool_check_counts_the_power_of_two_the_allocator_locks(monke
 
     import pytest
 
-    import nanovllm_offload.host_kv_cache as host_kv_cache
-    GiB = host_kv_cache.GiB
-    monkeypatch.setattr(host_kv_cache.psutil, "virtual_memory", lambda: SimpleNamespace(available=50 * GiB))
+    import nanovllm_offload.host_memory as host_memory
+    GiB = host_memory.GiB
+    monkeypatch.setattr(host_memory.psutil, "virtual_memory", lambda: SimpleNamespace(available=50 * GiB))
     with pytest.raises(ValueError, match=r"swap_space=40 GiB locks 64\.0 GiB of pinned memory per rank x 1 rank"):
-        host_kv_cache.check_host_memory(40 * GiB, 1, 40, pinned=True)
-    host_kv_cache.check_host_memory(32 * GiB, 1, 32, pinned=True)  # a power of two: no rounding, fits
+        host_memory.check_host_memory(40 * GiB, 1, 40, pinned=True)
+    host_memory.check_host_memory(32 * GiB, 1, 32, pinned=True)  # a power of two: no rounding, fits
     with pytest.raises(ValueError, match="x 2 rank"):
-        host_kv_cache.check_host_memory(32 * GiB, 2, 32, pinned=True)
+        host_memory.check_host_memory(32 * GiB, 2, 32, pinned=True)
     with caplog.at_level("WARNING"):
-        host_kv_cache.check_host_memory(20 * GiB, 1, 20, pinned=True)
+        host_memory.check_host_memory(20 * GiB, 1, 20, pinned=True)
     assert "locks 32.0 GiB" in caplog.text and "swap_space=32 would use all of it" in caplog.text

@@ -1,7 +1,7 @@
 """Random workloads through the whole engine on the CPU: random prompts (some sharing a prefix) and lengths, a GPU
 KV cache just big enough for the longest sequence, every preemption mode, tiny host pools, the three host-cache
 policies, chunked prefill, asynchronous scheduling. Greedy outputs must equal those of an unpressured synchronous
-run without prefix caching, token for token. (Session 7 ran 200 such cases while hunting for a swap-in bug the
+run without prefix caching, token for token. (200 such cases were run while hunting for a swap-in bug the
 unit tests had missed; these seeds keep a sample of them.)"""
 import random
 

@@ -80,17 +80,7 @@ def test_triton_graphs_compile_match_hf_in_float32(gpu_models, family):
     assert num_same(got["token_ids"], ref) == len(ref), (got["token_ids"], ref)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_unfused_rope_store_matches_hf_in_float32(gpu_models, family):
-    """NANOVLLM_FUSED_ROPE_STORE=0: the compiled q/k norm + rope and the separate KV-store kernel (the default
-    fuses them into one kernel: the test above)."""
-    ref = run(gpu_models[family], reference=True)["token_ids"]
-    got = run(gpu_models[family], env={"NANOVLLM_FUSED_ROPE_STORE": "0"})
-    assert num_same(got["token_ids"], ref) == len(ref), (got["token_ids"], ref)
-
-
-@pytest.mark.parametrize("env", [{}, {"NANOVLLM_SPLIT_MIXED": "0"}, {"NANOVLLM_PIECEWISE_GRAPHS": "0"}],
-                         ids=["default", "no_split", "no_piecewise_graphs"])
+@pytest.mark.parametrize("env", [{}, {"NANOVLLM_PIECEWISE_GRAPHS": "0"}], ids=["default", "no_piecewise_graphs"])
 def test_mixed_steps_match_hf_in_float32(gpu_models, env):
     """A 64-token budget: prompts prefill in chunks beside the other sequences' decodes. By default a mixed step
     replays piecewise graphs, and its one-token rows go through the decode kernel, the chunks through prefill."""

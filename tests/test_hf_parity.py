@@ -90,14 +90,14 @@ def test_prefix_cache_hit_in_later_batch_with_new_prompts(llama_dir):
 def test_chunked_prefill_matches_hf(llama_dir, monkeypatch, split_mixed):
     # 40-token prompts with a 16-token budget per step: each prefill takes 3 steps, beside the others' decodes.
     # Split, a mixed step's decode rows run through the decode path and its prompt chunks through prefill.
-    from nanovllm.engine.model_runner import ModelRunner
+    from nanovllm.engine import step_inputs
     num_decode_rows = []
-    split = ModelRunner._split_mixed
-    monkeypatch.setattr(ModelRunner, "_split_mixed", staticmethod(
-        lambda md, d, *tensors: (num_decode_rows.append(d), split(md, d, *tensors))))
-    monkeypatch.setenv("NANOVLLM_SPLIT_MIXED", "1" if split_mixed else "0")
+    split = step_inputs.split_mixed
+    monkeypatch.setattr(step_inputs, "split_mixed",
+                        lambda md, d, *tensors: (num_decode_rows.append(d), split(md, d, *tensors)))
     prompts = random_prompts((40, 37, 33, 5), seed=30)
     with LLM(llama_dir, **tiny_llm_kwargs(max_num_batched_tokens=16)) as llm:
+        llm.runner.split_mixed_steps = split_mixed  # off: as a backend that takes mixed steps whole runs them
         outs = llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
         stats = llm.stats()
     assert_matches_hf(llama_dir, prompts, outs, MAX_NEW, what="chunked prefill")
@@ -105,7 +105,7 @@ def test_chunked_prefill_matches_hf(llama_dir, monkeypatch, split_mixed):
     assert (max(num_decode_rows, default=0) >= 2) == split_mixed, num_decode_rows
 
 
-def test_piecewise_mixed_step_forward_matches_hf(qwen3_dir, monkeypatch):
+def test_piecewise_mixed_step_forward_matches_hf(qwen3_dir, monkeypatch, switches):
     """The pieces that piecewise CUDA graphs capture (engine/cuda_graph.py), called eagerly on CPU: the same
     shared buffers, token buckets and padding rows as on the GPU, with attention in between."""
     from nanovllm.engine.model_runner import ModelRunner
@@ -113,7 +113,7 @@ def test_piecewise_mixed_step_forward_matches_hf(qwen3_dir, monkeypatch):
     pick = ModelRunner._mixed_graph_for
     monkeypatch.setattr(ModelRunner, "_mixed_graph_for", lambda self, plan: (
         buckets.append((plan.num_tokens, g.num_tokens)) if (g := pick(self, plan)) else None) or g)
-    monkeypatch.setenv("NANOVLLM_PIECEWISE_GRAPHS", "1")
+    switches(piecewise_graphs="1")
     prompts = random_prompts((40, 37, 33, 5), seed=31)
     with LLM(qwen3_dir, **tiny_llm_kwargs(max_num_batched_tokens=48)) as llm:
         outs = llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
@@ -122,7 +122,7 @@ def test_piecewise_mixed_step_forward_matches_hf(qwen3_dir, monkeypatch):
     assert all(n <= bucket <= 48 for n, bucket in buckets) and len(buckets) > 10, buckets
 
 
-def test_decode_graph_static_buffers_match_hf(qwen3_dir, monkeypatch):
+def test_decode_graph_static_buffers_match_hf(qwen3_dir, monkeypatch, switches):
     """Decode steps through DecodeGraph's static buffers (engine/cuda_graph.py), run eagerly on CPU: padding rows,
     slot -1, and block tables copied into the left columns of a max_model_len-wide table whose other columns keep
     earlier steps' ids (never read past a row's seq_len)."""
@@ -132,7 +132,7 @@ def test_decode_graph_static_buffers_match_hf(qwen3_dir, monkeypatch):
     monkeypatch.setattr(DecodeGraph, "replay", lambda self, inputs: (
         replays.append((inputs.input_ids.size(0), self.batch_size, inputs.metadata.block_tables.size(1),
                         self.width)), replay(self, inputs))[1])
-    monkeypatch.setenv("NANOVLLM_DECODE_GRAPHS", "1")
+    switches(decode_graphs_on_cpu=True)
     prompts = random_prompts((40, 7, 23, 5, 12), seed=32)
     max_new = (6, 20, 20, 20, 6)  # the longest row finishes first: the tables get narrower mid-run
     with LLM(qwen3_dir, **tiny_llm_kwargs()) as llm:
@@ -147,7 +147,7 @@ def test_decode_graph_static_buffers_match_hf(qwen3_dir, monkeypatch):
 
 
 
-def test_decode_batches_over_the_capture_size_run_eagerly(qwen3_dir, monkeypatch):
+def test_decode_batches_over_the_capture_size_run_eagerly(qwen3_dir, monkeypatch, switches):
     """max_cudagraph_capture_size=2: graphs for 1 and 2 rows only; a 3-row decode step runs the model eagerly,
     and once a row finishes the other two replay the 2-row graph. Tokens match HF either way."""
     from nanovllm.engine.model_runner import ModelRunner
@@ -155,7 +155,7 @@ def test_decode_batches_over_the_capture_size_run_eagerly(qwen3_dir, monkeypatch
     graph_for = ModelRunner._graph_for
     monkeypatch.setattr(ModelRunner, "_graph_for", lambda self, plan: (
         lookups.append((plan.is_decode_only, len(plan.query_lens), graph_for(self, plan))), lookups[-1][2])[1])
-    monkeypatch.setenv("NANOVLLM_DECODE_GRAPHS", "1")
+    switches(decode_graphs_on_cpu=True)
     prompts = random_prompts((9, 5, 14), seed=33)
     max_new = (4, 12, 12)
     with LLM(qwen3_dir, **tiny_llm_kwargs(max_cudagraph_capture_size=2)) as llm:

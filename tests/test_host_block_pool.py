@@ -1,6 +1,6 @@
 """Host block pool: allocation, freeing, dedup of shared blocks, the full-pool answer (no torch needed)."""
 from metadata_factories import BLOCK_SIZE, make_seq
-from nanovllm.engine.block_manager import BlockManager
+from nanovllm.core.block_manager import BlockManager
 from nanovllm_offload.host_block_pool import HostBlockPool
 
 

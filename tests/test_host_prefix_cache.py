@@ -3,13 +3,13 @@ sequences. Metadata tests with exact ids (no torch), then the real engine on CPU
 import pytest
 
 from metadata_factories import check, make_scheduler, make_seq, run_step
-from nanovllm.engine.block_manager import content_hash
+from nanovllm.core.hashing import content_hash
 from nanovllm_offload.host_block_pool import HostBlockPool
 
 
 def host_cached_scheduler(num_gpu_blocks=4, num_cpu_blocks=8):
     s = make_scheduler(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, mode="swap")
-    s.host_prefix_cache = True
+    s.host_tier.prefix_cache = True
     return s
 
 

@@ -9,13 +9,13 @@ NUM_DRAWS = 40000
 
 
 @pytest.fixture(autouse=True, params=["cpu", "cuda", "cuda-torch"])
-def device(request, monkeypatch):
+def device(request, monkeypatch, switches):
     """Runs each test eagerly on CPU, and on CUDA when there is a GPU: with the Triton sampler, and with the
     torch.compile'd one (cuda-torch)."""
     if request.param.startswith("cuda") and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     if request.param == "cuda-torch":
-        monkeypatch.setenv("NANOVLLM_TRITON_SAMPLER", "0")
+        switches(triton_sampler=False)
     set_compile(request.param.startswith("cuda"))
     with torch.device(request.param.split("-")[0]):
         yield request.param

@@ -154,7 +154,7 @@ def test_min_tokens_bans_stop_tokens_and_eos_until_reached():
     """Rows of sequences short of min_tokens may not sample their stop tokens or EOS (id 0 here), unless
     ignore_eos; the ban lifts once min_tokens tokens exist (a placeholder counts), and with the finish."""
     from nanovllm import SamplingParams
-    from nanovllm.engine.sequence import Sequence
+    from nanovllm.core.sequence import Sequence
     s = make_scheduler()
     a = Sequence([1, 2, 3], SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[9, 5]), 4)
     b = make_seq(3)  # no min_tokens
@@ -247,20 +247,6 @@ def test_blocks_the_step_in_flight_writes_are_copied_and_handed_out_last():
     check(s)
 
 
-def test_without_the_overlap_the_in_flight_block_is_handed_out_first():
-    """NANOVLLM_OVERLAP_SWAP_OUT=0 (the engine clears hand_out_in_flight_last): the order before the overlap."""
-    s = make_scheduler(num_gpu_blocks=6, num_cpu_blocks=8, mode="swap")
-    s.hand_out_in_flight_last = False
-    a, b = make_seq(7), make_seq(12, start=200)
-    s.add(a)
-    s.add(b)
-    run_step(s)
-    run_step(s)
-    out, _ = run_step(s)
-    assert out.swap_out == [(5, 3), (4, 2), (3, 1), (2, 0)] and a.block_table == [0, 1, 5]
-    check(s)
-
-
 def test_a_resumed_sequence_stays_out_of_the_batch_until_its_kv_has_landed():
     s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=8, mode="swap")
     a, b = make_seq(6), make_seq(6, start=200)
@@ -315,7 +301,7 @@ def test_scheduler_without_a_policy_recomputes():
     """The engine always passes a policy; a Scheduler built without one (its default) recomputes its victims
     instead of failing on the first preemption."""
     s = make_scheduler(num_gpu_blocks=6, num_cpu_blocks=8)
-    s.policy = None
+    s.host_tier.policy = None
     a = make_seq(8)
     s.add(a)
     run_step(s)

@@ -15,7 +15,7 @@ def run_random_workload(seed: int):
     s = make_scheduler(num_gpu_blocks=rng.randint(10, 16), num_cpu_blocks=rng.choice([0, 4, 16, 64]), mode=mode,
                        max_num_seqs=rng.randint(2, 6), max_num_batched_tokens=rng.choice([8, 16, 64]),
                        max_model_len=40)
-    s.host_prefix_cache = seed % 2 == 0
+    s.host_tier.prefix_cache = seed % 2 == 0
     num_held = 0
     if seed % 4 == 1:  # copies that take a random number of steps to land: arriving sequences are held back
 

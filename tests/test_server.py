@@ -498,6 +498,21 @@ def test_multi_turn_chat_history_comes_back_from_the_host_tier(base_url, client)
     assert from_host_tier == from_gpu_cache
 
 
+# ------------------------------------------------------------------------------------------------ docs
+
+def test_the_client_snippet_in_docs_server_md_runs_as_written(base_url, capsys):
+    """The snippet names the model a plain `nanovllm serve` serves (its directory's name); run against this
+    module's server, only the address, the key and that name are swapped."""
+    from nanovllm.utils.convert import default_model_dir
+    docs = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "server.md")).read()
+    [snippet] = [block.split("```")[0] for block in docs.split("```python\n")[1:] if "OpenAI(" in block]
+    default_name = os.path.basename(default_model_dir(convert=False))
+    assert f'model="{default_name}"' in snippet and "http://127.0.0.1:8000/v1" in snippet
+    exec(snippet.replace(f'"{default_name}"', f'"{MODEL}"').replace("http://127.0.0.1:8000", base_url)
+         .replace('"unused-without---api-key"', f'"{API_KEY}"'), {})
+    assert len(capsys.readouterr().out.strip()) > 0
+
+
 # ------------------------------------------------------------------------------------------------ engine failures
 
 def test_a_failed_tensor_parallel_step_marks_the_engine_broken(qwen3_dir, monkeypatch):
@@ -515,12 +530,12 @@ def test_a_failed_tensor_parallel_step_marks_the_engine_broken(qwen3_dir, monkey
     engine.start()
 
     async def scenario():
-        stream = await engine.submit(GenerateRequest(prompt=[5, 6, 7], sampling={"max_tokens": 4}))
+        stream = await engine.submit(GenerateRequest([5, 6, 7], SamplingParams(max_tokens=4)))
         with pytest.raises(EngineError, match="out of memory"):
             async for _ in stream.events():
                 pass
         with pytest.raises(EngineError, match="restart the server"):
-            await engine.submit(GenerateRequest(prompt=[5, 6, 7], sampling={"max_tokens": 4}))
+            await engine.submit(GenerateRequest([5, 6, 7], SamplingParams(max_tokens=4)))
     try:
         asyncio.run(scenario())
         assert not engine.is_alive and "out of step" in engine.broken

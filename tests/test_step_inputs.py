@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-from nanovllm.engine.model_runner import _PackedInputs
+from nanovllm.engine.step_inputs import PackedInputs
 from nanovllm.engine.scheduler import SchedulerOutput
-from nanovllm.engine.sequence import PLACEHOLDER_TOKEN
+from nanovllm.core.sequence import PLACEHOLDER_TOKEN
 from nanovllm.engine.step_plan import StepPlan, _fill_decode_rows, _fill_rows, _slots, make_plan
 from metadata_factories import make_seq
 
@@ -67,9 +67,9 @@ def test_packed_parts_are_aligned_and_exact(seed):
     int32_parts = [[rng.randint(-1, 1 << 20) for _ in range(rng.randint(0, 9))] for _ in range(3)]
     tables = [rng.sample(range(100), rng.randint(0, 5)) for _ in range(rng.randint(1, 6))]
     width = 6
-    parts = _PackedInputs(int64_parts, int32_parts, tables, pin_memory=False, width=width).to(torch.device("cpu"))
+    parts = PackedInputs(int64_parts, int32_parts, tables, pin_memory=False, width=width).to(torch.device("cpu"))
     for tensor in parts:
-        assert tensor.data_ptr() % _PackedInputs.ALIGN_BYTES == 0
+        assert tensor.data_ptr() % PackedInputs.ALIGN_BYTES == 0
     for tensor, values in zip(parts, int64_parts):
         assert tensor.dtype == torch.int64 and tensor.tolist() == values
     for tensor, values in zip(parts[6:], int32_parts):

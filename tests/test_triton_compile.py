@@ -2,7 +2,7 @@
 machine without a GPU, within the shared memory a block may use there.
 
 Triton's interpreter, which the CPU tests run the kernels in, does not type-check: a kernel it runs correctly can
-still fail to compile (session 2's fused rope kernel did, for a value that changed shape across an `if`). Here the
+still fail to compile (an early fused rope kernel did, for a value that changed shape across an `if`). Here the
 kernels' own Python wrappers are called on CPU tensors under a stand-in CUDA driver that names sm_90 as the
 target, and each launch is turned into a compile without a launch. Runs in a subprocess: the stand-in driver is
 process-wide. Triton checks a kernel's shared memory against the device only when it loads the kernel, so a tile

@@ -246,16 +246,16 @@ def test_prefill_kernel_matches_a_reference(block_size, tile, monkeypatch):
     assert max(errs) < 5e-3, errs  # fp16 inputs, fp32 accumulation
 
 
-def test_prefill_tile_switch_rejects_a_malformed_value(monkeypatch):
+def test_prefill_tile_switch_rejects_a_malformed_value(switches):
     import torch
     from nanovllm.kernels.triton_attention import _prefill_config, _tile_from_env
-    monkeypatch.setenv("NANOVLLM_PREFILL_TILE", "64,64,4")
+    switches(prefill_tile="64,64,4")
     with pytest.raises(ValueError, match="NANOVLLM_PREFILL_TILE='64,64,4'"):
         _tile_from_env("NANOVLLM_PREFILL_TILE")
-    monkeypatch.setenv("NANOVLLM_PREFILL_TILE", "128,32,8,2")
+    switches(prefill_tile="128,32,8,2")
     tile = _tile_from_env("NANOVLLM_PREFILL_TILE")
     assert (tile.block_m, tile.block_n) == (128, 32)
-    monkeypatch.delenv("NANOVLLM_PREFILL_TILE")
+    switches(prefill_tile="")
     assert _tile_from_env("NANOVLLM_PREFILL_TILE") is None
     assert _prefill_config(torch.bfloat16, 128).block_m == 64  # this process imported the module without the switch
 

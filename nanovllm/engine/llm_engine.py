@@ -11,14 +11,14 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner, resolve_device
+from nanovllm.engine.output import StreamCursor, TextOutput
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.sequence import Sequence
 from nanovllm.engine.step_plan import LogprobRows, add_logprob_rows, make_plan
 from nanovllm.engine.workers import WorkerPool, free_init_method
 from nanovllm.logprobs import position_logprobs
 from nanovllm.sampling_params import SamplingParams
-from nanovllm_offload.host_block_pool import HostBlockPool
-from nanovllm_offload.policy import PreemptionPolicy
+from nanovllm_offload.host_tier import HostTier
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -26,27 +26,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
         self.config = config = Config(model, **kwargs)
-        self.runner = self.workers = None
+        self.runner = self.workers = self.host_tier = None
         self.tokenizer = _load_tokenizer(model)
+        self.text_output = TextOutput(self.tokenizer)
         try:
-            host_pool = self._start_runners()
+            self.host_tier = self._start_runners()
         except BaseException:
             self.close()
             raise
         self.block_bytes = self.runner.block_bytes
-        self.policy = PreemptionPolicy(config.preemption_mode, self.block_bytes)
-        self.scheduler = Scheduler.from_config(config, self.num_gpu_blocks, host_pool, self.policy,
+        self.scheduler = Scheduler.from_config(config, self.num_gpu_blocks, self.host_tier,
                                                _eos_token_ids(model, config.hf_config, self.tokenizer))
         copy_engine = self.runner.copy_engine
         if copy_engine is not None:
             self.scheduler.kv_ready = lambda seq: copy_engine.blocks_ready(seq.block_table)
-            self.scheduler.hand_out_in_flight_last = copy_engine.overlap_swap_out
         self.requests: dict[int, Sequence] = {}
         self._num_empty_steps = 0
-        self._last_exposed = (0.0, 0.0)  # (exposed, copy) seconds at the last policy update
         self._in_flight = None  # (rows, SampledTokens, LogprobRows | None) of the launched step not read back yet
         self._logprob_seq_ids: set[int] = set()  # requests that asked for logprobs: steps without any skip them
-        self._token_texts: dict[int, str] = {}  # Logprob.decoded_token per token id, decoded once
         # prefill speed for the policy: prompt tokens and rows of the steps launched since the last read-back, which
         # waits for them on the GPU; the time between two read-backs is theirs (with asynchronous scheduling the
         # host's own time for a step overlaps the GPU's, so a step's wall time would be its predecessor's)
@@ -59,7 +56,7 @@ class LLMEngine:
         # caches are dropped as soon as no sequence holds blocks
         self._prefix_cache_suspect = False
 
-    def _start_runners(self) -> HostBlockPool | None:
+    def _start_runners(self) -> HostTier | None:
         """Rank 0 here, ranks 1..N-1 in worker processes; every rank sizes and allocates the same caches."""
         config = self.config
         init_method = None
@@ -75,18 +72,11 @@ class LLMEngine:
         self._call_workers_wait()  # the workers' runners are built
         self.num_gpu_blocks = self._call("num_kv_blocks_for_budget")
         self._call("allocate_kv_cache", self.num_gpu_blocks)
-        host_pool = None
-        if config.swap_space > 0 and (config.preemption_mode != "recompute" or config.host_prefix_cache):
-            # swapped sequences never hold more than max_num_seqs full-length tables (no admissions while anything
-            # is swapped); without the prefix-cache role, more host blocks than that would sit idle
-            num_cpu_blocks = self.runner.num_host_blocks()
-            if not config.host_prefix_cache:
-                num_cpu_blocks = min(num_cpu_blocks, self.runner.max_useful_blocks())
-            self.runner.check_host_memory(num_cpu_blocks)
-            self._call("allocate_host_cache", num_cpu_blocks)
-            host_pool = HostBlockPool(num_cpu_blocks)
+        host_tier = HostTier.from_config(config, self.runner.block_bytes, pinned=self.runner.device.type == "cuda")
+        if host_tier is not None:
+            self._call("allocate_host_cache", host_tier.num_blocks)
         self._call("capture_cuda_graphs")
-        return host_pool
+        return host_tier
 
     def _call(self, method: str, *args):
         """Run a runner method on every rank; returns rank 0's result."""
@@ -161,8 +151,7 @@ class LLMEngine:
         scheduler = self.scheduler
         if scheduler.running or scheduler.swapped:
             return False
-        host_pool = scheduler.host_pool
-        return scheduler.block_manager.reset_cache() and (host_pool is None or host_pool.reset_cache())
+        return scheduler.block_manager.reset_cache() and (self.host_tier is None or self.host_tier.reset_cache())
 
     def step(self) -> list[Sequence]:
         """Schedule and launch one step, read back the previous one (asynchronous scheduling) or this one, and
@@ -220,7 +209,7 @@ class LLMEngine:
         if logprob_rows is not None:
             self._attach_logprobs(logprob_rows, *sampled.logprob_lists())
         updated, finished = self.scheduler.resolve(rows, token_ids)
-        return finished + self._apply_stop_strings(updated + finished)
+        return finished + self.text_output.apply_stop_strings(updated + finished, self.scheduler.finish)
 
     def _attach_logprobs(self, owners: LogprobRows, token_ids: list[list[int]], values: list[list[float]],
                          ranks: list[int]):
@@ -231,19 +220,11 @@ class LLMEngine:
         for seq, (ids, row_values, rank) in zip(owners.sample_seqs, rows):
             if not seq.is_finished:
                 seq.logprobs.append(position_logprobs(ids, row_values, rank, seq.sampling_params.logprobs,
-                                                      self._token_text))
+                                                      self.text_output.token_text))
         for seq, num_rows in owners.prompt_chunks:
             num_top = seq.sampling_params.prompt_logprobs
-            seq.prompt_logprobs.extend(position_logprobs(ids, row_values, rank, num_top, self._token_text)
+            seq.prompt_logprobs.extend(position_logprobs(ids, row_values, rank, num_top, self.text_output.token_text)
                                        for ids, row_values, rank in itertools.islice(rows, num_rows))
-
-    def _token_text(self, token_id: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
-        return text
 
     def _check_progress(self, out: SchedulerOutput):
         progress = not out.is_empty or self._in_flight is not None or self.scheduler.is_finished()  # idle is fine
@@ -253,69 +234,19 @@ class LLMEngine:
             raise RuntimeError(f"LLMEngine.step: no progress; waiting={list(s.waiting)} running={s.running} "
                                f"swapped={list(s.swapped)} free_gpu_blocks={s.block_manager.num_free_blocks}")
 
-    def _apply_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Ends each sequence whose text now holds a stop string, its text cut before the first match (after it
-        with include_stop_str_in_output). Sequences that just finished by length or a stop token are checked too,
-        as vLLM does: their reason becomes "stop". Returns the running sequences it finished."""
-        finished = []
-        for seq in seqs:
-            params = seq.sampling_params
-            if not params.stop or self.tokenizer is None or seq.num_completion_tokens <= params.min_tokens:
-                continue
-            text = self._detokenize(self._text_token_ids(seq))
-            # with min_tokens, a match must end after the text of the first min_tokens tokens (as in vLLM)
-            start = len(self._detokenize(seq.completion_token_ids[:params.min_tokens])) if params.min_tokens else 0
-            matches = [(i, stop) for stop in params.stop if (i := text.find(stop, max(start - len(stop) + 1, 0))) >= 0]
-            if not matches:
-                continue
-            cut, stop = min(matches, key=lambda match: match[0])
-            seq.output_text = text[:cut + len(stop)] if params.include_stop_str_in_output else text[:cut]
-            if seq.is_finished:
-                seq.finish_reason = "stop"
-                continue
-            del seq.token_ids[len(seq.token_ids) - seq.num_unresolved_tokens:]  # drop tokens after the stop
-            seq.num_unresolved_tokens = 0
-            self.scheduler.finish(seq, "stop")
-            finished.append(seq)
-        return finished
-
     def _observe_prefill(self):
         """After a read-back: the steps launched since the last one are done; mostly prompt tokens make a sample of
         prefill speed."""
         now = time.perf_counter()
-        if self._unsynced_prefill_tokens > self._unsynced_rows:
-            self.policy.observe_prefill(self._unsynced_prefill_tokens, now - self._last_sync)
+        if self._unsynced_prefill_tokens > self._unsynced_rows and self.host_tier is not None:
+            self.host_tier.observe_prefill(self._unsynced_prefill_tokens, now - self._last_sync)
         self._unsynced_prefill_tokens = self._unsynced_rows = 0
         self._last_sync = now
 
     def _observe_copies(self):
         engine = self.runner.copy_engine
-        if engine is not None:
-            copies = engine.take_recent_copies()
-            for num_bytes, copy_seconds in copies:
-                self.policy.observe_copy(num_bytes, copy_seconds)
-            if copies:
-                copy_s, exposed_s = engine.copy_seconds, engine.exposed_seconds
-                self.policy.observe_exposure(exposed_s - self._last_exposed[0], copy_s - self._last_exposed[1])
-                self._last_exposed = (exposed_s, copy_s)
-
-    def _detokenize(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    @staticmethod
-    def _text_token_ids(seq: Sequence) -> list[int]:
-        """The completion tokens whose text is shown: a stop token (stop_token_ids, EOS) stays in token_ids but its
-        text is left out, unless include_stop_str_in_output (vLLM's rule)."""
-        ids = seq.completion_token_ids
-        stopped_by_token = seq.finish_reason == "stop" and seq.output_text is None
-        return ids[:-1] if stopped_by_token and not seq.sampling_params.include_stop_str_in_output else ids
-
-    def output(self, seq: Sequence) -> dict:
-        text = seq.output_text if seq.output_text is not None else self._detokenize(self._text_token_ids(seq))
-        return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
-                "logprobs": seq.logprobs, "prompt_logprobs": seq.prompt_logprobs}
+        if engine is not None and self.host_tier is not None:
+            self.host_tier.observe_copies(engine.take_recent_copies(), engine.copy_seconds, engine.exposed_seconds)
 
     def _queue(self, prompts, sampling_params) -> list[int]:
         """Validate every request first, then queue them all: a bad one leaves the engine untouched."""
@@ -363,8 +294,7 @@ class LLMEngine:
         seq_ids = self._queue(prompts, sampling_params)
         pending = dict.fromkeys(seq_ids)
         self._generating.update(seq_ids)
-        num_sent = {seq_id: 0 for seq_id in seq_ids}
-        text_sent = {seq_id: "" for seq_id in seq_ids}
+        cursor = StreamCursor(self.text_output, seq_ids)
         try:
             while pending:
                 self._keep_others(self.step(), pending)
@@ -377,15 +307,9 @@ class LLMEngine:
                         yield {"index": i, "token_ids": [], "text": "", "finish_reason": "abort", "logprobs": None,
                                "prompt_logprobs": None}
                         continue
-                    new_ids = seq.completion_token_ids[num_sent[seq_id]:]
-                    if not new_ids and not seq.is_finished:
+                    chunk = cursor.chunk(seq, i)
+                    if chunk is None:
                         continue
-                    text = self._stream_text(seq)
-                    delta = text[len(text_sent[seq_id]):]
-                    chunk = {"index": i, "token_ids": new_ids, "text": delta, "finish_reason": seq.finish_reason,
-                             **self._stream_logprobs(seq, num_sent[seq_id], len(new_ids))}
-                    num_sent[seq_id] += len(new_ids)
-                    text_sent[seq_id] = text
                     if seq.is_finished:
                         del pending[seq_id]
                         self.requests.pop(seq_id)
@@ -395,22 +319,11 @@ class LLMEngine:
             for seq_id in pending:
                 self.abort_request(seq_id)
 
-    @staticmethod
-    def _stream_logprobs(seq: Sequence, num_sent: int, num_new: int) -> dict:
-        """A chunk's "logprobs" (its new tokens') and "prompt_logprobs" (all of them, in a request's first chunk,
-        which comes after its whole prompt is computed)."""
-        return {"logprobs": None if seq.logprobs is None else seq.logprobs[num_sent:num_sent + num_new],
-                "prompt_logprobs": seq.prompt_logprobs if num_sent == 0 else None}
+    def output(self, seq: Sequence) -> dict:
+        return self.text_output.output(seq)
 
-    def _stream_text(self, seq: Sequence) -> str:
-        """The text that is safe to send: all of it once finished; before that, without a trailing partial
-        character and without a tail that could still become a stop string."""
-        text = self.output(seq)["text"]
-        if seq.is_finished:
-            return text
-        text = text.rstrip("\ufffd")
-        holdback = max((len(s) - 1 for s in seq.sampling_params.stop), default=0)
-        return text[:max(len(text) - holdback, 0)]
+    def _stream_text(self, seq: Sequence) -> str:  # the server's stream reads it
+        return self.text_output.stream_text(seq)
 
     def _update_bar(self, bar, last):
         now = time.perf_counter()
@@ -438,8 +351,7 @@ class LLMEngine:
         stats["swap_seconds"] = engine.copy_seconds if engine else 0.0
         stats["swap_exposed_seconds"] = engine.exposed_seconds if engine else 0.0
         stats["num_gpu_blocks"] = self.num_gpu_blocks
-        host_pool = self.scheduler.host_pool
-        stats["num_cpu_blocks"] = host_pool.num_blocks if host_pool else 0
+        stats["num_cpu_blocks"] = self.host_tier.num_blocks if self.host_tier is not None else 0
         return stats
 
     def close(self):

@@ -1,18 +1,17 @@
 """The model runner: the only owner of model weights, the GPU KV cache and (through the copy engine) the host KV
 cache. It turns a SchedulerOutput into tensors, issues the swap copies, runs the forward pass and samples."""
 import gc
-import itertools
 import logging
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanovllm.config import Config
-from nanovllm.engine.sequence import Sequence
+from nanovllm.config import SUPPORTED_ARCHITECTURES, Config
+from nanovllm.core.sequence import Sequence
+from nanovllm.engine.kv_cache import num_blocks_for_budget
+from nanovllm.engine.step_inputs import SampledTokens, prepare_step_inputs
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, select_backend
@@ -20,17 +19,16 @@ from nanovllm.layers.kv_layout import KVLayout, check_fp8_support, hadamard
 from nanovllm.layers.logprobs import chosen_and_top, raw_logprobs
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.decoder import DecoderForCausalLM
-from nanovllm.models.registry import SUPPORTED_ARCHITECTURES
 from nanovllm.utils.compile import set_compile
 from nanovllm.utils.context import AttentionMetadata, reset_context, set_context
 from nanovllm.utils.distributed import tp_size
 from nanovllm.utils.loader import init_dummy_weights, load_weights
+from nanovllm.utils.switches import SWITCHES
 from nanovllm_offload.copy_engine import CopyEngine
-from nanovllm_offload.host_kv_cache import HostKVCache, check_host_memory, num_host_blocks
+from nanovllm_offload.host_kv_cache import HostKVCache
 
 logger = logging.getLogger(__name__)
 
-GiB = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -63,92 +61,6 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
                        torch.cuda.get_device_name(device))
         return torch.float16
     return dtype
-
-
-class _PackedInputs:
-    """A step's integer inputs in one byte buffer: int64 parts, then int32 parts, then the int32 block table
-    [rows, width] padded with -1; every part starts on a 16-byte boundary. One buffer means one host-to-device copy;
-    the alignment keeps each part's device address 16-byte aligned whatever the lengths before it, because Triton
-    compiles a kernel variant per pointer alignment (a part at an 8-byte offset one step and a 16-byte one the next
-    would compile mid-run). On the device the parts come out of one `split` per dtype (each torch call costs a few
-    microseconds of host time on a GPU machine)."""
-
-    ALIGN_BYTES = 16
-
-    def __init__(self, int64_parts: list[list[int]], int32_parts: list[list[int]], block_tables: list[list[int]],
-                 pin_memory: bool, width: int | None = None):
-        # per dtype: [len 0, padding 0, len 1, padding 1, ...] in elements; `split` by it, every other chunk is a part
-        self.int64_sizes = self._sizes_with_padding(int64_parts, 8)
-        self.int32_sizes = self._sizes_with_padding(int32_parts, 4)
-        self.int64_bytes, self.int32_bytes = 8 * sum(self.int64_sizes), 4 * sum(self.int32_sizes)
-        table_lens = [len(t) for t in block_tables]
-        width = width or max(table_lens)  # default: the longest table
-        self.table_shape = (len(block_tables), width)
-        self.host = torch.empty(self.int64_bytes + self.int32_bytes + 4 * len(block_tables) * width,
-                                dtype=torch.uint8, pin_memory=pin_memory)
-        buffer = self.host.numpy()
-        for region, parts, sizes, np_dtype in ((buffer[:self.int64_bytes], int64_parts, self.int64_sizes, np.int64),
-                                               (buffer[self.int64_bytes:self.int64_bytes + self.int32_bytes],
-                                                int32_parts, self.int32_sizes, np.int32)):
-            values, start = region.view(np_dtype), 0
-            for part, length, padding in zip(parts, sizes[::2], sizes[1::2]):
-                values[start:start + length] = np.fromiter(part, dtype=np_dtype, count=length)  # faster than a list
-                start += length + padding
-        table = buffer[self.int64_bytes + self.int32_bytes:].view(np.int32).reshape(self.table_shape)
-        table.fill(-1)
-        table[np.arange(width)[None, :] < np.array(table_lens)[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(block_tables), dtype=np.int32, count=sum(table_lens))
-
-    @classmethod
-    def _sizes_with_padding(cls, parts: list[list[int]], itemsize: int) -> list[int]:
-        multiple = cls.ALIGN_BYTES // itemsize
-        return [n for part in parts for n in (len(part), -len(part) % multiple)]
-
-    def to(self, device: torch.device) -> list[torch.Tensor]:
-        """The parts, as views of one device copy of the buffer; the table as [rows, width]."""
-        data = self.host if device.type == "cpu" else self.host.to(device, non_blocking=True)
-        int32_end = self.int64_bytes + self.int32_bytes
-        int64 = data[:self.int64_bytes].view(torch.int64).split(self.int64_sizes)[::2]
-        int32 = data[self.int64_bytes:int32_end].view(torch.int32).split(self.int32_sizes)[::2]
-        return [*int64, *int32, data[int32_end:].view(torch.int32).view(self.table_shape)]
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled]: rows of the hidden states whose next token is sampled
-
-
-class SampledTokens:
-    """Token ids sampled by a launched step, and the logprob rows it computed (chosen_and_top's three tensors,
-    sample rows then prompt rows), on their way to the host: pinned copies and an event on CUDA."""
-
-    def __init__(self, sampled: torch.Tensor | None, logprobs: tuple[torch.Tensor, ...] | None = None):
-        self.event = None
-        self.host, self.logprobs = sampled, logprobs
-        if not any(t is not None and t.is_cuda for t in (sampled, *(logprobs or ()))):
-            return
-        self.host, self.logprobs = self._to_host(sampled), logprobs and tuple(map(self._to_host, logprobs))
-        self.event = torch.cuda.Event()
-        self.event.record()
-
-    @staticmethod
-    def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return host.copy_(t, non_blocking=True)
-
-    def tolist(self) -> list[int]:
-        if self.event is not None:
-            self.event.synchronize()
-        return [] if self.host is None else self.host.tolist()
-
-    def logprob_lists(self) -> tuple[list[list[int]], list[list[float]], list[int]] | None:
-        """(token ids, logprobs, chosen ranks) per row; call after tolist (which waits for the copies)."""
-        return self.logprobs and tuple(t.tolist() for t in self.logprobs)
 
 
 class ModelRunner:
@@ -189,11 +101,11 @@ class ModelRunner:
         self._sampling_key, self._sampling = None, None  # the last batch's sampling tensors
         self._last_sampled = None  # [num_sampled] device tensor of the last launched step (rank 0)
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
-        # mixed steps: one-token rows through the decode kernel, the rest through prefill (docs/benchmarks.md,
-        # runs H-I: a 256-decode + 256-token step 18.5 -> 10.1 ms); NANOVLLM_SPLIT_MIXED=0 sends all to prefill
-        self.split_mixed_steps = self.backend.splits_mixed_steps and os.environ.get("NANOVLLM_SPLIT_MIXED") != "0"
+        # mixed steps: one-token rows through the decode kernel, the rest through prefill (a 256-decode + 256-token
+        # step took 10.1 ms instead of 18.5 on an H200); tests turn it off to cover backends that take them whole
+        self.split_mixed_steps = self.backend.splits_mixed_steps
         set_compile(self.device.type == "cuda" and not config.enforce_eager)
-        if self.backend.name in ("triton", "flash") and os.environ.get("NANOVLLM_TRITON_SILU") != "0":
+        if self.backend.name in ("triton", "flash"):
             from nanovllm.kernels.activation import silu_and_mul  # no per-element division (see its docstring)
             for act in (m for m in self.model.modules() if isinstance(m, SiluAndMul)):
                 act.kernel = silu_and_mul
@@ -225,36 +137,8 @@ class ModelRunner:
         """One block of all layers, K and V (and their scales with an FP8 cache), on this rank."""
         return self.kv_layout.block_bytes
 
-    def max_useful_blocks(self) -> int:
-        blocks_per_seq = (self.config.max_model_len + self.block_size - 1) // self.block_size
-        return self.config.max_num_seqs * blocks_per_seq
-
     def num_kv_blocks_for_budget(self) -> int:
-        """GPU blocks from kv_cache_memory_bytes or, on CUDA, a profiling run under gpu_memory_utilization (on CPU,
-        25% of available memory, at most 4 GiB); capped by num_kvcache_blocks and by what max_num_seqs
-        sequences of max_model_len tokens could use."""
-        config = self.config
-        if config.kv_cache_memory_bytes is not None:
-            num_blocks = config.kv_cache_memory_bytes // self.block_bytes
-        elif self.device.type == "cuda":
-            num_blocks = self._profile_free_bytes() // self.block_bytes
-        else:
-            import psutil
-            num_blocks = min(4 * GiB, psutil.virtual_memory().available // 4) // self.block_bytes
-        num_blocks = min(num_blocks, self.max_useful_blocks())
-        if config.num_kvcache_blocks is not None:  # an explicit cap
-            num_blocks = min(num_blocks, config.num_kvcache_blocks)
-        if tp_size() > 1:  # every rank must hold the same block ids
-            t = torch.tensor([int(num_blocks)], device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            num_blocks = int(t.item())
-        if num_blocks < 1:
-            if config.kv_cache_memory_bytes is not None:
-                hint = f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is less than that; raise it"
-            else:
-                hint = "raise gpu_memory_utilization or lower max_num_batched_tokens (the profiling run's size)"
-            raise ValueError(f"no room for a single KV block of {self.block_bytes:,} bytes: {hint}")
-        return int(num_blocks)
+        return num_blocks_for_budget(self.config, self.block_bytes, self.device, self._profile_free_bytes, tp_size())
 
     @torch.inference_mode()
     def _profile_free_bytes(self) -> int:
@@ -295,82 +179,20 @@ class ModelRunner:
     def use_fused_rope_store(self) -> bool:
         """(q/k norm +) rope + KV store in one Triton kernel per layer instead of four to seven small kernels: on an
         H200 a batch-32 decode step drops from 2.78 to 2.49 ms and an eager mixed step's host time halves
-        (docs/benchmarks.md). Needs a Triton-capable backend and head_dim / 2 a power of two;
-        NANOVLLM_FUSED_ROPE_STORE=0 turns it off."""
+        (docs/benchmarks.md). Needs a Triton-capable backend and head_dim / 2 a power of two."""
         half = self.head_dim // 2
-        return (self.backend.name in ("triton", "flash") and self.head_dim % 2 == 0 and half & (half - 1) == 0
-                and os.environ.get("NANOVLLM_FUSED_ROPE_STORE", "1") != "0")
+        return self.backend.name in ("triton", "flash") and self.head_dim % 2 == 0 and half & (half - 1) == 0
 
     def allocate_host_cache(self, num_blocks: int):
         self.host_cache = HostKVCache(num_blocks, tuple(self.kv_cache.shape[1:]), self.kv_cache.dtype,
                                       pin_memory=self.device.type == "cuda")
         self.copy_engine = CopyEngine(self.kv_cache, self.host_cache.kv, self.block_size)
 
-    def num_host_blocks(self) -> int:
-        return num_host_blocks(self.config.swap_space, self.block_bytes)
-
-    def check_host_memory(self, num_blocks: int):
-        """Before any rank allocates: can the host hold every rank's pool of num_blocks (pinned on CUDA)?"""
-        check_host_memory(num_blocks * self.block_bytes, tp_size(), self.config.swap_space,
-                          pinned=self.device.type == "cuda")
-
     # --- one step
-    def prepare(self, plan: StepPlan) -> StepInputs:
-        """Tensors for one step, packed into one host buffer (pinned on CUDA) and moved in one host-to-device copy;
-        block tables are padded with -1 to the step's longest table (a decode graph copies them into its wider
-        static table). What the attention kernels read is int32 already, so no conversion kernels follow the copy."""
-        cu_seqlens = [0, *itertools.accumulate(plan.query_lens)]
-        num_decode_rows = self._num_decode_rows(plan)
-        prefill_cu_seqlens = [n - num_decode_rows for n in cu_seqlens[num_decode_rows:]] if num_decode_rows else []
-        packed = _PackedInputs(
-            int64_parts=[plan.input_ids, plan.positions, plan.slot_mapping, plan.logits_indices,
-                         plan.placeholder_rows, plan.placeholder_sources],
-            int32_parts=[plan.seq_lens, cu_seqlens, prefill_cu_seqlens],
-            block_tables=plan.block_tables, pin_memory=self.device.type == "cuda")
-        (input_ids, positions, slots, logits_indices, rows, sources, seq_lens, cu_seqlens_q, prefill_cu_seqlens_q,
-         tables) = packed.to(self.device)
-        if len(plan.placeholder_rows) == len(plan.input_ids):  # every row's token: sampled by the previous step
-            torch.index_select(self._last_sampled, 0, sources, out=input_ids)  # one kernel, no index_put
-        elif plan.placeholder_rows:  # tokens the previous step sampled, never read back to the host
-            input_ids[rows] = self._last_sampled[sources]
-        md = AttentionMetadata(
-            is_decode_only=plan.is_decode_only, slot_mapping=slots, seq_lens=seq_lens, block_tables=tables,
-            cu_seqlens_q=cu_seqlens_q, max_query_len=max(plan.query_lens), max_seq_len=max(plan.seq_lens),
-            query_lens_cpu=plan.query_lens, seq_lens_cpu=plan.seq_lens)
-        if num_decode_rows:
-            self._split_mixed(md, num_decode_rows, prefill_cu_seqlens_q)
-        return StepInputs(input_ids, positions, md, logits_indices)
-
-    def _num_decode_rows(self, plan: StepPlan) -> int:
-        """How many leading rows of a mixed step compute one token (the scheduler puts them first); 0 when the
-        step is not split: decode-only, prefill-only, or a backend that takes mixed batches whole."""
-        if not self.split_mixed_steps or plan.is_decode_only:
-            return 0
-        num_rows = len(plan.query_lens)
-        return next((i for i, n in enumerate(plan.query_lens) if n != 1), num_rows) % num_rows
-
-    @staticmethod
-    def _split_mixed(md: AttentionMetadata, num_decode_rows: int, prefill_cu_seqlens_q: torch.Tensor):
-        """The prefill part gets its own copies of seq_lens and block_tables: a slice at row d would start at an
-        address Triton specializes on (16-byte alignment), so each new d % 4 would compile kernel variants
-        mid-run."""
-        d = num_decode_rows
-        md.decode_part = AttentionMetadata(
-            is_decode_only=True, slot_mapping=md.slot_mapping[:d], seq_lens=md.seq_lens[:d],
-            block_tables=md.block_tables[:d], max_seq_len=max(md.seq_lens_cpu[:d]),
-            query_lens_cpu=md.query_lens_cpu[:d], seq_lens_cpu=md.seq_lens_cpu[:d])
-        md.prefill_part = AttentionMetadata(
-            is_decode_only=False, slot_mapping=md.slot_mapping[d:], seq_lens=md.seq_lens[d:].clone(),
-            block_tables=md.block_tables[d:].clone(), cu_seqlens_q=prefill_cu_seqlens_q,
-            max_query_len=max(md.query_lens_cpu[d:]), max_seq_len=max(md.seq_lens_cpu[d:]),
-            query_lens_cpu=md.query_lens_cpu[d:], seq_lens_cpu=md.seq_lens_cpu[d:])
-
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A list on the device; through pinned memory on CUDA so the copy is asynchronous."""
         t = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         """Per-row sampling parameters; reused while the batch holds the same sequences in the same order."""
@@ -419,14 +241,7 @@ class ModelRunner:
         """Like run, without waiting: the sampled tokens come back through the returned handle, so the host can
         schedule the next step while this one runs on the GPU."""
         if self.copy_engine is not None:
-            self.copy_engine.poll()
-            self.copy_engine.swap_out(plan.swap_out)
-            # rule 2 applies to the blocks this forward writes: a swap-in's destinations are written by the copy,
-            # which the copy engine orders after the swap-outs itself (rule 4)
-            swap_in_dst = {gpu_block_id for _, gpu_block_id in plan.swap_in}
-            self.copy_engine.wait_before_forward([b for b in plan.new_gpu_block_ids if b not in swap_in_dst],
-                                                 plan.block_tables)
-            self.copy_engine.swap_in(plan.swap_in)
+            self.copy_engine.issue_step_copies(plan.swap_out, plan.swap_in, plan.new_gpu_block_ids, plan.block_tables)
         if not plan.num_tokens:
             return SampledTokens(None)
         logits, prompt_logprobs = self._forward(plan)
@@ -463,7 +278,7 @@ class ModelRunner:
         """Logits of the sampled rows (rank 0; None elsewhere or when nothing is sampled), and the prompt rows'
         logprobs (rank 0; None elsewhere or when the step has none)."""
         graph = self._graph_for(plan)
-        inputs = self.prepare(plan)
+        inputs = prepare_step_inputs(plan, self.device, self._last_sampled, self.split_mixed_steps)
         if graph is not None:
             hidden = graph.replay(inputs)
         else:
@@ -550,9 +365,9 @@ class ModelRunner:
         up to 2,048. On CPU, NANOVLLM_DECODE_GRAPHS=1 and NANOVLLM_PIECEWISE_GRAPHS=1 build the same graphs without
         capturing them: their static buffers, run eagerly (the CPU tests)."""
         self.warmup()
-        piecewise = os.environ.get("NANOVLLM_PIECEWISE_GRAPHS")
+        piecewise = SWITCHES.piecewise_graphs
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name == "torch":
-            if self.device.type == "cpu" and os.environ.get("NANOVLLM_DECODE_GRAPHS") == "1":
+            if self.device.type == "cpu" and SWITCHES.decode_graphs_on_cpu:
                 self._capture_decode_graphs(capture=False)
             if piecewise == "1" and self.device.type == "cpu":
                 self._capture_mixed_graphs(None, capture=False)

@@ -2,58 +2,13 @@
 (plain Python; no torch)."""
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
 
 from nanovllm.config import Config
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from nanovllm.engine.scheduler_output import SchedulerOutput, SchedulerStats
 from nanovllm_offload.host_block_pool import HostBlockPool
-from nanovllm_offload.policy import PreemptionPolicy
-
-
-@dataclass
-class SchedulerOutput:
-    """One step, as ids and counts. The runner turns it into tensors and copies."""
-    seqs: list[Sequence] = field(default_factory=list)  # sequences that compute tokens this step, in batch order
-    num_new_tokens: list[int] = field(default_factory=list)  # per seq: 1 for a decode, a chunk for a prefill
-    samples: list[bool] = field(default_factory=list)  # per seq: this step completes its input, so it samples
-    # (gpu_block_id, cpu_block_id): KV of swapped-out victims and of blocks stored in the host prefix cache;
-    # copied before any new owner writes the gpu block. Each cpu block at most once (the copies' order may change)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    # (cpu_block_id, gpu_block_id): KV of resumed sequences; they join the batch from the next step, so the copy
-    # overlaps this step's forward
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    # gpu blocks handed out this step: of the blocks this step's forward and swap-ins write, the only ones a
-    # swap-out still in flight may be reading (the others were handed out in earlier steps, which waited for theirs)
-    new_gpu_block_ids: list[int] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.seqs or self.swap_out or self.swap_in)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.num_new_tokens)
-
-
-@dataclass
-class SchedulerStats:
-    prefill_tokens: int = 0  # tokens computed for prompts (and for recomputed outputs)
-    decode_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-    preemptions: int = 0
-    preemptions_swap: int = 0
-    preemptions_recompute: int = 0
-    recomputed_tokens: int = 0  # tokens computed a second time because of a recompute preemption
-    blocks_swapped_out: int = 0
-    blocks_swapped_in: int = 0
-    host_prefix_query_tokens: int = 0  # prompt tokens looked up in the host prefix cache (past the GPU hits)
-    host_prefix_hit_tokens: int = 0
-    blocks_offloaded: int = 0  # cached GPU blocks copied to the host prefix cache
-    blocks_onloaded: int = 0  # host prefix-cache hits copied back to the GPU
-
-    def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+from nanovllm_offload.host_tier import HostTier
 
 
 class Scheduler:
@@ -64,12 +19,9 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: set[int], host_pool: HostBlockPool | None = None,
-                 policy: PreemptionPolicy | None = None, host_prefix_cache: bool = False):
+                 max_model_len: int, eos_token_ids: set[int], host_tier: HostTier | None = None):
         self.block_manager = block_manager
-        self.host_pool = host_pool
-        self.policy = policy
-        self.host_prefix_cache = host_prefix_cache and host_pool is not None
+        self.host_tier = host_tier  # the one door to the host tier; None: victims are recomputed
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -82,9 +34,6 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._forced_swap_out: list[tuple[int, int]] = []  # copies of preempt() calls, issued with the next step
         self._last_out: SchedulerOutput | None = None  # the step scheduled last (its forward may be in flight)
-        # a swapped-out victim's blocks that the step in flight writes are handed out last (the engine turns this
-        # off with the copy engine's overlap, NANOVLLM_OVERLAP_SWAP_OUT=0)
-        self.hand_out_in_flight_last = True
         # sequences whose KV is being copied in (swap-in, host prefix hits) and `kv_ready`, which the engine points
         # at the copy engine: while others can run, such a sequence waits out of the batch instead of stalling it
         self.kv_arriving: dict[int, Sequence] = {}
@@ -92,14 +41,19 @@ class Scheduler:
         self.min_tokens_pending: set[int] = set()  # ids of sequences still short of their min_tokens
 
     @classmethod
-    def from_config(cls, config: Config, num_gpu_blocks: int, host_pool: HostBlockPool | None,
-                    policy: PreemptionPolicy, eos_token_ids: set[int]) -> "Scheduler":
+    def from_config(cls, config: Config, num_gpu_blocks: int, host_tier: HostTier | None,
+                    eos_token_ids: set[int]) -> "Scheduler":
         """The scheduler and GPU block manager that the engine runs for `config` (bench_swap.py --simulate runs the
         same ones without a model)."""
         block_manager = BlockManager(num_gpu_blocks, config.kvcache_block_size, config.enable_prefix_caching,
                                      write_through=config.host_cache_policy == "write_through")
         return cls(block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-                   eos_token_ids, host_pool, policy, config.host_prefix_cache)
+                   eos_token_ids, host_tier)
+
+    @property
+    def host_pool(self) -> HostBlockPool | None:
+        """The host tier's block pool (read-only; for counters and tests)."""
+        return self.host_tier.pool if self.host_tier is not None else None
 
     def add(self, seq: Sequence):
         seq.max_num_tokens = min(seq.max_num_tokens, self.max_model_len)
@@ -133,16 +87,27 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def schedule(self) -> SchedulerOutput:
+        """One step: copies for the host prefix cache, then the running sequences (preempting when blocks run out),
+        then new prefills and swap-ins, which wait while anything was preempted this step."""
         out = SchedulerOutput(swap_out=self._forced_swap_out)
         self._forced_swap_out = []
         self.block_manager.begin_step()
-        budget = self.max_num_batched_tokens
-        num_preempted = 0
         self._offload(out)  # blocks freed by the last step, before anything can evict them
+        budget, num_preempted = self._schedule_running(out, self.max_num_batched_tokens)
+        if not num_preempted:
+            self._admit_waiting(out, budget)
+            self._resume_swapped(out)
+        out.new_gpu_block_ids = self.block_manager.new_gpu_block_ids
+        out.swap_out = _last_copy_per_host_block(out.swap_out)
+        self._one_token_rows_first(out)
+        self._last_out = out
+        return out
 
-        # running: one decode token, or the next prompt chunk, per sequence, oldest first;
-        # when blocks run out, preempt from the back (the newest) until this one fits
-        # (this loop runs once per row of every decode step: its hot path reads fields, not properties)
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
+        """One decode token, or the next prompt chunk, per running sequence, oldest first; when blocks run out,
+        preempt from the back (the newest) until this one fits. Returns (token budget left, sequences preempted).
+        This loop runs once per row of every decode step: its hot path reads fields, not properties."""
+        num_preempted = 0
         hold_arriving = self._hold_arriving()
         running, allocate = self.running, self.block_manager.allocate
         i = 0
@@ -168,15 +133,17 @@ class Scheduler:
                 i += 1
                 continue
             break
+        return budget, num_preempted
 
-        # waiting: admit new prefills, only when nothing is preempted or swapped (swapped sequences resume first)
-        while (self.waiting and budget > 0 and not num_preempted and not self.swapped
-               and len(self.running) < self.max_num_seqs):
+    def _admit_waiting(self, out: SchedulerOutput, budget: int):
+        """New prefills, only while nothing is swapped (swapped sequences resume first). A prompt whose next blocks
+        are in the host prefix cache gets GPU blocks for them now and prefills from the next step, after the copies."""
+        while self.waiting and budget > 0 and not self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached_block_ids, host_block_ids, tail = self._find_prefix_hits(seq)
             num_cached = len(cached_block_ids) * self.block_manager.block_size + (tail[1] if tail else 0)
             num_new = min(seq.num_uncomputed_tokens - num_cached, budget)
-            if host_block_ids:  # blocks for the host hits only; prefill starts next step, after their copies
+            if host_block_ids:  # blocks for the host hits only
                 num_new = len(host_block_ids) * self.block_manager.block_size
             reserve = self.num_watermark_blocks if self.running else 0
             if not self.block_manager.allocate(seq, num_new, cached_block_ids, reserve, tail):
@@ -191,27 +158,22 @@ class Scheduler:
             self._add_to_batch(out, seq, num_new)
             budget -= num_new
 
-        # swap-in: resume swapped sequences for the next step; the copies overlap this step's forward
-        while self.swapped and not num_preempted and len(self.running) < self.max_num_seqs:
+    def _resume_swapped(self, out: SchedulerOutput):
+        """Swapped sequences, oldest first, get GPU blocks and swap-in copies; they join the batch from the next step,
+        so the copies overlap this step's forward."""
+        while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             reserve = self.num_watermark_blocks if self.running else 0  # alone, it may take every block
-            copies = self.block_manager.allocate_for_swap_in(seq, reserve)
+            copies = self.host_tier.swap_in(seq, self.block_manager, reserve)
             if copies is None:
                 break
             self.swapped.popleft()
-            self.host_pool.free(seq)
             out.swap_in.extend(copies)
             if copies:
                 self.kv_arriving[seq.seq_id] = seq
             self.stats.blocks_swapped_in += len(copies)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-
-        out.new_gpu_block_ids = self.block_manager.new_gpu_block_ids
-        out.swap_out = _last_copy_per_host_block(out.swap_out)
-        self._one_token_rows_first(out)
-        self._last_out = out
-        return out
 
     @staticmethod
     def _one_token_rows_first(out: SchedulerOutput):
@@ -243,50 +205,33 @@ class Scheduler:
         if seq.needs_prompt_logprobs:
             return [], [], None
         cached_block_ids = self.block_manager.find_cached_prefix(seq)  # a waiting seq holds no blocks
-        host_block_ids = self._find_host_prefix(seq, len(cached_block_ids))
+        host_block_ids = self.host_tier.find_prefix(seq, len(cached_block_ids)) if self.host_tier else []
         # a finished sequence's partial block that continues the GPU hits (not after host hits)
         tail = None if host_block_ids else self.block_manager.find_cached_tail(seq, len(cached_block_ids))
         return cached_block_ids, host_block_ids, tail
 
-    # --- the host prefix cache
-    def _find_host_prefix(self, seq: Sequence, num_gpu_hits: int) -> list[int]:
-        """Host blocks that continue seq's GPU prefix hit (never the block holding the last prompt token)."""
-        if not self.host_prefix_cache:
-            return []
-        num_candidates = (seq.num_tokens - 1) // self.block_manager.block_size - num_gpu_hits
-        if num_candidates <= 0:
-            return []
-        return self.host_pool.find_cached_prefix(seq, num_gpu_hits, num_candidates)
-
+    # --- the host prefix cache (decided by the host tier; counted here)
     def _count_prefix_lookup(self, seq: Sequence, num_gpu_hits: int, num_tail_hits: int = 0):
         """Counted once per admission (a lookup whose allocation failed is repeated, not counted twice)."""
         block_size = self.block_manager.block_size
         self.stats.prefix_cache_hit_tokens += num_gpu_hits * block_size + num_tail_hits
-        if self.host_prefix_cache and not seq.needs_prompt_logprobs:  # no lookup was made
-            num_candidates = max(0, (seq.num_tokens - 1) // block_size - num_gpu_hits)
-            self.stats.host_prefix_query_tokens += num_candidates * block_size
+        if self.host_tier is not None and not seq.needs_prompt_logprobs:  # no lookup was made
+            self.stats.host_prefix_query_tokens += self.host_tier.num_prefix_candidates(seq, num_gpu_hits) * block_size
 
     def _onload(self, out: SchedulerOutput, seq: Sequence, cpu_block_ids: list[int]):
-        """Copy host hits into the GPU blocks just allocated for them; they count as computed from now on
-        (the runner makes the next forward wait for the copies)."""
-        first = seq.num_computed_tokens // self.block_manager.block_size
-        gpu_block_ids = seq.block_table[first:first + len(cpu_block_ids)]
-        out.swap_in.extend(zip(cpu_block_ids, gpu_block_ids))
+        """Host hits go to the GPU blocks just allocated for them; seq waits out of the batch until they land."""
+        out.swap_in.extend(self.host_tier.onload(seq, cpu_block_ids))
         self.kv_arriving[seq.seq_id] = seq
-        seq.num_computed_tokens += len(cpu_block_ids) * self.block_manager.block_size
         self.stats.host_prefix_hit_tokens += len(cpu_block_ids) * self.block_manager.block_size
         self.stats.blocks_onloaded += len(cpu_block_ids)
 
     def _offload(self, out: SchedulerOutput):
         """Copy newly evictable (write-back) or newly cached (write-through) GPU blocks to the host prefix cache."""
-        candidates = self.block_manager.take_offload_candidates()
-        if not self.host_prefix_cache:
-            return
-        for gpu_block_id, block_hash in candidates:
-            cpu_block_id = self.host_pool.store(block_hash)
-            if cpu_block_id is not None:
-                out.swap_out.append((gpu_block_id, cpu_block_id))
-                self.stats.blocks_offloaded += 1
+        candidates = self.block_manager.take_offload_candidates()  # drained with or without a host tier
+        if self.host_tier is not None:
+            copies = self.host_tier.offload(candidates)
+            out.swap_out.extend(copies)
+            self.stats.blocks_offloaded += len(copies)
 
     def _add_to_batch(self, out: SchedulerOutput, seq: Sequence, num_new: int):
         out.seqs.append(seq)
@@ -316,15 +261,10 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput, mode: str | None = None):
         """Swap seq out when the policy says so and the host pool has room; else recompute it later."""
         self.stats.preemptions += 1
-        if self.host_pool is not None and seq.num_computed_tokens and self._wants_swap(seq, mode):
-            copies = self.host_pool.swap_out(seq, self.block_manager.computed_block_ids(seq))
+        if self.host_tier is not None and self.host_tier.wants_swap(seq, mode):
+            in_flight = self._blocks_in_flight(seq)
+            copies = self.host_tier.swap_out(seq, self.block_manager, hand_out_last=in_flight)
             if copies is not None:
-                # copy first the blocks that are handed out first, so the next owner's forward waits for one
-                # block's copy rather than for the victim's whole KV; the blocks the step in flight writes are
-                # copied after it, so they are handed out last
-                in_flight = self._blocks_in_flight(seq)
-                rank = self.block_manager.reuse_rank(seq.block_table, in_flight)
-                copies.sort(key=lambda c: rank[c[0]])
                 self.block_manager.free(seq, hand_out_last=in_flight)
                 seq.status = SequenceStatus.SWAPPED
                 self.swapped.appendleft(seq)  # victims go newest first: the oldest resumes first, as with recompute
@@ -339,16 +279,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def _wants_swap(self, seq: Sequence, mode: str | None) -> bool:
-        if mode is not None:
-            return mode == "swap"
-        return self.policy is not None and self.policy.should_swap(seq)  # no policy: recompute
-
     def _blocks_in_flight(self, seq: Sequence) -> list[int]:
         """seq's blocks that the last scheduled step writes: with asynchronous scheduling its forward may still
         be running while the next step is scheduled."""
         last = self._last_out
-        if last is None or not self.hand_out_in_flight_last:
+        if last is None:
             return []
         for other, num_new in zip(last.seqs, last.num_new_tokens):
             if other is seq:
@@ -425,8 +360,8 @@ class Scheduler:
         elif seq.status == SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
         self.block_manager.free(seq, keep_tail=True)
-        if self.host_pool is not None:
-            self.host_pool.free(seq)
+        if self.host_tier is not None:
+            self.host_tier.free(seq)
         self.min_tokens_pending.discard(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

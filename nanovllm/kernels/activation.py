@@ -2,7 +2,7 @@
 
 torch.compile's kernel for the same op, compiled for dynamic token counts, indexes with a division and a modulo by
 I per element; in 16k-token prefill steps it moved 1.6 TB/s on an H200, 16% of the step's kernel time for
-Qwen3-0.6B (docs/benchmarks.md, run J). Here a program covers BLOCK columns of one row, so no element needs a
+Qwen3-0.6B (docs/benchmarks.md). Here a program covers BLOCK columns of one row, so no element needs a
 division. The math is fp32 and the result is rounded once, as in the compiled kernel.
 """
 import torch

@@ -7,8 +7,7 @@ q, k, v row from the qkv output once, writes the roped q, and writes k and v str
 
 Rounding follows the torch path step by step (normalize in fp32, round to the model dtype, multiply by the
 weight and round, rope in fp32, round); tests/test_rope_store_kernel.py compares the two.
-On by default with the Triton and flash backends (measured: docs/benchmarks.md); NANOVLLM_FUSED_ROPE_STORE=0
-turns it off.
+Used with the Triton and flash backends whenever head_dim / 2 is a power of two (measured: docs/benchmarks.md).
 """
 import torch
 import triton

@@ -3,7 +3,7 @@
 The torch path (`nanovllm.layers.sampler.gumbel_sample`) draws Gumbel noise for every vocabulary entry: at batch 128
 and a 152k vocabulary it writes and reads back a noise tensor as large as the logits (~170 us a step on an H200), and
 a Triton version of the same race that makes the noise in-kernel spent 79-108 us on Philox and two logarithms per
-entry (docs/benchmarks.md, runs N and O). Here each row needs one uniform number and each entry one exp2:
+entry (docs/benchmarks.md). Here each row needs one uniform number and each entry one exp2:
 
 * `_chunk_stats_kernel`, one program per (row, chunk of CHUNK entries): the chunk's largest scaled logit
   m = max(x * log2(e) / T) and s = sum(2^(x * log2(e) / T - m)), its largest raw logit and that logit's token id

@@ -35,13 +35,14 @@ All softmax math is fp32 in the log2 domain (``exp2`` with ``scale * log2(e)``).
 """
 
 import functools
-import os
 import dataclasses
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.utils.switches import SWITCHES
 
 _LOG2E = 1.4426950408889634
 
@@ -341,7 +342,7 @@ class KernelConfig:
 
 def _tile_from_env(name: str) -> "KernelConfig | None":
     """"block_m,block_n,num_warps,num_stages" from the environment variable `name` (side-by-side runs of bench.py)."""
-    value = os.environ.get(name, "")
+    value = getattr(SWITCHES, name.removeprefix("NANOVLLM_").lower())  # read once at import (utils/switches.py)
     if not value:
         return None
     parts = value.split(",")
@@ -359,7 +360,7 @@ def _prefill_config(dtype: torch.dtype, head_dim: int) -> KernelConfig:
         return KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if _PREFILL_TILE is not None:
         return _PREFILL_TILE
-    # H200 sweep, bf16 D=128, block size 64 (docs/benchmarks.md, session 15): (64, 64, 4, 3) against the old
+    # H200 sweep, bf16 D=128, block size 64 (docs/benchmarks.md): (64, 64, 4, 3) against the old
     # (128, 64, 4, 3) is 1.23x faster on a bench.py prefill step (28 prompts of U[100, 1024], 16,384 tokens, Qwen3-8B
     # heads), 1.30x with Qwen3-0.6B heads, 1.21x on 29 x 560 tokens and 1.33x on 8 chunks of 1,000 after 2,000
     # cached tokens; the best of 12 tiles on the last, within 7% of the best on the others
@@ -567,12 +568,12 @@ def _decode_split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_siz
 
 
 # the kv heads of a sequence side by side in the grid (=0 turns it off): with rows launched longest first, bench.py
-# 0.6B 1.056x (H200, docs/benchmarks.md run V); with per-row splits, split launches gain too (runs AB, AD)
-_DECODE_HEADS_FASTEST = os.environ.get("NANOVLLM_DECODE_HEADS_FASTEST", "1") != "0"
+# 0.6B 1.056x (H200, docs/benchmarks.md); with per-row splits, split launches gain too
+_DECODE_HEADS_FASTEST = SWITCHES.decode_heads_fastest
 _SPLIT_PLAN_BLOCK_N = 64  # split sizes are multiples of this (every default decode block_n divides it)
 # each row splits its own context (see _decode_split_plan; =0: the table width is cut): at 1-32 rows a decode step
-# 1.05-1.29x faster with max_model_len 40,960, bench_swap rtx4070 1.037x (H200, docs/benchmarks.md runs AB-AD)
-_DECODE_ROW_SPLITS = os.environ.get("NANOVLLM_DECODE_ROW_SPLITS", "1") != "0"
+# 1.05-1.29x faster with max_model_len 40,960, bench_swap rtx4070 1.037x (H200, docs/benchmarks.md)
+_DECODE_ROW_SPLITS = SWITCHES.decode_row_splits
 # the bf16/fp16 tile of unsplit decode launches (full batches) at block sizes below 128, "block_m,block_n,num_warps,
 # num_stages" (block_m is ignored: a GQA group is padded to 16 rows); side-by-side runs of bench.py
 _DECODE_TILE = _tile_from_env("NANOVLLM_DECODE_TILE")

@@ -13,7 +13,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up, for a packed [..., 2 * intermediate] input. With a Triton-capable backend the runner sets
-    `kernel` to nanovllm.kernels.activation.silu_and_mul (NANOVLLM_TRITON_SILU=0 keeps the compiled torch op)."""
+    `kernel` to nanovllm.kernels.activation.silu_and_mul (faster than the compiled torch op: docs/benchmarks.md)."""
 
     def __init__(self):
         super().__init__()

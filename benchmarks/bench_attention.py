@@ -1,7 +1,7 @@
 """Microbenchmark of the Triton paged-attention kernels.
 
-    python -m nanovllm.kernels.bench_attention [--sweep [decode] [prefill]] [--overlap] [--prefill]
-    python -m nanovllm.kernels.bench_attention --sustained [ROWS ...]
+    python benchmarks/bench_attention.py [--sweep [decode] [prefill]] [--overlap] [--prefill]
+    python benchmarks/bench_attention.py --sustained [ROWS ...]
 
 Prints, for decode at batch 256 / context 1024 (Qwen3-0.6B and Qwen3-8B head shapes, bf16,
 block_size 256): kernel time, GB/s of KV read, the device-to-device copy bandwidth measured in the
@@ -390,7 +390,7 @@ def bench_overlap(batch: int = 288, ctx: int = 1024, repeats: int = 20):
 def _held(fn, seconds: float, per: int) -> tuple[float, str]:
     """fn captured in a CUDA graph and replayed for `seconds`: (us per 1/`per` of a replay, board power and SM clock
     over the second half)."""
-    from nanovllm.kernels.bench_gemm import hold
+    from bench_gemm import hold  # the script beside this one
     fn()  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -421,7 +421,7 @@ def sustained_decode(batch: int = 1024, mean_ctx: int = 574, num_layers: int = 8
     as a decode step runs them, in several tiles and on a head-major view of the cache; a plain streaming read of
     the cache; and attention again on an all-zero cache.
 
-    Why: an 8B run is held at the 700 W limit (docs/benchmarks.md, sessions 15-16), and the limiter sets one SM clock
+    Why: an 8B run is held at the 700 W limit (docs/benchmarks.md), and the limiter sets one SM clock
     for a whole step. A tile that reads KV as fast but draws less power could leave the GEMMs beside it a higher
     clock: only the interleaved case shows that. The streaming read and the zero cache say how much of attention's
     power is the memory side's and the data's."""

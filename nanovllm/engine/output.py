@@ -1,0 +1,110 @@
+"""What a request shows: its text (detokenised, cut at a stop string) and the pieces a stream sends. The engine
+calls `TextOutput` after each read-back; the scheduler only sees token ids."""
+from collections.abc import Callable
+
+from nanovllm.core.sequence import Sequence
+
+
+class TextOutput:
+    """Turns sequences' token ids into text with the request's tokenizer (None: token ids only, no text)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._token_texts: dict[int, str] = {}  # token_text's memo
+
+    def token_text(self, token_id: int) -> str | None:
+        """One token's text (Logprob.decoded_token, as vLLM decodes it), decoded once per token id."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    @staticmethod
+    def text_token_ids(seq: Sequence) -> list[int]:
+        """The completion tokens whose text is shown: a stop token (stop_token_ids, EOS) stays in token_ids but its
+        text is left out, unless include_stop_str_in_output (vLLM's rule)."""
+        ids = seq.completion_token_ids
+        stopped_by_token = seq.finish_reason == "stop" and seq.output_text is None
+        return ids[:-1] if stopped_by_token and not seq.sampling_params.include_stop_str_in_output else ids
+
+    def output(self, seq: Sequence) -> dict:
+        text = seq.output_text if seq.output_text is not None else self.detokenize(self.text_token_ids(seq))
+        return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
+                "logprobs": seq.logprobs, "prompt_logprobs": seq.prompt_logprobs}
+
+    def apply_stop_strings(self, seqs: list[Sequence], finish: Callable[[Sequence, str], None]) -> list[Sequence]:
+        """Ends each sequence whose text now holds a stop string, its text cut before the first match (after it
+        with include_stop_str_in_output). Sequences that just finished by length or a stop token are checked too,
+        as vLLM does: their reason becomes "stop". `finish` ends a running one. Returns the running sequences it
+        finished."""
+        finished = []
+        for seq in seqs:
+            params = seq.sampling_params
+            if not params.stop or self.tokenizer is None or seq.num_completion_tokens <= params.min_tokens:
+                continue
+            text = self.detokenize(self.text_token_ids(seq))
+            match = self._first_stop(seq, text)
+            if match is None:
+                continue
+            cut, stop = match
+            seq.output_text = text[:cut + len(stop)] if params.include_stop_str_in_output else text[:cut]
+            if seq.is_finished:
+                seq.finish_reason = "stop"
+                continue
+            del seq.token_ids[len(seq.token_ids) - seq.num_unresolved_tokens:]  # drop tokens after the stop
+            seq.num_unresolved_tokens = 0
+            finish(seq, "stop")
+            finished.append(seq)
+        return finished
+
+    def _first_stop(self, seq: Sequence, text: str) -> tuple[int, str] | None:
+        """(index, stop string) of the earliest stop string in seq's text, or None. With min_tokens, a match must end
+        after the text of the first min_tokens tokens (as in vLLM)."""
+        params = seq.sampling_params
+        start = len(self.detokenize(seq.completion_token_ids[:params.min_tokens])) if params.min_tokens else 0
+        matches = [(i, stop) for stop in params.stop if (i := text.find(stop, max(start - len(stop) + 1, 0))) >= 0]
+        return min(matches, key=lambda match: match[0]) if matches else None
+
+    def stream_text(self, seq: Sequence) -> str:
+        """The text that is safe to send: all of it once finished; before that, without a trailing partial
+        character and without a tail that could still become a stop string."""
+        text = self.output(seq)["text"]
+        if seq.is_finished:
+            return text
+        text = text.rstrip("\ufffd")
+        holdback = max((len(s) - 1 for s in seq.sampling_params.stop), default=0)
+        return text[:max(len(text) - holdback, 0)]
+
+
+class StreamCursor:
+    """What a generate_stream call has sent of each of its requests, so each chunk carries only the new tokens and
+    text."""
+
+    def __init__(self, text_output: TextOutput, seq_ids: list[int]):
+        self.text_output = text_output
+        self.num_sent = {seq_id: 0 for seq_id in seq_ids}
+        self.text_sent = {seq_id: "" for seq_id in seq_ids}
+
+    def chunk(self, seq: Sequence, index: int) -> dict | None:
+        """{"index", "token_ids", "text", "finish_reason", "logprobs", "prompt_logprobs"} with what seq gained since
+        the last chunk; None when it gained nothing and has not finished. "logprobs" are the new tokens' (None
+        unless asked for); "prompt_logprobs" come whole in the first chunk, which comes after the whole prompt is
+        computed, and are None after it."""
+        num_sent = self.num_sent[seq.seq_id]
+        new_ids = seq.completion_token_ids[num_sent:]
+        if not new_ids and not seq.is_finished:
+            return None
+        text = self.text_output.stream_text(seq)
+        delta = text[len(self.text_sent[seq.seq_id]):]
+        self.num_sent[seq.seq_id] += len(new_ids)
+        self.text_sent[seq.seq_id] = text
+        return {"index": index, "token_ids": new_ids, "text": delta, "finish_reason": seq.finish_reason,
+                "logprobs": None if seq.logprobs is None else seq.logprobs[num_sent:num_sent + len(new_ids)],
+                "prompt_logprobs": seq.prompt_logprobs if num_sent == 0 else None}

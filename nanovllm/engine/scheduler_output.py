@@ -1,0 +1,50 @@
+"""What the scheduler hands the runner each step (ids and counts, no tensors) and the counters it keeps (plain
+Python; no torch)."""
+from dataclasses import dataclass, field, fields
+
+from nanovllm.core.sequence import Sequence
+
+
+@dataclass
+class SchedulerOutput:
+    """One step, as ids and counts. The runner turns it into tensors and copies."""
+    seqs: list[Sequence] = field(default_factory=list)  # sequences that compute tokens this step, in batch order
+    num_new_tokens: list[int] = field(default_factory=list)  # per seq: 1 for a decode, a chunk for a prefill
+    samples: list[bool] = field(default_factory=list)  # per seq: this step completes its input, so it samples
+    # (gpu_block_id, cpu_block_id): KV of swapped-out victims and of blocks stored in the host prefix cache;
+    # copied before any new owner writes the gpu block. Each cpu block at most once (the copies' order may change)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    # (cpu_block_id, gpu_block_id): KV of resumed sequences; they join the batch from the next step, so the copy
+    # overlaps this step's forward
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # gpu blocks handed out this step: of the blocks this step's forward and swap-ins write, the only ones a
+    # swap-out still in flight may be reading (the others were handed out in earlier steps, which waited for theirs)
+    new_gpu_block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.seqs or self.swap_out or self.swap_in)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.num_new_tokens)
+
+
+@dataclass
+class SchedulerStats:
+    prefill_tokens: int = 0  # tokens computed for prompts (and for recomputed outputs)
+    decode_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    preemptions: int = 0
+    preemptions_swap: int = 0
+    preemptions_recompute: int = 0
+    recomputed_tokens: int = 0  # tokens computed a second time because of a recompute preemption
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
+    host_prefix_query_tokens: int = 0  # prompt tokens looked up in the host prefix cache (past the GPU hits)
+    host_prefix_hit_tokens: int = 0
+    blocks_offloaded: int = 0  # cached GPU blocks copied to the host prefix cache
+    blocks_onloaded: int = 0  # host prefix-cache hits copied back to the GPU
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,78 @@
+"""The engine flags of `nanovllm generate` and `nanovllm serve`, built from the fields of `Config`: one flag per
+field (vLLM's names), with the field's type, default and choices, so a new option needs no second list here.
+
+A flag left out is not passed to `LLM`, so `Config` alone decides its default (and `engine_kwargs` tells which
+options the user set)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from nanovllm.config import OPTION_CHOICES, Config
+
+NOT_FLAGS = ("model", "hf_config", "architecture")  # --model has its own flag; the others are filled in by Config
+ALIASES = {"tensor_parallel_size": ("-tp",)}
+HELP = {
+    "device": "'auto': cuda when available, else cpu",
+    "dtype": "'auto': the checkpoint's dtype on cuda, float32 on cpu",
+    "load_format": "'dummy': random weights from config.json alone (benchmarks)",
+    "max_model_len": "default: the model's max_position_embeddings",
+    "kvcache_block_size": "tokens per KV block; default 64 (256 with flash-attn)",
+    "num_kvcache_blocks": "a cap on the GPU KV blocks",
+    "kv_cache_memory_bytes": "the KV budget; overrides --gpu-memory-utilization",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may fill (weights + activations + KV)",
+    "swap_space": "GiB of host memory for swapped-out KV blocks, per tensor-parallel rank",
+    "preemption_mode": "'auto' picks swap or recompute per victim from measured speeds",
+    "host_cache_policy": "the host pool as a second-level prefix cache ('off': for swapped requests only)",
+    "enable_prefix_caching": "reuse the KV of prompt prefixes seen before",
+    "enforce_eager": "no CUDA graphs, no torch.compile",
+    "max_cudagraph_capture_size": "decode steps of up to this many rows (and max-num-seqs) replay CUDA graphs",
+    "async_scheduling": "schedule step N+1 while step N runs (default: on at tensor_parallel_size 1)",
+    "max_num_batched_tokens": "token budget per step; longer prompts are prefilled in chunks",
+}
+
+
+def engine_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(Config) if f.init and f.name not in NOT_FLAGS]
+
+
+def _value_type(annotation) -> type:
+    """int for `int | None`, bool for `bool | None`, ...: the type a flag's value is parsed as."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
+
+
+def add_engine_args(parser: argparse.ArgumentParser):
+    group = parser.add_argument_group("engine options (vLLM's names; defaults from nanovllm.config.Config)")
+    group.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct, "
+                                                     "converted on first use)")
+    hints = typing.get_type_hints(Config)
+    for f in engine_fields():
+        flags = (f"--{f.name.replace('_', '-')}", *ALIASES.get(f.name, ()))
+        value_type = _value_type(hints[f.name])
+        help = HELP.get(f.name, "")
+        if f.default is not None and value_type is not bool:
+            help = f"{help} (default: {f.default})" if help else f"default: {f.default}"
+        kwargs = dict(dest=f.name, default=argparse.SUPPRESS, help=help or None)
+        if value_type is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+            if f.default is not None:
+                kwargs["help"] = f"{help} (default: {'on' if f.default else 'off'})"
+        else:
+            kwargs.update(type=value_type, choices=OPTION_CHOICES.get(f.name), metavar=_metavar(f.name, value_type))
+        group.add_argument(*flags, **kwargs)
+    # the spelling this CLI had before it took vLLM's --no-enable-prefix-caching
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine options the user set (the rest keep Config's defaults)."""
+    return {f.name: getattr(args, f.name) for f in engine_fields() if hasattr(args, f.name)}
+
+
+def _metavar(name: str, value_type: type) -> str | None:
+    if name in OPTION_CHOICES:
+        return None  # argparse shows the choices
+    return {int: "N", float: "X"}.get(value_type, "VALUE")

@@ -1,0 +1,107 @@
+"""ASGI middleware around the routes: the API key, the request body's size cap, and internal errors answered as a
+clean 500. Each answers with OpenAI's error body."""
+from __future__ import annotations
+
+import logging
+import secrets
+
+from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nanovllm.entrypoints.server.protocol import APIError
+
+logger = logging.getLogger("nanovllm.server")
+
+# Routes that answer without the API key: probes and scrapers
+OPEN_PATHS = ("/health", "/metrics")
+
+
+def error_response(error: APIError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error.body, status_code=error.status_code, headers=headers)
+
+
+class APIKeyCheck:
+    """Every route but OPEN_PATHS needs `Authorization: Bearer <api_key>` (the OpenAPI schema included). It answers
+    before the body is read, so an unauthorized request gets 401 whatever it carries."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.expected):
+                error = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                 type="authentication_error", code="invalid_api_key")
+                return await error_response(error)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised from `receive` once a body without a Content-Length passes the cap; FastAPI lets an HTTPException
+    raised while it reads the body through to the error handlers (any other exception would become a 400)."""
+
+    def __init__(self, max_bytes: int):
+        super().__init__(413, _too_large_message(max_bytes), headers={"Connection": "close"})
+
+
+def _too_large_message(max_bytes: int) -> str:
+    return f"the request body is larger than the server's cap of {max_bytes:,} bytes (--max-request-bytes)"
+
+
+class BodySizeLimit:
+    """A request body over `max_bytes` gets 413: at once when its Content-Length says so, else as soon as the bytes
+    read pass the cap, so a huge body is never buffered whole. The unread rest of the body leaves the connection
+    unusable, so the 413 says `Connection: close`. (Starlette ships such a middleware only in its newest versions.)"""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            error = APIError(413, _too_large_message(self.max_bytes), code="request_too_large")
+            return await error_response(error, headers={"Connection": "close"})(scope, receive, send)
+        num_bytes = 0
+
+        async def receive_capped():
+            nonlocal num_bytes
+            message = await receive()
+            num_bytes += len(message.get("body", b""))
+            if num_bytes > self.max_bytes:
+                raise BodyTooLarge(self.max_bytes)
+            return message
+        await self.app(scope, receive_capped, send)
+
+
+class InternalErrors:
+    """An exception no handler took (a bug) is logged with its traceback and answered with a 500, and the
+    connection stays usable. (Left to Starlette, the exception is raised again after the 500 is sent, and the
+    server drops the keep-alive connection without saying so: the client's next request on it fails.) Once a
+    response has started (a stream), the exception goes on up: the connection cannot be saved."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as e:
+            if started:
+                raise
+            logger.exception("internal error answering %s %s", scope.get("method"), scope.get("path"))
+            error = APIError(500, f"internal error: {e!r}", type="server_error")
+            await error_response(error)(scope, receive, send)

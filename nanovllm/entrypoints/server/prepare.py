@@ -1,0 +1,66 @@
+"""A request's prompt and options turned into what the engine loop adds: token ids and a SamplingParams.
+
+This runs in a worker thread of the request's handler, never on the engine loop's thread: tokenizing a long prompt
+or rendering a chat template takes time (seconds for megabytes), and on the loop thread it would stall every other
+stream. It only reads the engine's immutable parts (its config, the tokenizer, the size of the GPU cache); the
+engine's own checks run again when the loop adds the request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from nanovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanovllm.llm import LLM
+
+
+@dataclass
+class GenerateRequest:
+    """What a handler hands to the engine loop: a tokenized, checked request."""
+    token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+def prepare(llm: LLM, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
+            sampling: dict | None = None) -> GenerateRequest:
+    """Tokenize (or render the chat template for) one request and build its SamplingParams; exactly one of
+    `prompt` / `messages` is set. Raises ValueError naming the problem."""
+    token_ids = prompt_token_ids(llm, prompt, messages)
+    max_len = llm.config.max_model_len
+    if len(token_ids) > max_len:  # checked here so the loop thread never scans an overlong list
+        raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_len}; shorten it")
+    options = dict(sampling or {})
+    if options.get("max_tokens") is None:
+        options["max_tokens"] = room_left(llm, token_ids)
+    return GenerateRequest(token_ids, SamplingParams(**options))
+
+
+def prompt_token_ids(llm: LLM, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
+    if isinstance(prompt, list):
+        return prompt
+    tokenizer = llm.tokenizer
+    if tokenizer is None:
+        raise ValueError(f"model {llm.config.model!r} has no tokenizer files; send the prompt as token ids "
+                         f"to /v1/completions")
+    if messages is None:
+        return tokenizer.encode(prompt)
+    if not tokenizer.chat_template:
+        raise ValueError(f"model {llm.config.model!r} has no chat template; use /v1/completions")
+    from jinja2 import TemplateError
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError as e:  # templates raise on messages they refuse, e.g. roles out of order
+        raise ValueError(f"the chat template refused these messages: {e}") from None
+    return tokenizer.encode(text, add_special_tokens=False)  # the template already has its special tokens
+
+
+def room_left(llm: LLM, token_ids: list[int]) -> int:
+    """The default max_tokens: up to max_model_len, and no more than the whole GPU KV cache holds."""
+    config = llm.config
+    if len(token_ids) >= config.max_model_len:
+        raise ValueError(f"prompt has {len(token_ids)} tokens, max_model_len={config.max_model_len} leaves no "
+                         f"room for a completion; shorten it")
+    max_len = min(config.max_model_len, llm.num_gpu_blocks * config.kvcache_block_size)
+    return max(1, max_len - len(token_ids))  # max(1, ...): past the cache, add_request names the limit

@@ -1,0 +1,181 @@
+"""The request bodies of /v1/completions and /v1/chat/completions (pydantic models), and the error every route
+answers with (OpenAI's body).
+
+The models are strict: JSON's true, "8" and 8.0 are not integers and [true, false] is not a list of token ids, as
+the Python API refuses them too (a float field still takes an integer). Every string in a body must be encodable as
+UTF-8: JSON can carry a lone surrogate ("\\ud800") that no tokenizer can encode.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+# A stop string is matched against the tail of the text after every step: many or long ones slow every step of
+# every request in the batch, so a request may carry only a few short ones (OpenAI allows 4).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1000
+MAX_STOP_TOKEN_IDS = 1024
+
+StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_CHARS)]
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# OpenAI and vLLM options this server does not implement, each with a test for the values that change nothing: a
+# request that sets one to any other value gets a 400 instead of an answer without it.
+UNSUPPORTED_OPTIONS = {
+    "best_of": lambda v: v == 1,
+    "echo": lambda v: not v,
+    "logprobs": lambda v: v is False,  # chat: a bool; completions: an int, where 0 asks for the sampled tokens'
+    "top_logprobs": lambda v: v == 0,
+    "logit_bias": lambda v: v == {},
+    "suffix": lambda v: v == "",
+    "presence_penalty": lambda v: v == 0,
+    "frequency_penalty": lambda v: v == 0,
+    "repetition_penalty": lambda v: v == 1,
+    "tools": lambda v: v == [],
+    "functions": lambda v: v == [],
+    "response_format": lambda v: v == {"type": "text"},
+}
+
+
+def find_unencodable(value: Any, where: str = "") -> str | None:
+    """The path ("messages.0.content") of the first string in a parsed JSON value, keys included, that UTF-8
+    cannot encode (a lone surrogate), or None."""
+    if isinstance(value, str):
+        try:
+            value.isascii() or value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        key_text = str(key).encode("utf-8", "backslashreplace").decode()  # the path goes into the error message
+        path = f"{where}.{key_text}" if where else key_text
+        found = find_unencodable(item, path) or (find_unencodable(key, path) if isinstance(key, str) else None)
+        if found is not None:
+            return found
+    return None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions. None means the engine's default; top_k, min_p,
+    ignore_eos, stop_token_ids, min_tokens and include_stop_str_in_output are vLLM's extensions (send them in the openai
+    client's `extra_body`)."""
+    model_config = ConfigDict(strict=True, extra="allow")  # other OpenAI options are accepted and ignored, see `check`
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    seed: int | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8_only(cls, data: Any) -> Any:
+        where = find_unencodable(data)
+        if where is not None:
+            raise ValueError(f"{where} has a lone surrogate (a \\ud800-\\udfff escape that is not part of a pair); "
+                             f"send text that is valid UTF-8")
+        return data
+
+    def check(self, served_model_name: str):
+        if self.model != served_model_name:
+            raise APIError(404, f"model {self.model!r} is not served here; this server serves {served_model_name!r}",
+                           type="not_found_error", param="model", code="model_not_found")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if self.n != 1:
+            raise APIError(400, f"n={self.n}: only n=1 is supported", param="n")
+        for name, changes_nothing in UNSUPPORTED_OPTIONS.items():
+            value = (self.model_extra or {}).get(name)
+            if value is not None and not changes_nothing(value):
+                raise APIError(400, f"{name}={value!r} is not supported by this server", param=name)
+
+    def sampling(self, max_tokens: int | None) -> dict:
+        """SamplingParams options; max_tokens None: as many as fit (see prepare.room_left)."""
+        options = {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                   "top_k": self.top_k, "min_p": self.min_p, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
+                   "seed": self.seed, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
+                   "include_stop_str_in_output": self.include_stop_str_in_output}
+        return {k: v for k, v in options.items() if v is not None or k == "max_tokens"}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, f"{len(prompt)} prompts in one request: send one prompt per request",
+                               param="prompt")
+            prompt = prompt[0]
+        return prompt
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")  # name, tool_call_id, ...: passed to the chat template
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def as_template_message(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise APIError(400, "only text content parts are supported", param="messages")
+            content = "\n".join(part.text or "" for part in content)  # as vLLM joins text parts
+        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
+
+    def template_messages(self) -> list[dict]:
+        if not self.messages:
+            raise APIError(400, "messages is empty: a chat needs at least one message", param="messages")
+        return [m.as_template_message() for m in self.messages]

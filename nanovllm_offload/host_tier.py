@@ -1,0 +1,146 @@
+"""The host tier as the engine sees it: one object that the scheduler holds (or None without a tier). It decides
+what happens to a victim (swap or recompute), keeps the host block bookkeeping of swap-outs, swap-ins and the host
+prefix cache, and feeds the policy what the engine measured. It returns copies as (src, dst) block-id pairs; the
+scheduler puts them in its SchedulerOutput and the runner's copy engine moves the bytes (plain Python; no torch)."""
+from typing import TYPE_CHECKING
+
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.sequence import Sequence
+from nanovllm_offload.host_block_pool import HostBlockPool
+from nanovllm_offload.host_memory import check_host_memory, num_host_blocks
+from nanovllm_offload.policy import PreemptionPolicy
+
+if TYPE_CHECKING:
+    from nanovllm.config import Config
+
+
+def num_host_blocks_for(config: "Config", block_bytes: int) -> int | None:
+    """The host pool's size in blocks, or None when the config asks for no host tier. Without the prefix-cache role,
+    swapped sequences never hold more than max_num_seqs full-length tables (nothing is admitted while anything is
+    swapped), so more host blocks than that would sit idle."""
+    if config.swap_space <= 0 or (config.preemption_mode == "recompute" and not config.host_prefix_cache):
+        return None
+    num_blocks = num_host_blocks(config.swap_space, block_bytes)
+    if not config.host_prefix_cache:
+        blocks_per_seq = (config.max_model_len + config.kvcache_block_size - 1) // config.kvcache_block_size
+        num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_seq)
+    return num_blocks
+
+
+class HostTier:
+    """The host pool (`pool`), the swap-or-recompute policy (`policy`) and the host prefix cache's switch.
+
+    NOTE: a SWAPPED sequence's computed KV is in the host blocks of its cpu_block_table and nowhere else; the tier
+          releases them once the swap-in copies are issued (the copy engine orders later writes after them).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, policy: PreemptionPolicy | None, prefix_cache: bool):
+        self.pool = HostBlockPool(num_blocks)
+        self.block_size = block_size
+        self.policy = policy  # None: every victim is recomputed unless the caller names a mode
+        self.prefix_cache = prefix_cache  # the pool is also a second-level prefix cache
+        self._last_copy_totals = (0.0, 0.0)  # the copy engine's (exposed, copy) seconds at the last observation
+
+    @classmethod
+    def from_config(cls, config: "Config", block_bytes: int, pinned: bool) -> "HostTier | None":
+        """The tier `config` asks for, after checking that every rank's pool fits in host memory (ValueError
+        naming swap_space when not); None without one. The caller allocates the host tensors of `num_blocks`."""
+        num_blocks = num_host_blocks_for(config, block_bytes)
+        if num_blocks is None:
+            return None
+        check_host_memory(num_blocks * block_bytes, config.tensor_parallel_size, config.swap_space, pinned)
+        return cls(num_blocks, config.kvcache_block_size, PreemptionPolicy(config.preemption_mode, block_bytes),
+                   config.host_prefix_cache)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    # --- victims: swap out, swap in
+    def wants_swap(self, seq: Sequence, mode: str | None) -> bool:
+        """`mode` ("swap" / "recompute") overrides the policy; without either, recompute."""
+        if not seq.num_computed_tokens:
+            return False
+        if mode is not None:
+            return mode == "swap"
+        return self.policy is not None and self.policy.should_swap(seq)
+
+    def swap_out(self, seq: Sequence, gpu_blocks: BlockManager,
+                 hand_out_last: list[int]) -> list[tuple[int, int]] | None:
+        """Host blocks for seq's computed GPU blocks: the (gpu_block_id, cpu_block_id) copies to make, or None when
+        the pool is short (all or nothing). The copies come in the order the GPU blocks will be handed out again, so
+        the next owner's forward waits for one block's copy rather than for the victim's whole KV; the blocks in
+        `hand_out_last` (written by the step in flight) are copied, and handed out, last."""
+        copies = self.pool.swap_out(seq, gpu_blocks.computed_block_ids(seq))
+        if copies is None:
+            return None
+        rank = gpu_blocks.reuse_rank(seq.block_table, hand_out_last)
+        copies.sort(key=lambda c: rank[c[0]])
+        return copies
+
+    def swap_in(self, seq: Sequence, gpu_blocks: BlockManager,
+                num_reserved_blocks: int) -> list[tuple[int, int]] | None:
+        """GPU blocks for a SWAPPED seq: the (cpu_block_id, gpu_block_id) copies to make (blocks still cached on the
+        GPU need none), or None when the GPU is short. Its host blocks are released: once the copies are issued,
+        nothing reads them (cached ones stay findable)."""
+        copies = gpu_blocks.allocate_for_swap_in(seq, num_reserved_blocks)
+        if copies is not None:
+            self.pool.free(seq)
+        return copies
+
+    def free(self, seq: Sequence):
+        """Release seq's host blocks (it finished or was aborted)."""
+        self.pool.free(seq)
+
+    # --- the host prefix cache: lookup, onload, offload
+    def num_prefix_candidates(self, seq: Sequence, num_gpu_hits: int) -> int:
+        """Full blocks past seq's GPU hits that the host could hold (never the block of the last prompt token)."""
+        if not self.prefix_cache:
+            return 0
+        return max(0, (seq.num_tokens - 1) // self.block_size - num_gpu_hits)
+
+    def find_prefix(self, seq: Sequence, num_gpu_hits: int) -> list[int]:
+        """Host blocks that continue seq's GPU prefix hit."""
+        num_candidates = self.num_prefix_candidates(seq, num_gpu_hits)
+        if not num_candidates:
+            return []
+        return self.pool.find_cached_prefix(seq, num_gpu_hits, num_candidates)
+
+    def onload(self, seq: Sequence, cpu_block_ids: list[int]) -> list[tuple[int, int]]:
+        """(cpu_block_id, gpu_block_id) copies of host hits into the GPU blocks just allocated for them; the hits count
+        as computed from now on (the runner makes the next forward that reads them wait for the copies)."""
+        first = seq.num_computed_tokens // self.block_size
+        gpu_block_ids = seq.block_table[first:first + len(cpu_block_ids)]
+        seq.num_computed_tokens += len(cpu_block_ids) * self.block_size
+        return list(zip(cpu_block_ids, gpu_block_ids))
+
+    def offload(self, candidates: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """(gpu_block_id, cpu_block_id) copies of cached GPU blocks (gpu_block_id, block_hash) that the host prefix
+        cache does not hold yet; blocks the pool has no room for are skipped."""
+        if not self.prefix_cache:
+            return []
+        copies = []
+        for gpu_block_id, block_hash in candidates:
+            cpu_block_id = self.pool.store(block_hash)
+            if cpu_block_id is not None:
+                copies.append((gpu_block_id, cpu_block_id))
+        return copies
+
+    def reset_cache(self) -> bool:
+        return self.pool.reset_cache()
+
+    # --- what the engine measured, for the policy
+    def observe_prefill(self, num_tokens: int, seconds: float):
+        if self.policy is not None:
+            self.policy.observe_prefill(num_tokens, seconds)
+
+    def observe_copies(self, copies: list[tuple[int, float]], copy_seconds: float, exposed_seconds: float):
+        """copies: (bytes, seconds) timed since the last call; the totals: the copy engine's running sums."""
+        if self.policy is None:
+            return
+        for num_bytes, seconds in copies:
+            self.policy.observe_copy(num_bytes, seconds)
+        if copies:
+            last_exposed, last_copy = self._last_copy_totals
+            self.policy.observe_exposure(exposed_seconds - last_exposed, copy_seconds - last_copy)
+            self._last_copy_totals = (exposed_seconds, copy_seconds)
