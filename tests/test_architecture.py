@@ -29,8 +29,8 @@ LAYERS = [
 ]
 # the unit whose cycles count as package cycles: a subpackage, or a top-level module
 UNIT_DEPTH = {"nanovllm": 2, "nanovllm_offload": 1}
-TORCH_FREE = ["nanovllm.core.*", "nanovllm.sampling_params", "nanovllm.logprobs", "nanovllm.config", "nanovllm.engine.scheduler",
-              "nanovllm.engine.step_plan", "nanovllm.engine.output", "nanovllm_offload.host_block_pool",
+TORCH_FREE = ["nanovllm.core.*", "nanovllm.sampling_params", "nanovllm.logprobs", "nanovllm.config",
+              "nanovllm.engine.scheduler", "nanovllm.engine.step_plan", "nanovllm.engine.output", "nanovllm_offload.host_block_pool",
               "nanovllm_offload.policy", "nanovllm_offload.host_memory", "nanovllm_offload.host_tier"]
 
 
