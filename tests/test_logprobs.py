@@ -2,6 +2,7 @@
 HF transformers computes it for the same tokens, through chunked prefill, the prefix cache, preemption, the
 decode-graph buffers, tensor parallelism and streaming; bad values are ValueErrors."""
 import math
+import re
 
 import pytest
 import torch
@@ -244,7 +245,7 @@ def test_tensor_parallel_logprobs(qwen3_dir, tiny_reference):
 # --- OpenAI's formats (the server's)
 
 def test_openai_formats_of_an_entry():
-    from nanovllm.entrypoints.openai_logprobs import chat_logprobs, completion_logprobs
+    from nanovllm.entrypoints.server.openai_logprobs import chat_logprobs, completion_logprobs
     outside = {7: Logprob(-3.0, 4, "c"), 5: Logprob(-0.5, 1, "a"), 6: Logprob(-1.5, 2, "bb")}  # chosen: rank 4
     inside = {6: Logprob(-1.5, 2, "bb"), 5: Logprob(-0.5, 1, "a")}  # chosen among the top 2
     infinite = {9: Logprob(float("-inf"), 50, None)}  # no tokenizer, k = 0
@@ -258,3 +259,92 @@ def test_openai_formats_of_an_entry():
     assert [[t["token"] for t in c["top_logprobs"]] for c in chat] == [["a", "bb"], ["a", "bb"]]
     assert chat_logprobs([infinite], num_top=0)["content"] == [
         {"token": "token_id:9", "logprob": -9999.0, "bytes": list(b"token_id:9"), "top_logprobs": []}]
+
+
+# --- the server: OpenAI's client parses both formats, streamed or not (this module's last tests: the server's
+# engine loop takes smollm2_llm over until the module ends)
+
+SERVED = "smollm2"
+
+
+@pytest.fixture(scope="module")
+def smollm2_llm_offline_logprobs(smollm2_llm):
+    """The offline engine's greedy logprobs for PROMPT, taken before the server owns the engine."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    return smollm2_llm.generate([PROMPT], params, use_tqdm=False)[0]["logprobs"]
+
+
+@pytest.fixture(scope="module")
+def openai_client(smollm2_llm, smollm2_llm_offline_logprobs):
+    openai = pytest.importorskip("openai")
+    uvicorn = pytest.importorskip("uvicorn")
+    import threading
+    import time
+
+    from nanovllm.entrypoints.server import build_app
+    server = uvicorn.Server(uvicorn.Config(build_app(smollm2_llm, SERVED), host="127.0.0.1", port=0,
+                                          log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120) as c:
+            yield c
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+GREEDY_BODY = dict(model=SERVED, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+
+
+def test_server_completions_logprobs(openai_client, smollm2_llm_offline_logprobs):
+    offline = smollm2_llm_offline_logprobs
+    out = openai_client.completions.create(prompt=PROMPT, logprobs=2, **GREEDY_BODY).choices[0]
+    lp = out.logprobs
+    chosen = [next(iter(entry.values())) for entry in offline]
+    assert lp.tokens == [c.decoded_token for c in chosen] and "".join(lp.tokens) == out.text
+    assert lp.token_logprobs == pytest.approx([c.logprob for c in chosen], abs=TOLERANCE)
+    assert [len(top) for top in lp.top_logprobs] == [len(entry) for entry in offline]  # chosen + top 2, merged
+    assert all(top[token] == value for top, token, value in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs))
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    chunks = list(openai_client.completions.create(prompt=PROMPT, logprobs=2, stream=True, **GREEDY_BODY))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.token_logprobs for s in streamed), []) == pytest.approx(lp.token_logprobs, abs=TOLERANCE)
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset  # offsets run on across chunks
+    plain = openai_client.completions.create(prompt=PROMPT, **GREEDY_BODY).choices[0]
+    assert plain.logprobs is None and plain.text == out.text
+
+
+def test_server_chat_logprobs(openai_client):
+    messages = [{"role": "user", "content": "Name a color."}]
+    body = dict(GREEDY_BODY, messages=messages, logprobs=True, top_logprobs=3)
+    out = openai_client.chat.completions.create(**body).choices[0]
+    content = out.logprobs.content
+    assert len(content) == 6 and "".join(t.token for t in content).startswith(out.message.content)
+    for token in content:
+        assert token.bytes == list(token.token.encode()) and len(token.top_logprobs) == 3
+        assert token.top_logprobs[0].token == token.token  # greedy: the chosen token is the most likely
+        values = [t.logprob for t in token.top_logprobs]
+        assert values == sorted(values, reverse=True) and token.logprob == values[0]
+    chunks = list(openai_client.chat.completions.create(stream=True, **body))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=TOLERANCE)
+    only_chosen = openai_client.chat.completions.create(**dict(body, top_logprobs=None)).choices[0].logprobs
+    assert [t.top_logprobs for t in only_chosen.content] == [[]] * 6
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs=21 must be in [0, 20]"),
+    (dict(top_logprobs=2), "top_logprobs=2 needs logprobs=true"),
+])
+def test_server_bad_chat_logprobs_get_400(openai_client, options, message):
+    import openai
+    with pytest.raises(openai.BadRequestError, match=re.escape(message)):
+        openai_client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **GREEDY_BODY, **options)
+    assert openai_client.completions.create(prompt="Hi", **GREEDY_BODY).choices[0].text  # still serving
