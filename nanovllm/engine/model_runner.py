@@ -259,7 +259,9 @@ class ModelRunner:
             prompt_logprobs = _cat_rows(sample_logprobs, prompt_logprobs)
         return SampledTokens(self._last_sampled, prompt_logprobs)
 
-    PROMPT_LOGPROB_ROWS = 512  # rows per full-vocabulary logits slice: bounds the memory of a long prompt chunk
+    # rows per full-vocabulary slice of prompt logits: a long prompt chunk's float32 log-softmax stays within the
+    # size of what the profiling run sized (max_num_seqs rows of logits; 256 x a 152k vocabulary is 156 MB)
+    PROMPT_LOGPROB_ROWS = 256
 
     def _prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> tuple[torch.Tensor, ...] | None:
         """chosen_and_top of the prompt rows (rank 0; every rank computes their logits, a collective at TP > 1)."""
