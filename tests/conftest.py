@@ -62,23 +62,25 @@ _COMMON = dict(
 )
 
 
-def _build_tiny(kind: str, path: str) -> str:
+def _build_tiny(kind: str, path: str, init_range: float = INIT_RANGE) -> str:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = {**_COMMON, "initializer_range": init_range}
 
     if kind == "qwen3":
         # head_dim set explicitly and != hidden/heads (64/4=16): q_proj is 64 -> 128
-        config = Qwen3Config(**_COMMON, head_dim=32, rope_theta=1e5, tie_word_embeddings=True)
+        config = Qwen3Config(**common, head_dim=32, rope_theta=1e5, tie_word_embeddings=True)
         shard = None
     elif kind == "qwen2":
-        config = Qwen2Config(**_COMMON, rope_theta=5e4, tie_word_embeddings=True)
+        config = Qwen2Config(**common, rope_theta=5e4, tie_word_embeddings=True)
         shard = None
     elif kind == "llama":
         # untied lm_head, and written as 2 shards with an index file
-        config = LlamaConfig(**_COMMON, rope_theta=2e5, tie_word_embeddings=False)
+        config = LlamaConfig(**common, rope_theta=2e5, tie_word_embeddings=False)
         shard = "300KB"
     elif kind == "llama_bias":
         # a bias on every projection, o_proj and down_proj included (added inside their GEMM with the residual)
-        config = LlamaConfig(**_COMMON, rope_theta=2e5, attention_bias=True, mlp_bias=True)
+        config = LlamaConfig(**common, rope_theta=2e5, attention_bias=True, mlp_bias=True)
         shard = None
     else:
         raise ValueError(kind)
@@ -87,7 +89,7 @@ def _build_tiny(kind: str, path: str) -> str:
     with torch.no_grad():  # transformers initialises biases to zero, which would hide a bias that is dropped
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
-                param.normal_(0.0, INIT_RANGE)
+                param.normal_(0.0, init_range)
     kwargs = {"safe_serialization": True}
     if shard:
         kwargs["max_shard_size"] = shard

@@ -1,7 +1,12 @@
 """FP8 KV's accuracy, measured as the perplexity of held-out English text through prompt_logprobs: Python's own
 pydoc help texts (`pydoc_data.topics`, on every machine), 20,000+ tokens on SmolLM2 in float32 compute, and the
 same text's token ids on each tiny test family. fp8_e4m3 must stay within 1% of auto KV; e5m2 (two mantissa bits)
-is reported, not bounded (docs/benchmarks.md gives both)."""
+is reported, not bounded (docs/benchmarks.md gives both).
+
+The tiny families here are random checkpoints at initializer_range 0.2, not the 0.5 of the parity tests' models:
+at 0.5 their next-token distributions are degenerate (perplexity ~500,000 over a 512-token vocabulary, confidently
+wrong everywhere), and a perplexity ratio there measures noise: the coarser e5m2 came out 2% *better* than auto on
+the Llama one. At 0.2 the perplexity is ~1,800, peaked but not degenerate."""
 import math
 
 import pytest
@@ -48,11 +53,14 @@ def test_fp8_e4m3_perplexity_within_1_percent_on_smollm2(smollm2_dir, smollm2_te
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
-def test_fp8_e4m3_perplexity_within_1_percent_on_the_tiny_families(tiny_dirs, smollm2_text_ids, family):
+def test_fp8_e4m3_perplexity_within_1_percent_on_the_tiny_families(tmp_path, smollm2_text_ids, family):
     """The tiny random models' vocabulary is 512 tokens: the same text's ids folded into it, 8,192 of them."""
+    from conftest import _build_tiny
+    model_dir = _build_tiny(family, str(tmp_path / family), init_range=0.2)
     ids = [t % VOCAB for t in smollm2_text_ids[:8192]]
     kwargs = tiny_llm_kwargs(max_model_len=CHUNK, max_num_batched_tokens=4096, num_kvcache_blocks=None,
                              kv_cache_memory_bytes=64 << 20, kvcache_block_size=16)
-    auto = perplexity(tiny_dirs[family], ids, **kwargs)
-    fp8 = perplexity(tiny_dirs[family], ids, kv_cache_dtype="fp8_e4m3", **kwargs)
+    auto = perplexity(model_dir, ids, **kwargs)
+    fp8 = perplexity(model_dir, ids, kv_cache_dtype="fp8_e4m3", **kwargs)
+    assert 600 < auto < 5000, auto  # peaked, not degenerate (see the module's docstring)
     assert abs(fp8 / auto - 1) < 0.01, (family, auto, fp8)
