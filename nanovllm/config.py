@@ -64,6 +64,10 @@ class Config:
     num_kvcache_blocks: int | None = None  # explicit cap on GPU blocks
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; overrides gpu_memory_utilization
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may fill (weights + activations + KV)
+    # GiB: run as if the GPU had this much memory ("the 8 GB card" on a larger one). PyTorch's allocator is capped
+    # so that torch's memory plus what CUDA itself holds stays inside it (a plan that does not fit fails with an
+    # out-of-memory error, as on that card), and the KV is sized against min(GPU memory, this). None: the whole GPU
+    gpu_memory_budget_gib: float | None = None
     enable_prefix_caching: bool = True
     # "auto": the model dtype. "fp8"/"fp8_e4m3"/"fp8_e5m2": 8-bit values with one scale per token and kv head inside
     # the block (nanovllm/layers/kv_layout.py), about half the bytes per block on the GPU, over PCIe and on the host
@@ -106,6 +110,10 @@ class Config:
                 raise ValueError(f"{name}={value!r} must be True or False")
         if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool):
             raise ValueError(f"seed={self.seed!r} must be an int")
+        budget = self.gpu_memory_budget_gib
+        if budget is not None and (not isinstance(budget, numbers.Real) or isinstance(budget, bool)
+                                   or not math.isfinite(budget) or budget <= 0):
+            raise ValueError(f"gpu_memory_budget_gib={budget!r} must be a number of GiB > 0 (or None: the whole GPU)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.async_scheduling is None:
