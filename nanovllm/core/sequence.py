@@ -2,6 +2,7 @@
 from enum import Enum, auto
 from itertools import count
 
+from nanovllm.core.request_metrics import RequestMetrics
 from nanovllm.sampling_params import SamplingParams
 
 PLACEHOLDER_TOKEN = -1  # a sampled token that the host has not read back yet (asynchronous scheduling)
@@ -46,6 +47,7 @@ class Sequence:
         self.sample_row = -1
         self.finish_reason: str | None = None
         self.output_text: str | None = None  # set when a stop string cut the text
+        self.metrics = RequestMetrics()  # arrival now; the scheduler marks the rest
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,5 +1,6 @@
 """The scheduler: decides what each step computes, preempts, swaps. It owns the queues and nothing else
 (plain Python; no torch)."""
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -153,6 +154,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._count_prefix_lookup(seq, len(cached_block_ids), tail[1] if tail else 0)
+            seq.metrics.mark_scheduled(time.perf_counter())
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if host_block_ids:
@@ -318,11 +320,13 @@ class Scheduler:
         """Fill in the tokens of a finished step (rows from `advance`) and finish sequences on EOS, stop tokens or
         length. Returns (sequences that got a token and go on, sequences that finished)."""
         updated, finished = [], []
+        now = time.perf_counter()  # one clock read per step: every token of it arrives now
         for row, token_id in zip(rows, token_ids):
             if row is None or row[0].is_finished:
                 continue
             seq, index = row
             seq.token_ids[index] = token_id
+            seq.metrics.mark_token(now)
             seq.num_unresolved_tokens -= 1
             reason = self._finish_reason(seq, token_id, index + 1)
             if reason:
@@ -357,6 +361,7 @@ class Scheduler:
         self.min_tokens_pending.discard(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.metrics.mark_finished(time.perf_counter())
 
 
 def _last_copy_per_host_block(copies: list[tuple[int, int]]) -> list[tuple[int, int]]:
