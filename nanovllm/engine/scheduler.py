@@ -48,8 +48,12 @@ class Scheduler:
         same ones without a model)."""
         block_manager = BlockManager(num_gpu_blocks, config.kvcache_block_size, config.enable_prefix_caching,
                                      write_through=config.host_cache_policy == "write_through")
-        return cls(block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-                   eos_token_ids, host_tier)
+        scheduler = cls(block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
+                        eos_token_ids, host_tier)
+        can_swap = host_tier is not None and config.preemption_mode != "recompute"
+        if config.admission_watermark == "without_swap" and can_swap:
+            scheduler.num_watermark_blocks = 0  # admit as vLLM does: a preemption costs copies, not recompute
+        return scheduler
 
     @property
     def host_pool(self) -> HostBlockPool | None:
