@@ -60,3 +60,20 @@ def test_token_gaps_and_summary():
     assert RequestMetrics(0.0).as_dict()["max_token_gap"] == 0.0
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile(list(range(1, 101)), 99) == 99
     assert latency_summary([d]) == {"ttft_p50": 1.0, "ttft_p99": 1.0, "itl_p50": 0.25, "itl_p99": 0.75}
+
+
+def test_server_histograms_in_prometheus_format():
+    from prometheus_client.parser import text_string_to_metric_families
+    from nanovllm.entrypoints.server.metrics import METRICS, LatencyHistograms, format_metrics
+    hist = LatencyHistograms()
+    hist.observe({"ttft": 0.3, "inter_token_latencies": [0.01, 0.02, 0.5]})
+    hist.observe({"ttft": None, "inter_token_latencies": []})  # aborted before its first token
+    text = format_metrics({**{name: 0 for name, _, _ in METRICS}, **hist.snapshot()}).decode()
+    samples = {(s.name, s.labels.get("le")): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["nanovllm_time_to_first_token_seconds_bucket", "0.25"] == 0
+    assert samples["nanovllm_time_to_first_token_seconds_bucket", "0.5"] == 1
+    assert samples["nanovllm_time_to_first_token_seconds_count", None] == 1
+    assert samples["nanovllm_inter_token_latency_seconds_bucket", "0.01"] == 1  # le: on the bound counts
+    assert samples["nanovllm_inter_token_latency_seconds_bucket", "0.025"] == 2
+    assert samples["nanovllm_inter_token_latency_seconds_bucket", "+Inf"] == 3
+    assert abs(samples["nanovllm_inter_token_latency_seconds_sum", None] - 0.53) < 1e-9
