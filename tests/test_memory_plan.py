@@ -31,3 +31,20 @@ def test_log_line_names_every_term():
     for word in ("weights 3.00", "activation peak 1.00", "graph pools 0.00", "other (non-torch) 0.50", "KV 2.69",
                  "(43 blocks)", "left free 0.81"):
         assert word in line, (word, line)
+
+
+def test_engine_sizing_uses_the_measured_terms_once():
+    import torch
+    from nanovllm.config import Config
+    from nanovllm.engine.kv_cache import num_blocks_for_budget
+    from nanovllm.utils.presets import preset_dir
+    config = Config(preset_dir("qwen3-1.7b"), device="cpu", max_model_len=4096, max_num_seqs=256,
+                    gpu_memory_budget_gib=8)
+    measured = dict(card_bytes=8 * GiB, weights_bytes=int(3.2 * GiB), activation_peak_bytes=GiB // 2,
+                    graph_pool_bytes=GiB // 4, non_torch_bytes=GiB // 2)
+    block_bytes = 7 * MiB  # Qwen3-1.7B, 64 tokens, bf16
+    num_blocks, b = num_blocks_for_budget(config, block_bytes, torch.device("cuda"), lambda: measured, 1)
+    assert num_blocks == (int(8 * GiB * 0.9) - int(4.45 * GiB)) // (7 * MiB) == 402 and b["num_blocks"] == 402
+    config.num_kvcache_blocks = 100  # an explicit cap: the breakdown shows the memory it leaves free
+    num_blocks, b = num_blocks_for_budget(config, block_bytes, torch.device("cuda"), lambda: measured, 1)
+    assert num_blocks == 100 and b["kv"] == 700 * MiB and b["left_free"] == 8 * GiB - int(4.45 * GiB) - 700 * MiB

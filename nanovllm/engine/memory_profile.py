@@ -60,6 +60,7 @@ def profile_memory(runner) -> dict:
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     weights_bytes = torch.cuda.memory_allocated(device)
+    runner._warmup_sampler()  # small batches first: torch.compile specializes on the first size it sees
     seq_len = min(config.max_num_batched_tokens, config.max_model_len)
     num_tokens = seq_len * min(config.max_num_batched_tokens // seq_len, config.max_num_seqs)
     activation_peak = _peak_bytes(runner, num_tokens, seq_len, config.max_num_seqs, sample=True)
