@@ -96,7 +96,7 @@ def run_laptop(scenario: str, mode: str, num_seqs: int, args) -> dict:
     options = dict(load_format="dummy", enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
                    tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
                    kvcache_block_size=args.kvcache_block_size, **laptop_options(scenario, mode, args))
-    llm = LLM(preset_dir(LAPTOP_SCENARIOS[scenario]["shape"]), **options)
+    llm = LLM(preset_dir(args.shape or LAPTOP_SCENARIOS[scenario]["shape"]), **options)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     base, start = llm.stats(), time.perf_counter()
     if scenario == "laptop-agent":

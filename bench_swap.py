@@ -155,7 +155,7 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
     from nanovllm.utils.presets import preset_dir
     from nanovllm_offload.host_tier import HostTier, num_host_blocks_for
     from nanovllm_offload.policy import PreemptionPolicy
-    config = Config(preset_dir(SCENARIOS[scenario]["shape"]), **engine_options(scenario, mode, args))
+    config = Config(preset_dir(args.shape or SCENARIOS[scenario]["shape"]), **engine_options(scenario, mode, args))
     hf, block_size = config.hf_config, config.kvcache_block_size
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     num_kv_heads = hf.num_key_value_heads // config.tensor_parallel_size  # one rank's, as its budget is
@@ -293,6 +293,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "numbers were measured (the engine's own default is nano-vllm's 512); laptop: 256")
     parser.add_argument("--gpu-memory-gib", type=float, default=None,
                         help="run as if the GPU had this many GiB (gpu_memory_budget_gib; laptop scenarios: 8)")
+    parser.add_argument("--shape", default=None, help="laptop scenarios: another preset (default: qwen3-1.7b)")
     parser.add_argument("--kv-gib", type=float, default=None,
                         help="laptop scenarios: cap the KV at this many GiB instead of sizing it from the budget "
                              "(with --simulate: instead of the assumed terms in bench_laptop.py)")

@@ -64,6 +64,10 @@ def profile_memory(runner) -> dict:
     seq_len = min(config.max_num_batched_tokens, config.max_model_len)
     num_tokens = seq_len * min(config.max_num_batched_tokens // seq_len, config.max_num_seqs)
     activation_peak = _peak_bytes(runner, num_tokens, seq_len, config.max_num_seqs, sample=True)
+    # the rule this replaced, on the same run, for the record: it took the peak off a `total - free` that already
+    # held the allocator's cached activations (and ignored the budget and the graph pools)
+    free, total = torch.cuda.mem_get_info(device)
+    old_rule_kv_bytes = int(total * config.gpu_memory_utilization - (total - free) - activation_peak)
     graph_pools = 0
     if uses_cuda_graphs(runner):
         decode_rows = min(config.max_num_seqs, config.max_cudagraph_capture_size)
@@ -75,7 +79,7 @@ def profile_memory(runner) -> dict:
     apply_budget(config, device)
     return dict(card_bytes=card_bytes(config, device), weights_bytes=weights_bytes,
                 activation_peak_bytes=activation_peak, graph_pool_bytes=graph_pools,
-                non_torch_bytes=non_torch_bytes(device))
+                non_torch_bytes=non_torch_bytes(device), old_rule_kv_bytes=old_rule_kv_bytes)
 
 
 def _peak_bytes(runner, num_tokens: int, seq_len: int, num_rows: int, sample: bool) -> int:
