@@ -6,8 +6,9 @@ ignore_eos; modes recompute, swap, auto (and *_no_watermark: admission_watermark
 "laptop-agent": 4 agent sessions x 8 turns after a 2,048-token shared system prompt; each turn appends a tool output
 of 500-3,000 tokens and generates 200-800 (random.Random(3)); modes no_host_tier and host_tier (16 GiB host pool).
 
-Steps are at most 2,048 tokens (max_num_batched_tokens) and at most 256 sequences run at once (max_num_seqs): on an
-8 GiB card a 16,384-token profiling step and a 1,024-row sampler would take much of what the KV could have.
+Steps are at most 2,048 tokens (max_num_batched_tokens) and at most 256 sequences (reasoning) or 16 (agent) run at
+once (max_num_seqs): on an 8 GiB card a 16,384-token profiling step and a 1,024-row sampler would take much of what
+the KV could have, and the agent's longest history (26,780 tokens) must fit in the GPU's KV on its own.
 """
 import random
 import time
@@ -17,15 +18,16 @@ from nanovllm.core.request_metrics import latency_summary
 
 LAPTOP_SCENARIOS = {
     "laptop-reasoning": dict(shape="qwen3-1.7b", num_seqs=256, gpu_memory_gib=8, swap_space=16,
-                             max_model_len=7168),
+                             max_model_len=7168, max_num_seqs=256, assumed_activation_peak_gib=0.5),
+    # 4 sessions need few rows, and a smaller sampler peak leaves the KV room for the longest history (26,780 tokens)
     "laptop-agent": dict(shape="qwen3-1.7b", num_seqs=4, gpu_memory_gib=8, swap_space=16, max_model_len=32768,
-                         num_turns=8),
+                         num_turns=8, max_num_seqs=16, assumed_activation_peak_gib=0.25),
 }
 REASONING_MODES = ["recompute", "swap", "auto", "swap_no_watermark", "auto_no_watermark"]
 AGENT_MODES = ["no_host_tier", "host_tier"]
-# --simulate has no GPU to measure: what an 8 GiB card is assumed to lose besides the weights (replace with the
-# terms the GPU run logs at start-up, or pass --kv-gib)
-ASSUMED_ACTIVATION_PEAK_GIB = 0.5  # a 2,048-token step and a 256-row sampler with top-k/top-p
+# --simulate has no GPU to measure: what an 8 GiB card is assumed to lose besides the weights and the activation
+# peak (each scenario's assumed_activation_peak_gib: a 2,048-token step and its sampler rows with top-k/top-p);
+# replace with the terms the GPU run logs at start-up, or pass --kv-gib
 ASSUMED_GRAPH_POOL_GIB = 0.25
 ASSUMED_NON_TORCH_GIB = 0.5  # CUDA context and kernels
 
@@ -34,7 +36,7 @@ def laptop_options(scenario: str, mode: str, args) -> dict:
     """Engine options of one mode; the budget, not a KV cap, decides the KV (unless --kv-gib)."""
     s = LAPTOP_SCENARIOS[scenario]
     options = dict(max_model_len=s["max_model_len"], max_num_batched_tokens=2048,
-                   max_num_seqs=args.max_num_seqs or 256,
+                   max_num_seqs=args.max_num_seqs or s["max_num_seqs"],
                    gpu_memory_budget_gib=args.gpu_memory_gib or s["gpu_memory_gib"])
     if args.kv_gib is not None:
         options.update(kv_cache_memory_bytes=int(args.kv_gib * GiB) // args.tensor_parallel_size)
@@ -70,13 +72,14 @@ def agent_workload(num_sessions: int, num_turns: int = 8):
     return system, tools, max_tokens
 
 
-def simulated_num_gpu_blocks(config, block_bytes: int, args) -> int:
+def simulated_num_gpu_blocks(scenario: str, config, block_bytes: int, args) -> int:
     """--simulate's KV: --kv-gib, or what plan_kv_blocks leaves on the budget's card with the assumed terms."""
     if args.kv_gib is not None:
         return int(args.kv_gib * GiB) // args.tensor_parallel_size // block_bytes
     card = int(config.gpu_memory_budget_gib * GiB)
     weights = 2 * num_parameters(config.hf_config) // config.tensor_parallel_size  # bf16
-    return plan_kv_blocks(card, config.gpu_memory_utilization, weights, int(ASSUMED_ACTIVATION_PEAK_GIB * GiB),
+    activation_peak = int(LAPTOP_SCENARIOS[scenario]["assumed_activation_peak_gib"] * GiB)
+    return plan_kv_blocks(card, config.gpu_memory_utilization, weights, activation_peak,
                           int(ASSUMED_GRAPH_POOL_GIB * GiB), int(ASSUMED_NON_TORCH_GIB * GiB), block_bytes)[0]
 
 

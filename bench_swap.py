@@ -168,7 +168,7 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
     if num_cpu_blocks is not None:
         policy = PreemptionPolicy("swap" if config.preemption_mode == "auto" else config.preemption_mode, block_bytes)
         host_tier = HostTier(num_cpu_blocks, block_size, policy, config.host_prefix_cache)
-    num_gpu_blocks = (simulated_num_gpu_blocks(config, block_bytes, args) if scenario in LAPTOP_SCENARIOS
+    num_gpu_blocks = (simulated_num_gpu_blocks(scenario, config, block_bytes, args) if scenario in LAPTOP_SCENARIOS
                       else config.kv_cache_memory_bytes // block_bytes)
     scheduler = Scheduler.from_config(config, num_gpu_blocks, host_tier, set())
     rng = random.Random(0)
@@ -181,6 +181,7 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
             scheduler.add(seq)
         while not scheduler.is_finished():
             out = scheduler.schedule()
+            _check_progress(counts, out.is_empty, f"{scenario}/{mode} ({scheduler.block_manager.num_blocks} GPU blocks)")
             counts["steps"] += 1
             counts["decode_steps"] += out.is_decode_only
             counts["batch_rows"] += len(out.seqs)
@@ -203,6 +204,13 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
         run(prompts, [p.max_tokens for p in params])
     return dict(mode=mode, block_size=block_size, num_gpu_blocks=scheduler.block_manager.num_blocks, **counts,
                 **scheduler.stats.as_dict())
+
+
+def _check_progress(counts: dict, is_empty: bool, what: str):
+    """Two empty steps in a row: stuck (a sequence longer than the whole GPU KV); the engine raises too."""
+    counts["empty"] = counts.get("empty", 0) + 1 if is_empty else 0
+    if counts["empty"] > 1:
+        raise RuntimeError(f"{what}: no progress")
 
 
 def print_simulation(scenario: str, results: list[dict]):
