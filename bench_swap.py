@@ -28,6 +28,7 @@ from bench_laptop import (AGENT_MODES, LAPTOP_SCENARIOS, REASONING_MODES, laptop
                           reasoning_workload, agent_workload, run_laptop, simulated_num_gpu_blocks)
 from nanovllm.config import KV_CACHE_DTYPES
 from nanovllm.core.request_metrics import latency_summary
+from nanovllm.utils.presets import preset_dir
 
 GiB = 1 << 30
 SCENARIOS = {
@@ -152,7 +153,6 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
     from nanovllm.config import Config
     from nanovllm.engine.scheduler import Scheduler
     from nanovllm.core.sequence import Sequence
-    from nanovllm.utils.presets import preset_dir
     from nanovllm_offload.host_tier import HostTier, num_host_blocks_for
     from nanovllm_offload.policy import PreemptionPolicy
     config = Config(preset_dir(args.shape or SCENARIOS[scenario]["shape"]), **engine_options(scenario, mode, args))
