@@ -24,6 +24,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine import llm_engine, model_runner
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.config import KV_CACHE_DTYPES
+from nanovllm.core.request_metrics import latency_summary
 from nanovllm.utils.presets import preset_dir
 
 
@@ -196,15 +197,18 @@ def run(llm, args):
     prompts, params = seed_workload(args.num_seqs)
     timer = HostTimer(llm)
     start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     num_tokens = sum(p.max_tokens for p in params)
+    lat = latency_summary([o["metrics"] for o in outputs])
     stats = llm.stats()
     print(f"shape={args.shape} seqs={args.num_seqs} tp={args.tensor_parallel_size} backend={llm.runner.backend.name} "
           f"gpu_blocks={stats['num_gpu_blocks']} preemptions={stats['preemptions']}")
     print(f"Total: {num_tokens} tok, Time: {seconds:.2f} s, Throughput: {num_tokens / seconds:.0f} tok/s, "
           f"host time per decode step: {1e3 * timer.seconds / max(timer.num_steps, 1):.3f} ms "
           f"over {timer.num_steps} steps")
+    print(f"TTFT p50 {lat['ttft_p50']:.3f} s, p99 {lat['ttft_p99']:.3f} s; inter-token p50 {1e3 * lat['itl_p50']:.2f} ms, "
+          f"p99 {1e3 * lat['itl_p99']:.2f} ms")
     prep_ms = 1e3 * (timer.seconds - timer.postprocess_seconds) / max(timer.num_steps, 1)
     post_ms = 1e3 * timer.postprocess_seconds / max(timer.num_steps, 1)
     print(f"  of which scheduling + input preparation {prep_ms:.3f} ms, advance + read-back {post_ms:.3f} ms")
@@ -234,6 +238,13 @@ def run(llm, args):
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(timer.trace, f)
+
+
+def print_memory(llm):
+    """Where the GPU memory went at start-up (the engine's sizing terms), GiB."""
+    if llm.memory_breakdown is not None:
+        print("memory GiB: " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in llm.memory_breakdown.items()
+                                         if k != "num_blocks") + f"; {llm.memory_breakdown['num_blocks']} KV blocks")
 
 
 def copy_bandwidth(device, num_bytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -304,6 +315,8 @@ def main():
                         help="run the benchmark once per variant, each a space-separated list of NAME=VALUE "
                              "environment settings (\"\" is the default), in separate processes, alternating")
     parser.add_argument("--repeat", type=int, default=1, help="with --variants: rounds over the variants")
+    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="run as if the GPU had this many GiB (gpu_memory_budget_gib)")
     args = parser.parse_args()
     if args.variants and _VARIANT_CHILD not in os.environ:
         return run_variants(args.variants, args.repeat)
@@ -313,7 +326,9 @@ def main():
               max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
               attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
               preemption_mode="recompute", async_scheduling=args.async_scheduling,
-              kvcache_block_size=args.kvcache_block_size, kv_cache_dtype=args.kv_cache_dtype)
+              kvcache_block_size=args.kvcache_block_size, kv_cache_dtype=args.kv_cache_dtype,
+              gpu_memory_budget_gib=args.gpu_memory_gib)
+    print_memory(llm)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     if not args.skip_run:
         run(llm, args)

@@ -5,12 +5,15 @@
     python bench_swap.py --scenario rtx4070 --scale 0.25 --plot
     python bench_swap.py --scenario chat                 # multi-turn chat: the host tier as a prefix cache
     python bench_swap.py --scenario rtx4070 chat --simulate   # the scheduler alone, on CPU, in seconds
+    python bench_swap.py --scenario laptop-reasoning laptop-agent   # inside an 8 GiB budget (bench_laptop.py)
 
 Modes: unpressured (no KV cap), recompute, swap, auto (all three capped). The workload is nano-vllm's bench.py:
 random.seed(0), prompt and output lengths uniform in [100, 1024], prompt ids uniform in [0, 10000]. The host prefix
 cache is off in these four modes, so that they compare preemption alone.
 "chat": 128 conversations x 4 turns sharing a 2048-token system prompt, Qwen3-8B shape, 20 GiB of GPU KV; modes
 no_host_tier (recompute, no host pool) and host_tier (64 GiB host pool: prefix cache + swap).
+"laptop-reasoning", "laptop-agent": an 8 GB laptop's workloads inside gpu_memory_budget_gib=8 (bench_laptop.py).
+--gpu-memory-gib N runs any scenario as if the GPU had N GiB (gpu_memory_budget_gib).
 """
 import argparse
 import json
@@ -21,16 +24,25 @@ import sys
 import tempfile
 import time
 
+from bench_laptop import (AGENT_MODES, LAPTOP_SCENARIOS, REASONING_MODES, laptop_options, print_laptop_table,
+                          reasoning_workload, agent_workload, run_laptop, simulated_num_gpu_blocks)
 from nanovllm.config import KV_CACHE_DTYPES
+from nanovllm.core.request_metrics import latency_summary
+from nanovllm.utils.presets import preset_dir
 
 GiB = 1 << 30
 SCENARIOS = {
     "rtx4070": dict(shape="qwen3-0.6b", num_seqs=256, kv_gib=4, swap_space=16),
     "h800": dict(shape="qwen3-8b", num_seqs=1024, kv_gib=55, swap_space=64),
     "chat": dict(shape="qwen3-8b", num_seqs=128, kv_gib=20, swap_space=64, num_turns=4),
+    **LAPTOP_SCENARIOS,
 }
 MODES = ["unpressured", "recompute", "swap", "auto"]
 CHAT_MODES = ["no_host_tier", "host_tier"]
+
+
+def scenario_modes(scenario: str) -> list[str]:
+    return {"chat": CHAT_MODES, "laptop-agent": AGENT_MODES, "laptop-reasoning": REASONING_MODES}.get(scenario, MODES)
 
 
 def chat_workload(num_convs: int, num_turns: int = 4):
@@ -46,9 +58,14 @@ def chat_workload(num_convs: int, num_turns: int = 4):
 def engine_options(scenario: str, mode: str, args) -> dict:
     """The LLM options of one mode of a scenario (the GPU runs and --simulate share them)."""
     s = SCENARIOS[scenario]
+    if scenario in LAPTOP_SCENARIOS:
+        return dict(load_format="dummy", enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
+                    tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
+                    kvcache_block_size=args.kvcache_block_size, **laptop_options(scenario, mode, args))
     swap_space = s["swap_space"] if args.swap_space is None else args.swap_space  # 0 too
     options = dict(load_format="dummy", max_model_len=8192 if scenario == "chat" else 4096,
-                   max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+                   gpu_memory_budget_gib=args.gpu_memory_gib,
+                   max_num_seqs=args.max_num_seqs or 1024, enforce_eager=args.enforce_eager,
                    tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
                    kvcache_block_size=args.kvcache_block_size, kv_cache_dtype=args.kv_cache_dtype)
     if mode != "unpressured":
@@ -118,13 +135,13 @@ def run_mode(scenario: str, mode: str, num_seqs: int, args) -> dict:
     base = llm.stats()
     timeline = Timeline(llm)
     start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+    outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
     seconds = time.perf_counter() - start
     stats = {k: (v - base[k] if isinstance(v, (int, float)) and k in base and not k.startswith("num_") else v)
              for k, v in llm.stats().items()}
     llm.close()
     return dict(mode=mode, output_tokens=sum(p.max_tokens for p in params), seconds=seconds, stats=stats,
-                timeline=timeline.points)
+                timeline=timeline.points, latency=latency_summary([o["metrics"] for o in outputs]))
 
 
 def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
@@ -136,10 +153,9 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
     from nanovllm.config import Config
     from nanovllm.engine.scheduler import Scheduler
     from nanovllm.core.sequence import Sequence
-    from nanovllm.utils.presets import preset_dir
     from nanovllm_offload.host_tier import HostTier, num_host_blocks_for
     from nanovllm_offload.policy import PreemptionPolicy
-    config = Config(preset_dir(SCENARIOS[scenario]["shape"]), **engine_options(scenario, mode, args))
+    config = Config(preset_dir(args.shape or SCENARIOS[scenario]["shape"]), **engine_options(scenario, mode, args))
     hf, block_size = config.hf_config, config.kvcache_block_size
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     num_kv_heads = hf.num_key_value_heads // config.tensor_parallel_size  # one rank's, as its budget is
@@ -152,7 +168,9 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
     if num_cpu_blocks is not None:
         policy = PreemptionPolicy("swap" if config.preemption_mode == "auto" else config.preemption_mode, block_bytes)
         host_tier = HostTier(num_cpu_blocks, block_size, policy, config.host_prefix_cache)
-    scheduler = Scheduler.from_config(config, config.kv_cache_memory_bytes // block_bytes, host_tier, set())
+    num_gpu_blocks = (simulated_num_gpu_blocks(scenario, config, block_bytes, args) if scenario in LAPTOP_SCENARIOS
+                      else config.kv_cache_memory_bytes // block_bytes)
+    scheduler = Scheduler.from_config(config, num_gpu_blocks, host_tier, set())
     rng = random.Random(0)
     counts = dict(steps=0, decode_steps=0, batch_rows=0)
 
@@ -163,6 +181,7 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
             scheduler.add(seq)
         while not scheduler.is_finished():
             out = scheduler.schedule()
+            _check_progress(counts, out.is_empty, f"{scenario}/{mode} ({scheduler.block_manager.num_blocks} GPU blocks)")
             counts["steps"] += 1
             counts["decode_steps"] += out.is_decode_only
             counts["batch_rows"] += len(out.seqs)
@@ -170,9 +189,12 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
         return [seq.token_ids for seq in seqs]
 
     from nanovllm import SamplingParams
-    if scenario == "chat":
-        num_turns = SCENARIOS["chat"]["num_turns"]
-        system, users, max_tokens = chat_workload(num_seqs, num_turns)
+    if scenario == "laptop-reasoning":
+        run(*reasoning_workload(num_seqs))
+    elif scenario in ("chat", "laptop-agent"):
+        num_turns = SCENARIOS[scenario]["num_turns"]
+        workload = chat_workload if scenario == "chat" else agent_workload
+        system, users, max_tokens = workload(num_seqs, num_turns)
         histories = [list(system) for _ in range(num_seqs)]
         for t in range(num_turns):
             histories = run([h + users[c][t] for c, h in enumerate(histories)], [m[t] for m in max_tokens])
@@ -182,6 +204,13 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
         run(prompts, [p.max_tokens for p in params])
     return dict(mode=mode, block_size=block_size, num_gpu_blocks=scheduler.block_manager.num_blocks, **counts,
                 **scheduler.stats.as_dict())
+
+
+def _check_progress(counts: dict, is_empty: bool, what: str):
+    """Two empty steps in a row: stuck (a sequence longer than the whole GPU KV); the engine raises too."""
+    counts["empty"] = counts.get("empty", 0) + 1 if is_empty else 0
+    if counts["empty"] > 1:
+        raise RuntimeError(f"{what}: no progress")
 
 
 def print_simulation(scenario: str, results: list[dict]):
@@ -226,15 +255,17 @@ class Timeline:
 def print_table(scenario: str, results: list[dict]):
     print(f"\n## {scenario}: {SCENARIOS[scenario]}")
     head = ("mode", "out tok", "seconds", "tok/s", "preempt swap/recomp", "recomputed", "GB swapped", "copy GB/s",
-            "exposed s")
+            "exposed s", "TTFT p50/p99 s", "ITL p50/p99 ms")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in results:
         s = r["stats"]
         swapped = (s["bytes_swapped_out"] + s["bytes_swapped_in"]) / 1e9
+        lat = r["latency"]
         copy_bw = swapped / s["swap_seconds"] if s["swap_seconds"] else 0.0
         print(f"| {r['mode']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['output_tokens'] / r['seconds']:.0f} | "
               f"{s['preemptions_swap']}/{s['preemptions_recompute']} | {s['recomputed_tokens']} | {swapped:.1f} | "
-              f"{copy_bw:.1f} | {s['swap_exposed_seconds']:.3f} (of {s['swap_seconds']:.3f}) |")
+              f"{copy_bw:.1f} | {s['swap_exposed_seconds']:.3f} (of {s['swap_seconds']:.3f}) | "
+              f"{lat['ttft_p50']:.2f}/{lat['ttft_p99']:.2f} | {lat['itl_p50'] * 1e3:.1f}/{lat['itl_p99'] * 1e3:.1f} |")
 
 
 def plot(scenario: str, results: list[dict], path: str):
@@ -261,12 +292,19 @@ def plot(scenario: str, results: list[dict], path: str):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", nargs="+", default=["rtx4070"], choices=sorted(SCENARIOS))
-    parser.add_argument("--modes", nargs="+", default=None, choices=MODES + CHAT_MODES,
+    parser.add_argument("--modes", nargs="+", default=None,
+                        choices=list(dict.fromkeys(MODES + CHAT_MODES + REASONING_MODES + AGENT_MODES)),
                         help="default: all modes of the scenario")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply num-seqs (quick runs)")
-    parser.add_argument("--max-num-seqs", type=int, default=1024,
-                        help="vLLM 0.26's default on a GPU of 70 GB or more, under which its reference numbers were "
-                             "measured (the engine's own default is nano-vllm's 512)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="default 1,024, vLLM 0.26's default on a GPU of 70 GB or more, under which its reference "
+                             "numbers were measured (the engine's own default is nano-vllm's 512); laptop: 256")
+    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="run as if the GPU had this many GiB (gpu_memory_budget_gib; laptop scenarios: 8)")
+    parser.add_argument("--shape", default=None, help="laptop scenarios: another preset (default: qwen3-1.7b)")
+    parser.add_argument("--kv-gib", type=float, default=None,
+                        help="laptop scenarios: cap the KV at this many GiB instead of sizing it from the budget "
+                             "(with --simulate: instead of the assumed terms in bench_laptop.py)")
     parser.add_argument("--swap-space", type=float, default=None, help="GiB; default per scenario")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
@@ -291,20 +329,23 @@ def main():
     if args.run_mode:
         scenario, mode, path = args.run_mode
         num_seqs = max(1, round(SCENARIOS[scenario]["num_seqs"] * args.scale))
-        run = run_chat(mode, num_seqs, args) if scenario == "chat" else run_mode(scenario, mode, num_seqs, args)
+        if scenario in LAPTOP_SCENARIOS:
+            run = run_laptop(scenario, mode, num_seqs, args)
+        else:
+            run = run_chat(mode, num_seqs, args) if scenario == "chat" else run_mode(scenario, mode, num_seqs, args)
         with open(path, "w") as f:
             json.dump(run, f)
         return
     num_failed = 0
     for scenario in args.scenario:
         results = []
-        scenario_modes = CHAT_MODES if scenario == "chat" else MODES
+        modes_here = scenario_modes(scenario)
         if args.simulate:
             num_seqs = max(1, round(SCENARIOS[scenario]["num_seqs"] * args.scale))
-            modes = [m for m in (args.modes or scenario_modes) if m in scenario_modes and m != "unpressured"]
+            modes = [m for m in (args.modes or modes_here) if m in modes_here and m != "unpressured"]
             print_simulation(scenario, [simulate(scenario, m, num_seqs, args) for m in modes])
             continue
-        for mode in [m for m in (args.modes or scenario_modes) if m in scenario_modes]:
+        for mode in [m for m in (args.modes or modes_here) if m in modes_here]:
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
                 path = f.name
             cmd = [sys.executable, __file__, "--run-mode", scenario, mode, path] + [a for a in sys.argv[1:]]
@@ -322,8 +363,13 @@ def main():
                     json.dump(results[-1]["timeline"], f)
             r = results[-1]
             print(f"{scenario}/{mode}: {r['output_tokens'] / r['seconds']:.0f} tok/s", flush=True)
-            if scenario != "chat":
+            if scenario in LAPTOP_SCENARIOS:
+                print_laptop_table(scenario, [r])
+            elif scenario != "chat":
                 print_table(scenario, [r])  # each row as soon as its mode finishes
+        if scenario in LAPTOP_SCENARIOS:
+            print_laptop_table(scenario, results)
+            continue
         if scenario == "chat":
             print_chat_table(results)
             continue

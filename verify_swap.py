@@ -18,6 +18,9 @@ CUDA_ONLY = {"kv_roundtrip", "bandwidth", "tp2", "fp8_kv_roundtrip"}
 MODEL = None  # the model directory of this process's check
 
 
+GPU_MEMORY_GIB: float | None = None  # --gpu-memory-gib
+
+
 def model_config(model: str) -> dict:
     with open(os.path.join(model, "config.json")) as f:
         return json.load(f)
@@ -27,6 +30,8 @@ def engine_args(model: str, cuda: bool, **overrides) -> dict:
     max_model_len = min(1024, model_config(model).get("max_position_embeddings", 1024))
     args = dict(load_format="auto" if glob.glob(os.path.join(model, "*.safetensors")) else "dummy",
                 device="cuda" if cuda else "cpu", enforce_eager=not cuda, max_model_len=max_model_len, seed=0)
+    if cuda and GPU_MEMORY_GIB is not None:
+        args.update(gpu_memory_budget_gib=GPU_MEMORY_GIB)  # --gpu-memory-gib: every check inside that budget
     args.update(overrides)
     return args
 
@@ -220,7 +225,11 @@ def main():
     parser.add_argument("--only", nargs="*", default=None, choices=CHECKS)
     parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=int, default=600, help="seconds per check (a deadlock fails)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="run every check as if the GPU had this many GiB (gpu_memory_budget_gib)")
     args = parser.parse_args()
+    global GPU_MEMORY_GIB
+    GPU_MEMORY_GIB = args.gpu_memory_gib
     if args.model is None:
         from nanovllm.utils.presets import preset_dir
         args.model = preset_dir("qwen3-0.6b")
@@ -236,8 +245,9 @@ def main():
             continue
         start = time.perf_counter()
         try:
-            proc = subprocess.run([sys.executable, __file__, args.model, "--run-one", name], capture_output=True,
-                                  text=True, timeout=args.timeout)
+            budget = [] if args.gpu_memory_gib is None else ["--gpu-memory-gib", str(args.gpu_memory_gib)]
+            proc = subprocess.run([sys.executable, __file__, args.model, "--run-one", name, *budget],
+                                  capture_output=True, text=True, timeout=args.timeout)
             lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
             result = json.loads(lines[-1]) if lines else {"ok": False, "detail": proc.stderr.strip()[-2000:]}
         except subprocess.TimeoutExpired:

@@ -24,6 +24,7 @@ PREEMPTION_MODES = ("auto", "swap", "recompute")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 HOST_CACHE_POLICIES = ("write_back", "write_through", "off")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names: "fp8" is e4m3
+ADMISSION_WATERMARKS = ("always", "without_swap")
 # the options that take one of a few values: checked by Config, offered by the CLI's flags
 OPTION_CHOICES = {
     "device": ("auto", "cuda", "cpu"),
@@ -33,6 +34,7 @@ OPTION_CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "host_cache_policy": HOST_CACHE_POLICIES,
     "kv_cache_dtype": KV_CACHE_DTYPES,
+    "admission_watermark": ADMISSION_WATERMARKS,
 }
 # 1 PiB: more than any host holds, so a larger swap_space is a typo; the bound also keeps its byte count finite.
 # Config does not compare it with this host's memory: bench_swap.py sizes GPU machines' configs on any host
@@ -67,6 +69,10 @@ class Config:
     num_kvcache_blocks: int | None = None  # explicit cap on GPU blocks
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; overrides gpu_memory_utilization
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may fill (weights + activations + KV)
+    # GiB: run as if the GPU had this much memory ("the 8 GB card" on a larger one). PyTorch's allocator is capped
+    # so that torch's memory plus what CUDA itself holds stays inside it (a plan that does not fit fails with an
+    # out-of-memory error, as on that card), and the KV is sized against min(GPU memory, this). None: the whole GPU
+    gpu_memory_budget_gib: float | None = None
     enable_prefix_caching: bool = True
     # "auto": the model dtype. "fp8"/"fp8_e4m3"/"fp8_e5m2": 8-bit values with one scale per token and kv head inside
     # the block (nanovllm/layers/kv_layout.py), about half the bytes per block on the GPU, over PCIe and on the host
@@ -77,6 +83,10 @@ class Config:
     # the host pool as a second-level prefix cache: "write_back" copies a cached block when it becomes evictable,
     # "write_through" as soon as it is cached, "off" keeps the pool for swapped sequences only
     host_cache_policy: str = "write_back"
+    # free GPU blocks (1%) kept when admitting or resuming while others run, so running sequences can grow before a
+    # preemption. "always"; "without_swap": none when victims may be swapped (a host tier with preemption_mode swap
+    # or auto), as vLLM admits, since a preemption then costs copies instead of recomputed tokens (docs/swap_tier.md)
+    admission_watermark: str = "always"
     # --- filled in by __post_init__
     hf_config: Any = field(default=None, repr=False)
     architecture: str = ""
@@ -109,6 +119,10 @@ class Config:
                 raise ValueError(f"{name}={value!r} must be True or False")
         if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool):
             raise ValueError(f"seed={self.seed!r} must be an int")
+        budget = self.gpu_memory_budget_gib
+        if budget is not None and (not isinstance(budget, numbers.Real) or isinstance(budget, bool)
+                                   or not math.isfinite(budget) or budget <= 0):
+            raise ValueError(f"gpu_memory_budget_gib={budget!r} must be a number of GiB > 0 (or None: the whole GPU)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.async_scheduling is None:

@@ -2,6 +2,7 @@
 from enum import Enum, auto
 from itertools import count
 
+from nanovllm.core.request_metrics import RequestMetrics
 from nanovllm.sampling_params import SamplingParams
 
 PLACEHOLDER_TOKEN = -1  # a sampled token that the host has not read back yet (asynchronous scheduling)
@@ -53,6 +54,7 @@ class Sequence:
         # prompt positions whose logprobs a launched step computes (position p gives token p + 1's); a recompute
         # after preemption starts past them, so no prompt token gets its logprobs twice
         self.num_prompt_logprobs_planned = 0
+        self.metrics = RequestMetrics()  # arrival now; the scheduler marks the rest
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.core.memory_plan import format_breakdown, plan_kv_blocks
 
 GiB = 1 << 30
 
@@ -17,28 +18,40 @@ def max_useful_blocks(config: Config) -> int:
 
 
 def num_blocks_for_budget(config: Config, block_bytes: int, device: torch.device,
-                          profile_free_bytes: Callable[[], int], num_ranks: int) -> int:
-    """GPU blocks from kv_cache_memory_bytes or, on CUDA, a profiling run under gpu_memory_utilization
-    (`profile_free_bytes`; on CPU, 25% of available memory, at most 4 GiB); capped by num_kvcache_blocks and by
-    max_useful_blocks. With tensor parallelism every rank takes the smallest, so all hold the same block ids."""
+                          profile_memory: Callable[[], dict], num_ranks: int) -> tuple[int, dict | None]:
+    """GPU blocks from kv_cache_memory_bytes or, on CUDA, from the measured terms of a profiling run
+    (`profile_memory`, see memory_profile.py) under gpu_memory_utilization of the card or the budget (plan_kv_blocks;
+    on CPU, 25% of available memory, at most 4 GiB); capped by num_kvcache_blocks and by max_useful_blocks. With
+    tensor parallelism every rank takes the smallest, so all hold the same block ids. Returns (num_blocks, where the
+    memory went: plan_kv_blocks' breakdown, None without a profiling run)."""
+    max_blocks = max_useful_blocks(config)
+    if config.num_kvcache_blocks is not None:  # an explicit cap
+        max_blocks = min(max_blocks, config.num_kvcache_blocks)
+    breakdown = None
     if config.kv_cache_memory_bytes is not None:
-        num_blocks = config.kv_cache_memory_bytes // block_bytes
+        num_blocks = min(config.kv_cache_memory_bytes // block_bytes, max_blocks)
     elif device.type == "cuda":
-        num_blocks = profile_free_bytes() // block_bytes
+        measured = profile_memory()
+        num_blocks, breakdown = plan_kv_blocks(
+            measured["card_bytes"], config.gpu_memory_utilization, measured["weights_bytes"],
+            measured["activation_peak_bytes"], measured["graph_pool_bytes"], measured["non_torch_bytes"],
+            block_bytes, max_blocks)
+        breakdown["old_rule_kv"] = measured.get("old_rule_kv_bytes", 0)  # what the replaced rule gave (the log)
     else:
         import psutil
-        num_blocks = min(4 * GiB, psutil.virtual_memory().available // 4) // block_bytes
-    num_blocks = min(num_blocks, max_useful_blocks(config))
-    if config.num_kvcache_blocks is not None:  # an explicit cap
-        num_blocks = min(num_blocks, config.num_kvcache_blocks)
+        num_blocks = min(min(4 * GiB, psutil.virtual_memory().available // 4) // block_bytes, max_blocks)
     if num_ranks > 1:
         t = torch.tensor([int(num_blocks)], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         num_blocks = int(t.item())
+        if breakdown is not None and num_blocks < breakdown["num_blocks"]:  # another rank had less room
+            breakdown["left_free"] += (breakdown["num_blocks"] - num_blocks) * block_bytes
+            breakdown.update(num_blocks=num_blocks, kv=num_blocks * block_bytes)
     if num_blocks < 1:
         if config.kv_cache_memory_bytes is not None:
             hint = f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is less than that; raise it"
         else:
-            hint = "raise gpu_memory_utilization or lower max_num_batched_tokens (the profiling run's size)"
+            hint = ("raise gpu_memory_utilization or gpu_memory_budget_gib, or lower max_num_batched_tokens or "
+                    f"max_num_seqs (the profiling run's size); {format_breakdown(breakdown) if breakdown else ''}")
         raise ValueError(f"no room for a single KV block of {block_bytes:,} bytes: {hint}")
-    return int(num_blocks)
+    return int(num_blocks), breakdown

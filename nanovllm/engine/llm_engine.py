@@ -2,6 +2,7 @@
 import atexit
 import itertools
 import json
+import logging
 import os
 import time
 
@@ -9,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
+from nanovllm.core.memory_plan import GiB, format_breakdown
 from nanovllm.engine.model_runner import ModelRunner, resolve_device
 from nanovllm.engine.output import StreamCursor, TextOutput
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
@@ -20,6 +22,7 @@ from nanovllm.logprobs import position_logprobs
 from nanovllm.sampling_params import SamplingParams
 from nanovllm_offload.host_tier import HostTier
 
+logger = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -27,6 +30,9 @@ class LLMEngine:
     def __init__(self, model: str, **kwargs):
         self.config = config = Config(model, **kwargs)
         self.runner = self.workers = self.host_tier = None
+        # where the GPU memory went, in bytes (weights, activation_peak, graph_pools, non_torch, kv, left_free, ...;
+        # nanovllm/core/memory_plan.py); None on CPU or with kv_cache_memory_bytes
+        self.memory_breakdown: dict | None = None
         self.tokenizer = _load_tokenizer(model)
         self.text_output = TextOutput(self.tokenizer)
         try:
@@ -76,7 +82,18 @@ class LLMEngine:
         if host_tier is not None:
             self._call("allocate_host_cache", host_tier.num_blocks)
         self._call("capture_cuda_graphs")
+        self._log_memory()
         return host_tier
+
+    def _log_memory(self):
+        """One line: where rank 0's GPU memory went (nothing to say without a profiling run)."""
+        self.memory_breakdown = self.runner.memory_breakdown
+        if self.memory_breakdown is None:
+            return
+        self.memory_breakdown["graph_pools_measured"] = self.runner.graph_pool_bytes_measured
+        logger.info("%s; graph pools measured after capture %.2f GiB; the previous sizing rule gave %.2f GiB of KV",
+                    format_breakdown(self.memory_breakdown), self.runner.graph_pool_bytes_measured / GiB,
+                    self.memory_breakdown.get("old_rule_kv", 0) / GiB)
 
     def _call(self, method: str, *args):
         """Run a runner method on every rank; returns rank 0's result."""

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from nanovllm.config import SUPPORTED_ARCHITECTURES, Config
 from nanovllm.core.sequence import Sequence
 from nanovllm.engine.kv_cache import num_blocks_for_budget
+from nanovllm.engine.memory_profile import apply_budget, profile_memory
 from nanovllm.engine.step_inputs import SampledTokens, prepare_step_inputs
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.layers.activation import SiluAndMul
@@ -20,7 +21,7 @@ from nanovllm.layers.logprobs import chosen_and_top, raw_logprobs
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.utils.compile import set_compile
-from nanovllm.utils.context import AttentionMetadata, reset_context, set_context
+from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.distributed import tp_size
 from nanovllm.utils.loader import init_dummy_weights, load_weights
 from nanovllm.utils.switches import SWITCHES
@@ -71,6 +72,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.device = torch.device("cuda", rank)
             torch.cuda.set_device(self.device)
+            apply_budget(config, self.device)
         if config.tensor_parallel_size > 1:
             if self.device.type == "cpu":  # share the cores instead of oversubscribing them
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
@@ -111,6 +113,8 @@ class ModelRunner:
                 act.kernel = silu_and_mul
         self.kv_cache = None
         self.host_cache = self.copy_engine = None
+        self.memory_breakdown = None  # where the GPU memory went (num_kv_blocks_for_budget)
+        self.graph_pool_bytes_measured = 0  # torch memory reserved by capture_cuda_graphs
         self.graphs = {}  # decode batch size -> DecodeGraph
         self.mixed_graphs = {}  # token bucket -> PiecewiseGraph, for prefill and mixed steps
 
@@ -138,29 +142,10 @@ class ModelRunner:
         return self.kv_layout.block_bytes
 
     def num_kv_blocks_for_budget(self) -> int:
-        return num_blocks_for_budget(self.config, self.block_bytes, self.device, self._profile_free_bytes, tp_size())
-
-    @torch.inference_mode()
-    def _profile_free_bytes(self) -> int:
-        """Run the largest prefill without a cache and see what memory is left under gpu_memory_utilization."""
-        config = self.config
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        seq_len = min(config.max_num_batched_tokens, config.max_model_len)
-        num_tokens = seq_len * min(config.max_num_batched_tokens // seq_len, config.max_num_seqs)
-        positions = torch.arange(num_tokens, device=self.device) % seq_len
-        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        set_context(AttentionMetadata(False, None, None, None, max_seq_len=seq_len))
-        try:
-            hidden = self.model(input_ids, positions)
-            self.model.compute_logits(hidden[-config.max_num_seqs:])
-        finally:
-            reset_context()
-        torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info()
-        used = total - free
-        peak, current = torch.cuda.memory_stats()["allocated_bytes.all.peak"], torch.cuda.memory_allocated()
-        return int(total * config.gpu_memory_utilization - used - (peak - current))
+        """Also keeps where the memory went (memory_breakdown; None without a profiling run)."""
+        num_blocks, self.memory_breakdown = num_blocks_for_budget(
+            self.config, self.block_bytes, self.device, lambda: profile_memory(self), tp_size())
+        return num_blocks
 
     def allocate_kv_cache(self, num_blocks: int):
         """One block-major tensor (kv_layout.py): a block of all layers is one contiguous chunk, so swapping it is
@@ -374,9 +359,11 @@ class ModelRunner:
             if piecewise == "1" and self.device.type == "cpu":
                 self._capture_mixed_graphs(None, capture=False)
             return
+        reserved_before = torch.cuda.memory_reserved(self.device)
         pool = self._capture_decode_graphs()
         if piecewise != "0":
             self._capture_mixed_graphs(pool)
+        self.graph_pool_bytes_measured = torch.cuda.memory_reserved(self.device) - reserved_before
 
     def _capture_decode_graphs(self, capture: bool = True):
         """Returns the graphs' memory pool."""

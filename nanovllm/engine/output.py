@@ -37,7 +37,7 @@ class TextOutput:
     def output(self, seq: Sequence) -> dict:
         text = seq.output_text if seq.output_text is not None else self.detokenize(self.text_token_ids(seq))
         return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
-                "logprobs": seq.logprobs, "prompt_logprobs": seq.prompt_logprobs}
+                "logprobs": seq.logprobs, "prompt_logprobs": seq.prompt_logprobs, "metrics": seq.metrics.as_dict()}
 
     def apply_stop_strings(self, seqs: list[Sequence], finish: Callable[[Sequence, str], None]) -> list[Sequence]:
         """Ends each sequence whose text now holds a stop string, its text cut before the first match (after it

@@ -1,6 +1,7 @@
 """The scheduler: decides what each step computes, preempts, swaps. It owns the queues and nothing else
 (plain Python; no torch)."""
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -50,8 +51,12 @@ class Scheduler:
         same ones without a model)."""
         block_manager = BlockManager(num_gpu_blocks, config.kvcache_block_size, config.enable_prefix_caching,
                                      write_through=config.host_cache_policy == "write_through")
-        return cls(block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-                   eos_token_ids, host_tier)
+        scheduler = cls(block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
+                        eos_token_ids, host_tier)
+        can_swap = host_tier is not None and config.preemption_mode != "recompute"
+        if config.admission_watermark == "without_swap" and can_swap:
+            scheduler.num_watermark_blocks = 0  # admit as vLLM does: a preemption costs copies, not recompute
+        return scheduler
 
     @property
     def host_pool(self) -> HostBlockPool | None:
@@ -153,6 +158,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._count_prefix_lookup(seq, len(cached_block_ids), tail[1] if tail else 0)
+            seq.metrics.mark_scheduled(time.perf_counter())
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if host_block_ids:
@@ -344,11 +350,13 @@ class Scheduler:
         """Fill in the tokens of a finished step (rows from `advance`) and finish sequences on EOS, stop tokens or
         length. Returns (sequences that got a token and go on, sequences that finished)."""
         updated, finished = [], []
+        now = time.perf_counter()  # one clock read per step: every token of it arrives now
         for row, token_id in zip(rows, token_ids):
             if row is None or row[0].is_finished:
                 continue
             seq, index = row
             seq.token_ids[index] = token_id
+            seq.metrics.mark_token(now)
             seq.num_unresolved_tokens -= 1
             reason = self._finish_reason(seq, token_id, index + 1)
             if reason:
@@ -383,6 +391,7 @@ class Scheduler:
         self.min_tokens_pending.discard(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.metrics.mark_finished(time.perf_counter())
 
 
 def _last_copy_per_host_block(copies: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
-from nanovllm.entrypoints.server.metrics import Throughput, usage_ratio
+from nanovllm.entrypoints.server.metrics import LatencyHistograms, Throughput, usage_ratio
 from nanovllm.entrypoints.server.prepare import GenerateRequest
 
 if TYPE_CHECKING:
@@ -99,6 +99,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[int, _Active] = {}
         self._throughput = Throughput()
+        self._latency = LatencyHistograms()
         self.num_finished_requests = 0
         self.num_aborted_requests = 0
         self.num_rejected_requests = 0  # refused by prepare() or the engine's validation (HTTP 400)
@@ -255,6 +256,7 @@ class EngineLoop:
             delta.finish_reason = seq.finish_reason
             output = self.llm.output(self.llm.requests.pop(seq_id))
             delta.final_text, delta.final_logprobs = output["text"], output["logprobs"]
+            self._latency.observe(output["metrics"])
             del self._active[seq_id]
             self.num_finished_requests += 1
         active.stream.put(delta)
@@ -289,4 +291,5 @@ class EngineLoop:
             "finished_requests": self.num_finished_requests,
             "aborted_requests": self.num_aborted_requests,
             "rejected_requests": self.num_rejected_requests,
+            **self._latency.snapshot(),
         }

@@ -2,10 +2,11 @@
 window behind the two throughput gauges."""
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 # (name, type, help): the name is the key in EngineLoop's snapshot; every name gets the prefix `nanovllm_`, and
 # prometheus_client adds the suffix `_total` to counters
@@ -43,6 +44,16 @@ METRICS = [
     ("blocks_onloaded", "counter", "Host prefix-cache blocks copied back to the GPU"),
 ]
 
+# (name, help, bucket upper bounds in seconds): vLLM's names and buckets; observed when a request finishes, from
+# generate()'s "metrics" (nanovllm/core/request_metrics.py)
+HISTOGRAMS = [
+    ("time_to_first_token_seconds", "Seconds from a request's arrival to its first token",
+     (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+      160.0, 640.0, 2560.0)),
+    ("inter_token_latency_seconds", "Seconds between two consecutive tokens of a request",
+     (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)),
+]
+
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -57,6 +68,13 @@ class _SnapshotCollector:
         for name, kind, help in METRICS:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(f"nanovllm_{name}", help, value=self.snapshot[name])
+        for name, help, bounds in HISTOGRAMS:
+            counts, total = self.snapshot[name]
+            cumulative, running = [], 0
+            for bound, count in zip((*map(str, bounds), "+Inf"), counts):
+                running += count
+                cumulative.append((bound, running))
+            yield HistogramMetricFamily(f"nanovllm_{name}", help, buckets=cumulative, sum_value=total)
 
 
 def format_metrics(snapshot: dict) -> bytes:
@@ -64,6 +82,28 @@ def format_metrics(snapshot: dict) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_SnapshotCollector(snapshot))
     return generate_latest(registry)
+
+
+class LatencyHistograms:
+    """Bucket counts and sums of HISTOGRAMS, filled on the engine loop's thread as requests finish."""
+
+    def __init__(self):
+        self.counts = {name: [0] * (len(bounds) + 1) for name, _, bounds in HISTOGRAMS}  # the last one: +Inf
+        self.sums = {name: 0.0 for name, _, _ in HISTOGRAMS}
+
+    def observe(self, metrics: dict):
+        if metrics["ttft"] is not None:
+            self._add("time_to_first_token_seconds", metrics["ttft"])
+        for gap in metrics["inter_token_latencies"]:
+            self._add("inter_token_latency_seconds", gap)
+
+    def _add(self, name: str, seconds: float):
+        bounds = next(b for n, _, b in HISTOGRAMS if n == name)
+        self.counts[name][bisect_left(bounds, seconds)] += 1  # le: a value on a bound falls in that bucket
+        self.sums[name] += seconds
+
+    def snapshot(self) -> dict:
+        return {name: (list(self.counts[name]), self.sums[name]) for name in self.counts}
 
 
 def usage_ratio(num_blocks: int, num_free: int) -> float:

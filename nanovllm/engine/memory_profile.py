@@ -1,0 +1,108 @@
+"""What the KV cache must leave room for on a GPU, measured once at start-up: the budget's cap on PyTorch's
+allocator, the weights, the activation peak of the largest step, the CUDA graph pools and CUDA's own memory. The
+arithmetic that turns these into blocks is nanovllm/core/memory_plan.py.
+
+Graph pools: the graphs are captured after the KV cache is allocated (they read it), so their pool cannot be
+measured before sizing. It is reserved as the activation peak of an eager forward of the largest captured step (a
+graph's pool holds that step's intermediates, shared by all graphs, which never run at once); after capture the
+runner measures the real pool (graph_pool_bytes_measured) and the start-up log prints both.
+"""
+import logging
+
+import torch
+
+from nanovllm.core.memory_plan import GiB
+from nanovllm.layers.sampler import SamplingTensors
+from nanovllm.utils.context import AttentionMetadata, reset_context, set_context
+from nanovllm.utils.switches import SWITCHES
+
+logger = logging.getLogger(__name__)
+MAX_PIECEWISE_GRAPH_TOKENS = 2048  # model_runner.py's MIXED_GRAPH_TOKENS[-1]
+
+
+def non_torch_bytes(device: torch.device) -> int:
+    """GPU memory this process holds outside PyTorch's allocator: the CUDA context, loaded kernels, NCCL buffers
+    (and any other process's memory on the same GPU, which a budget counts as taken)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device)
+
+
+def card_bytes(config, device: torch.device) -> int:
+    """The GPU's memory, or the budget when that is smaller."""
+    total = torch.cuda.mem_get_info(device)[1]
+    if config.gpu_memory_budget_gib is None:
+        return total
+    return min(total, int(config.gpu_memory_budget_gib * GiB))
+
+
+def apply_budget(config, device: torch.device):
+    """Cap PyTorch's allocator so that torch's memory plus CUDA's own stays inside gpu_memory_budget_gib. Called
+    before anything is allocated and again after profiling, when the kernels loaded by then count too."""
+    if config.gpu_memory_budget_gib is None or device.type != "cuda":
+        return
+    total = torch.cuda.mem_get_info(device)[1]
+    torch_bytes = card_bytes(config, device) - non_torch_bytes(device)
+    if torch_bytes <= 0:
+        raise ValueError(f"gpu_memory_budget_gib={config.gpu_memory_budget_gib} leaves nothing for PyTorch: CUDA "
+                         f"already holds {non_torch_bytes(device) / GiB:.2f} GiB; raise gpu_memory_budget_gib")
+    torch.cuda.set_per_process_memory_fraction(min(1.0, torch_bytes / total), device)
+
+
+def uses_cuda_graphs(runner) -> bool:
+    config = runner.config
+    return runner.device.type == "cuda" and not config.enforce_eager and runner.backend.name != "torch"
+
+
+@torch.inference_mode()
+def profile_memory(runner) -> dict:
+    """Measured terms for plan_kv_blocks (bytes): card, weights, activation peak, graph pools, non-torch."""
+    config, device = runner.config, runner.device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    weights_bytes = torch.cuda.memory_allocated(device)
+    runner._warmup_sampler()  # small batches first: torch.compile specializes on the first size it sees
+    seq_len = min(config.max_num_batched_tokens, config.max_model_len)
+    num_tokens = seq_len * min(config.max_num_batched_tokens // seq_len, config.max_num_seqs)
+    activation_peak = _peak_bytes(runner, num_tokens, seq_len, config.max_num_seqs, sample=True)
+    # the rule this replaced, on the same run, for the record: it took the peak off a `total - free` that already
+    # held the allocator's cached activations (and ignored the budget and the graph pools)
+    free, total = torch.cuda.mem_get_info(device)
+    old_rule_kv_bytes = int(total * config.gpu_memory_utilization - (total - free) - activation_peak)
+    graph_pools = 0
+    if uses_cuda_graphs(runner):
+        decode_rows = min(config.max_num_seqs, config.max_cudagraph_capture_size)
+        piecewise = 0 if SWITCHES.piecewise_graphs == "0" else min(config.max_num_batched_tokens,
+                                                                   MAX_PIECEWISE_GRAPH_TOKENS)
+        graph_tokens = max(decode_rows, piecewise)
+        graph_pools = _peak_bytes(runner, graph_tokens, min(graph_tokens, config.max_model_len), 1, sample=False)
+    torch.cuda.empty_cache()
+    apply_budget(config, device)
+    return dict(card_bytes=card_bytes(config, device), weights_bytes=weights_bytes,
+                activation_peak_bytes=activation_peak, graph_pool_bytes=graph_pools,
+                non_torch_bytes=non_torch_bytes(device), old_rule_kv_bytes=old_rule_kv_bytes)
+
+
+def _peak_bytes(runner, num_tokens: int, seq_len: int, num_rows: int, sample: bool) -> int:
+    """Bytes above what is allocated now at the peak of one step without a KV cache: num_tokens packed as
+    seq_len-long sequences, logits for the last num_rows rows and, with `sample`, the sampler with top-k/top-p."""
+    device = runner.device
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    positions = torch.arange(num_tokens, device=device) % seq_len
+    input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    set_context(AttentionMetadata(False, None, None, None, max_seq_len=seq_len))
+    try:
+        hidden = runner.model(input_ids, positions)
+        logits = runner.model.compute_logits(hidden[-num_rows:])
+    finally:
+        reset_context()
+    del hidden
+    if sample:
+        rows = logits.size(0)
+        tensors = SamplingTensors(torch.full((rows,), 0.7, device=device),
+                                  torch.full((rows,), 50, dtype=torch.int64, device=device),
+                                  torch.full((rows,), 0.9, device=device), None, None, all_greedy=False)
+        runner.sampler(logits, tensors)
+    del logits
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base

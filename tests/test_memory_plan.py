@@ -1,0 +1,50 @@
+"""The KV sizing arithmetic (nanovllm/core/memory_plan.py): stubbed measurements give exact block counts."""
+from nanovllm.core.memory_plan import GiB, format_breakdown, plan_kv_blocks
+
+MiB = 1 << 20
+
+
+def test_every_term_is_subtracted_once():
+    # 8 GiB x 0.9 = 7.2 GiB usable; 3.2 + 1 + 0.25 + 0.5 GiB spent -> 2.25 GiB of 28 MiB blocks = 82 blocks
+    num_blocks, b = plan_kv_blocks(8 * GiB, 0.9, int(3.2 * GiB), 1 * GiB, GiB // 4, GiB // 2, 28 * MiB)
+    assert num_blocks == (int(8 * GiB * 0.9) - int(3.2 * GiB) - GiB - GiB // 4 - GiB // 2) // (28 * MiB) == 82
+    assert b["kv"] == 82 * 28 * MiB
+    assert b["usable"] == int(8 * GiB * 0.9)
+    parts = ("weights", "activation_peak", "graph_pools", "non_torch", "kv", "left_free")
+    assert sum(b[k] for k in parts) == 8 * GiB  # every byte of the card is in exactly one term
+
+
+def test_activation_peak_not_taken_twice():
+    # the old rule took (peak - current) off a `total - free` that already held it: 1 GiB less KV here
+    num_blocks, _ = plan_kv_blocks(10 * GiB, 1.0, 2 * GiB, 1 * GiB, 0, 0, GiB)
+    assert num_blocks == 7
+
+
+def test_cap_and_no_room():
+    assert plan_kv_blocks(10 * GiB, 1.0, 0, 0, 0, 0, GiB, max_blocks=3)[0] == 3
+    num_blocks, b = plan_kv_blocks(4 * GiB, 0.9, 4 * GiB, 0, 0, 0, MiB)
+    assert num_blocks == 0 and b["kv"] == 0 and b["left_free"] == 0
+
+
+def test_log_line_names_every_term():
+    line = format_breakdown(plan_kv_blocks(8 * GiB, 0.9, 3 * GiB, GiB, 0, GiB // 2, 64 * MiB)[1])
+    for word in ("weights 3.00", "activation peak 1.00", "graph pools 0.00", "other (non-torch) 0.50", "KV 2.69",
+                 "(43 blocks)", "left free 0.81"):
+        assert word in line, (word, line)
+
+
+def test_engine_sizing_uses_the_measured_terms_once():
+    import torch
+    from nanovllm.config import Config
+    from nanovllm.engine.kv_cache import num_blocks_for_budget
+    from nanovllm.utils.presets import preset_dir
+    config = Config(preset_dir("qwen3-1.7b"), device="cpu", max_model_len=4096, max_num_seqs=256,
+                    gpu_memory_budget_gib=8)
+    measured = dict(card_bytes=8 * GiB, weights_bytes=int(3.2 * GiB), activation_peak_bytes=GiB // 2,
+                    graph_pool_bytes=GiB // 4, non_torch_bytes=GiB // 2)
+    block_bytes = 7 * MiB  # Qwen3-1.7B, 64 tokens, bf16
+    num_blocks, b = num_blocks_for_budget(config, block_bytes, torch.device("cuda"), lambda: measured, 1)
+    assert num_blocks == (int(8 * GiB * 0.9) - int(4.45 * GiB)) // (7 * MiB) == 402 and b["num_blocks"] == 402
+    config.num_kvcache_blocks = 100  # an explicit cap: the breakdown shows the memory it leaves free
+    num_blocks, b = num_blocks_for_budget(config, block_bytes, torch.device("cuda"), lambda: measured, 1)
+    assert num_blocks == 100 and b["kv"] == 700 * MiB and b["left_free"] == 8 * GiB - int(4.45 * GiB) - 700 * MiB
