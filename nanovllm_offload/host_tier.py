@@ -51,8 +51,10 @@ class HostTier:
         if num_blocks is None:
             return None
         check_host_memory(num_blocks * block_bytes, config.tensor_parallel_size, config.swap_space, pinned)
-        return cls(num_blocks, config.kvcache_block_size, PreemptionPolicy(config.preemption_mode, block_bytes),
-                   config.host_prefix_cache)
+        # the prefill prior decides until the first prefill is measured, which for a disk hit at start-up is always:
+        # a GPU's tens of thousands of tokens/s would make a CPU engine skip a disk that beats its own prefill
+        policy = PreemptionPolicy(config.preemption_mode, block_bytes, prefill_tokens_per_s=20e3 if pinned else 1e3)
+        return cls(num_blocks, config.kvcache_block_size, policy, config.host_prefix_cache)
 
     @property
     def num_blocks(self) -> int:
