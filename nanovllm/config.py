@@ -34,6 +34,9 @@ OPTION_CHOICES = {
     "host_cache_policy": HOST_CACHE_POLICIES,
     "kv_cache_dtype": KV_CACHE_DTYPES,
 }
+# 1 PiB: more than any host holds, so a larger swap_space is a typo; the bound also keeps its byte count finite.
+# Config does not compare it with this host's memory: bench_swap.py sizes GPU machines' configs on any host
+MAX_SWAP_SPACE_GIB = 1 << 20
 
 
 @dataclass(slots=True)
@@ -52,13 +55,13 @@ class Config:
     # schedule step N+1 while step N runs on the GPU; a finished sequence may compute one extra, discarded token.
     # None: on when tensor_parallel_size == 1 (the workers need each sampled token before the next step)
     async_scheduling: bool | None = None
-    attention_backend: str = "auto"  # flash when importable, else triton on cuda, torch on cpu
+    attention_backend: str = "auto"  # the tested ones: triton on cuda, torch on cpu; "flash" only when asked for
     # --- batch limits
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384  # token budget per step; longer prompts are prefilled in chunks
     # --- GPU KV cache
-    # tokens per KV block; None: 64, or 256 when flash-attn will run (its paged KV needs multiples of 256).
+    # tokens per KV block; None: 64, or 256 with attention_backend="flash" (its paged KV needs multiples of 256).
     # 64 keeps a block one DMA of several MB (0.6B: 7 MB) while wasting little in each sequence's last block
     kvcache_block_size: int | None = None
     num_kvcache_blocks: int | None = None  # explicit cap on GPU blocks
@@ -86,7 +89,7 @@ class Config:
         for name, choices in OPTION_CHOICES.items():
             _check_choice(name, getattr(self, name), choices)
         if self.kvcache_block_size is None:
-            self.kvcache_block_size = 256 if _flash_backend_expected(self.attention_backend, self.device) else 64
+            self.kvcache_block_size = 256 if self.attention_backend == "flash" else 64
         for name in ("kvcache_block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
                      "max_cudagraph_capture_size", "max_model_len", "num_kvcache_blocks", "kv_cache_memory_bytes"):
             value = getattr(self, name)
@@ -116,8 +119,9 @@ class Config:
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling=True needs tensor_parallel_size=1 (the workers need each sampled "
                              "token before the next step); turn one of them off")
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space={self.swap_space} GiB must be >= 0")
+        if not 0 <= self.swap_space <= MAX_SWAP_SPACE_GIB:
+            raise ValueError(f"swap_space={self.swap_space:g} GiB must be in [0, {MAX_SWAP_SPACE_GIB}] (GiB of host "
+                             f"memory per rank; whether it fits this host is checked when the pool is allocated)")
         self._check_disk_tier()
         self.hf_config = load_hf_config(self.model)
         self._check_model_shape()
@@ -154,6 +158,9 @@ class Config:
                              f"use attention_backend='auto' (the Triton kernels read FP8 KV)")
 
     def _check_model_dir(self):
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise ValueError(f"model={self.model!r} must be the path of a local Hugging Face checkpoint (a str)")
+        self.model = os.fspath(self.model)
         path = os.path.join(self.model, "config.json")
         if not os.path.isdir(self.model):
             raise ValueError(f"model={self.model!r} is not a directory; pass a local Hugging Face checkpoint")
@@ -213,14 +220,6 @@ class Config:
     @property
     def num_kv_heads(self) -> int:
         return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
-
-
-def _flash_backend_expected(attention_backend: str, device: str) -> bool:
-    """Whether "auto" or "flash" will pick flash-attn (checked without importing it or torch)."""
-    import importlib.util
-    if attention_backend == "flash":
-        return True
-    return attention_backend == "auto" and device != "cpu" and importlib.util.find_spec("flash_attn") is not None
 
 
 def _check_choice(name: str, value, choices):

@@ -1,7 +1,8 @@
-"""Per-request sampling options, validated at construction (vLLM's names and defaults)."""
+"""Per-request sampling options, validated at construction and again when a request is added (vLLM's names
+and defaults)."""
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 FLOAT32_MAX = 3.4028234663852886e38  # a temperature above it is infinite on the device: every logit becomes NaN
@@ -58,6 +59,12 @@ class SamplingParams:
         if ids is None or isinstance(self.stop_token_ids, str) or not all(_is_int(i) and i >= 0 for i in ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a list of token ids (ints >= 0)")
         self.stop_token_ids = [int(i) for i in ids]
+
+    def clone(self) -> "SamplingParams":
+        """A checked, independent copy (vLLM's name): the engine takes one per request, so a field changed after
+        construction is checked again (ValueError naming it) and a change after add_request cannot reach the
+        request."""
+        return replace(self)
 
     @property
     def is_greedy(self) -> bool:

@@ -35,16 +35,17 @@ DISK_STAT_KEYS = ("disk_hit_tokens", "disk_loaded_tokens", "disk_skipped_tokens"
 NO_OWNER = -1  # the owner id a write's or a load's hold on a host block is released under
 
 
-def open_disk_store(config: "Config", *, dtype: str, num_layers: int, num_kv_heads: int, head_dim: int,
-                    block_bytes: int, tp_rank: int = 0) -> DiskStore:
+def open_disk_store(config: "Config", runner, tp_rank: int = 0) -> DiskStore:
     """The store of `config.kv_disk_path` for this rank's blocks, fingerprinted by everything that makes their
-    bytes what they are, with its read speed probed on what an earlier run left (so the load rule starts from a
-    measurement, not the prior)."""
+    bytes what they are (the runner's dtype, num_layers, num_kv_heads per rank, head_dim, block_bytes and the
+    config's), with its read speed probed on what an earlier run left (so the load rule starts from a measurement,
+    not the prior)."""
     kv_cache_dtype = {"fp8": "fp8_e4m3"}.get(config.kv_cache_dtype, config.kv_cache_dtype)
     fingerprint = kv_fingerprint(
-        config.model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=config.kvcache_block_size,
-        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, tp_size=config.tensor_parallel_size,
-        tp_rank=tp_rank, block_bytes=block_bytes, kv_scale_layout=FP8_SCALE_LAYOUT if config.is_fp8_kv else None,
+        config.model, dtype=str(runner.dtype).removeprefix("torch."), kv_cache_dtype=kv_cache_dtype,
+        block_size=config.kvcache_block_size, num_layers=runner.num_layers, num_kv_heads=runner.num_kv_heads,
+        head_dim=runner.head_dim, tp_size=config.tensor_parallel_size, tp_rank=tp_rank, block_bytes=runner.block_bytes,
+        kv_scale_layout=FP8_SCALE_LAYOUT if config.is_fp8_kv else None,
         load_format=config.load_format, seed=config.seed)
     os.makedirs(config.kv_disk_path, exist_ok=True)
     store = DiskStore(config.kv_disk_path, fingerprint, int(config.kv_disk_gib * GiB))

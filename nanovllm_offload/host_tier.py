@@ -148,6 +148,11 @@ class HostTier:
         """True when seq's next blocks are being loaded from disk: it waits out of the queues (poll_disk)."""
         return self.prefix_cache and self.disk is not None and self.disk.start_load(seq, num_hit_blocks)
 
+    def submit_disk_writes(self):
+        """Hand the blocks held for disk writes to the store; call once the copies into them have landed."""
+        if self.disk is not None and self.disk.pending_writes:
+            self.disk.submit_writes()
+
     def poll_disk(self) -> list[Sequence]:
         """Sequences whose disk loads came back (their blocks are host hits now); never blocks."""
         return self.disk.poll() if self.disk is not None else []

@@ -1,7 +1,6 @@
 """The engine loop: add requests, then step (schedule -> run -> postprocess) until they finish."""
 import atexit
 import json
-import numbers
 import os
 import time
 
@@ -15,6 +14,7 @@ from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.core.sequence import Sequence
 from nanovllm.engine.step_plan import make_plan
 from nanovllm.engine.workers import WorkerPool, free_init_method
+from nanovllm.inputs import as_prompt_list, check_prompt
 from nanovllm.sampling_params import SamplingParams
 from nanovllm_offload.disk_tier import no_disk_stats, open_disk_store
 from nanovllm_offload.host_tier import HostTier
@@ -74,12 +74,8 @@ class LLMEngine:
         if host_tier is not None:
             self._call("allocate_host_cache", host_tier.num_blocks)
             if config.kv_disk_path is not None:  # TP 1 only (Config): the host pool is this process's
-                runner = self.runner
-                store = open_disk_store(config, dtype=str(runner.dtype).removeprefix("torch."),
-                                        num_layers=runner.num_layers, num_kv_heads=runner.num_kv_heads,
-                                        head_dim=runner.head_dim, block_bytes=runner.block_bytes)
-                host_tier.attach_disk(store, runner.host_cache.kv.view(torch.uint8).view(host_tier.num_blocks, -1)
-                                      .numpy())
+                host_bytes = self.runner.host_cache.kv.view(torch.uint8).view(host_tier.num_blocks, -1).numpy()
+                host_tier.attach_disk(open_disk_store(config, self.runner), host_bytes)
         self._call("capture_cuda_graphs")
         return host_tier
 
@@ -97,6 +93,7 @@ class LLMEngine:
 
     # --- requests
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
+        sampling_params = _params_snapshot(sampling_params)
         seq = Sequence(self._prompt_token_ids(prompt, sampling_params), sampling_params,
                        self.config.kvcache_block_size)
         self.scheduler.add(seq)
@@ -107,19 +104,14 @@ class LLMEngine:
         """Validate a request without touching engine state; raises ValueError naming the problem."""
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        if isinstance(prompt, str):
+        token_ids = check_prompt(prompt)
+        if isinstance(token_ids, str):
             if self.tokenizer is None:
                 raise ValueError(f"model={self.config.model!r} has no tokenizer files; pass prompts as token ids")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
+            token_ids = self.tokenizer.encode(token_ids)
         if not token_ids:
             raise ValueError("empty prompt: a prompt needs at least one token")
         vocab = self.config.hf_config.vocab_size
-        not_ints = [t for t in token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
-        if not_ints:
-            raise ValueError(f"token id {not_ints[0]!r} is not an integer; a prompt is a string or a list of ints")
-        token_ids = [int(t) for t in token_ids]  # numpy / torch integers become Python ints
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
@@ -140,9 +132,11 @@ class LLMEngine:
 
     def abort_request(self, seq_id: int):
         seq = self.requests.pop(seq_id, None)
-        if seq is not None and not seq.is_finished:
+        if seq is None:
+            return
+        if not seq.is_finished:
             self.scheduler.finish(seq, "abort")
-            self.runner.release([seq_id])
+        self.runner.release([seq_id])  # also a request that finished in a step whose caller was interrupted
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self._in_flight is None
@@ -162,8 +156,10 @@ class LLMEngine:
             self._prefix_cache_suspect = False
         try:
             return self._step()
-        except BaseException:  # an error, or Ctrl-C between scheduling a step and launching it
+        except BaseException as error:  # an error, or Ctrl-C between scheduling a step and launching it
             self._prefix_cache_suspect = True
+            if self.workers is not None:
+                self.workers.abandon_call(error)  # raises a worker's failure when that is the cause
             raise
 
     def _step(self) -> list[Sequence]:
@@ -179,9 +175,8 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.send("run", plan)
         sampled = self.runner.launch(plan, sample_seqs)
-        disk = self.host_tier.disk if self.host_tier is not None else None
-        if disk is not None and disk.pending_writes and self.runner.copy_engine.out_copies_done():
-            disk.submit_writes()  # the host blocks they read are filled now
+        if self.host_tier is not None and self.runner.copy_engine.out_copies_done():
+            self.host_tier.submit_disk_writes()  # the host blocks they read are filled now
         finished = self._read_back()  # the previous step, while this one runs
         self._unsynced_prefill_tokens += sum(n for n in out.num_new_tokens if n > 1)
         self._unsynced_rows += len(out.seqs)
@@ -239,14 +234,16 @@ class LLMEngine:
 
     def _queue(self, prompts, sampling_params) -> list[int]:
         """Validate every request first, then queue them all: a bad one leaves the engine untouched."""
-        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], numbers.Integral)):
-            prompts = [prompts]  # one prompt: a string, or token ids (a list or a numpy vector)
+        prompts = as_prompt_list(prompts)  # one prompt (a string or token ids) or a list of them
         if sampling_params is None:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts; pass one or one each")
+        # checked again here, not only when built: a SamplingParams may have been changed since (they are mutable,
+        # as in vLLM); each request keeps its own checked copy, so a later change cannot reach it either
+        sampling_params = [_params_snapshot(sp) for sp in sampling_params]
         for prompt, sp in zip(prompts, sampling_params):
             self._prompt_token_ids(prompt, sp)
         return [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
@@ -269,8 +266,9 @@ class LLMEngine:
         finally:
             bar.close()
             self._generating.difference_update(seq_ids)
-            for seq_id in pending:  # interrupted (e.g. Ctrl-C): free what the unfinished requests hold
-                self.abort_request(seq_id)
+            if pending:  # interrupted (e.g. Ctrl-C): free what the unfinished requests hold, forget the finished
+                for seq_id in seq_ids:
+                    self.abort_request(seq_id)
         return [self.output(self.requests.pop(seq_id)) for seq_id in seq_ids]
 
     def generate_stream(self, prompts: list[str] | list[list[int]] | str, sampling_params=None):
@@ -353,8 +351,7 @@ class LLMEngine:
             self.runner = None
 
     def _close_disk_tier(self):
-        """Finish the disk writes before the host pool goes; when idle, blocks the last step freed are offloaded
-        first (write-back), so a restart finds the whole of the last request."""
+        """Finish the disk writes before the host pool goes; when idle, offload what the last step freed first."""
         disk = self.host_tier.disk if self.host_tier is not None else None
         if disk is None or self.runner is None:
             return
@@ -372,6 +369,13 @@ class LLMEngine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _params_snapshot(sampling_params) -> SamplingParams:
+    """A checked copy (ValueError naming the option when a field was set to something invalid since)."""
+    if not isinstance(sampling_params, SamplingParams):
+        raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+    return sampling_params.clone()
 
 
 def _load_tokenizer(model: str):

@@ -385,6 +385,8 @@ class ModelRunner:
     def close(self):
         if self.copy_engine is not None:
             self.copy_engine.synchronize()
+        if self.host_cache is not None:
+            self.host_cache.close()
         for attn in (m for m in self.model.modules() if isinstance(m, Attention)):
             attn.kv = attn.rotation = None
         self.graphs.clear()

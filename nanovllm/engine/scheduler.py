@@ -1,5 +1,6 @@
 """The scheduler: decides what each step computes, preempts, swaps. It owns the queues and nothing else
 (plain Python; no torch)."""
+import logging
 from collections import deque
 from collections.abc import Callable
 
@@ -9,6 +10,8 @@ from nanovllm.core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from nanovllm.engine.scheduler_output import SchedulerOutput, SchedulerStats
 from nanovllm_offload.host_block_pool import HostBlockPool
 from nanovllm_offload.host_tier import HostTier
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -263,7 +266,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput, mode: str | None = None):
         """Swap seq out when the policy says so and the host pool has room; else recompute it later."""
         self.stats.preemptions += 1
-        if self.host_tier is not None and self.host_tier.wants_swap(seq, mode):
+        wants_swap = self.host_tier is not None and self.host_tier.wants_swap(seq, mode)
+        if wants_swap:
             in_flight = self._blocks_in_flight(seq)
             copies = self.host_tier.swap_out(seq, self.block_manager, hand_out_last=in_flight)
             if copies is not None:
@@ -274,12 +278,26 @@ class Scheduler:
                 self.stats.preemptions_swap += 1
                 self.stats.blocks_swapped_out += len(copies)
                 return
+            self._count_swap_fallback(seq)
         self.stats.preemptions_recompute += 1
         self.block_manager.free(seq)
         seq.num_recompute_pending = max(seq.num_recompute_pending, seq.num_computed_tokens)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def _count_swap_fallback(self, seq: Sequence):
+        """A swap became a recompute (no room in the host pool): counted, and said once in the log, since it costs
+        prefill time that the user chose swapping to save."""
+        self.stats.swap_fallback_recomputes += 1
+        if self.stats.swap_fallback_recomputes > 1:
+            return
+        num_blocks = len(self.block_manager.computed_block_ids(seq))
+        pool = self.host_tier.pool
+        why = (f"the host pool holds {pool.num_blocks} blocks, fewer than its {num_blocks}" if num_blocks > pool.num_blocks
+               else f"the host pool has {pool.num_free_blocks} of {pool.num_blocks} blocks free")
+        logger.warning("seq %d was to be swapped out but is recomputed: %s; raise swap_space (counted in stats()"
+                       "['swap_fallback_recomputes'], said once)", seq.seq_id, why)
 
     def _blocks_in_flight(self, seq: Sequence) -> list[int]:
         """seq's blocks that the last scheduled step writes: with asynchronous scheduling its forward may still

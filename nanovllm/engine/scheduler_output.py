@@ -39,6 +39,8 @@ class SchedulerStats:
     preemptions_swap: int = 0
     preemptions_recompute: int = 0
     recomputed_tokens: int = 0  # tokens computed a second time because of a recompute preemption
+    # preemptions that the policy (or mode) meant to swap but recomputed: no room in the host pool
+    swap_fallback_recomputes: int = 0
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
     host_prefix_query_tokens: int = 0  # prompt tokens looked up in the host prefix cache (past the GPU hits)

@@ -1,0 +1,208 @@
+"""Hostile input to the Python API: every case is a ValueError that names the value, and the same engine then
+serves a normal request with the same tokens as before. Also: an interrupted generate leaves nothing behind, a
+SamplingParams changed after construction is checked again, a swap that has to recompute is said and counted."""
+from __future__ import annotations
+
+import logging
+import re
+
+import numpy as np
+import pytest
+
+from conftest import close_llm, greedy, random_prompts, tiny_llm_kwargs
+from nanovllm import LLM, SamplingParams
+
+GOOD = random_prompts((13, 7, 21), seed=70)
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    engine = LLM(qwen3_dir, **tiny_llm_kwargs())
+    yield engine
+    close_llm(engine)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    return [o["token_ids"] for o in llm.generate(GOOD, greedy(8), use_tqdm=False)]
+
+
+def assert_idle(llm):
+    """Nothing left of earlier calls: no request, no queued or running sequence, every GPU block free."""
+    scheduler = llm.scheduler
+    assert llm.requests == {} and llm._generating == set() and llm._unclaimed == []
+    assert scheduler.is_finished() and not scheduler.running and not scheduler.waiting and not scheduler.swapped
+    assert scheduler.block_manager.num_free_blocks == llm.num_gpu_blocks
+
+
+@pytest.fixture()
+def serves_the_same(llm, reference):
+    """After each case the engine is idle and gives the reference tokens again."""
+    yield
+    assert_idle(llm)
+    assert [o["token_ids"] for o in llm.generate(GOOD, greedy(8), use_tqdm=False)] == reference
+    assert_idle(llm)
+
+
+def _generator():
+    yield [5, 6, 7]
+
+
+@pytest.mark.parametrize("prompts, pattern", [
+    (b"The capital of France is", r"prompts=b'The capital of France is' is bytes.*decode"),
+    (bytearray(b"abc"), r"prompts=bytearray\(b'abc'\) is bytearray"),
+    ([b"abc"], r"prompt=b'abc' is bytes"),
+    (None, r"prompts=None \(NoneType\) must be a string, a list of token ids"),
+    (5, r"prompts=5 \(int\) must be"),
+    ([1.0, 2.0], r"token id 1\.0 is not an integer"),
+    (np.array([1.5, 2.0]), r"token id 1\.5 is not an integer"),
+    (np.array([[1.5, 2.0]]), r"token id 1\.5 is not an integer"),
+    (np.array(7), r"prompts=array\(7\) is a scalar array"),
+    (_generator(), r"prompts=<generator object .*\(generator\) must be"),
+    ({"a": 1}, r"prompts=\{'a': 1\} \(dict\) must be"),
+    ([[5, 6], None], r"prompt None \(NoneType\) must be a string or a list of token ids"),
+    ([[5, 6], {"a": 1}], r"prompt \{'a': 1\} \(dict\) must be"),
+    ([True, False], r"token id True is not an integer"),
+    ("x\ud800y", r"prompt has a lone surrogate '\\ud800' at character 1"),
+], ids=["bytes", "bytearray", "bytes-in-list", "None", "int", "floats", "np-floats", "np-floats-2d", "np-scalar",
+        "generator", "dict", "None-in-list", "dict-in-list", "bools", "lone-surrogate"])
+def test_bad_prompts_are_value_errors(llm, serves_the_same, prompts, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        llm.generate(prompts, greedy(4), use_tqdm=False)
+    with pytest.raises(ValueError, match=pattern):
+        list(llm.generate_stream(prompts, greedy(4)))
+
+
+def test_add_request_refuses_bytes(llm, serves_the_same):
+    with pytest.raises(ValueError, match=r"prompt=b'\\x05\\x06' is bytes"):
+        llm.add_request(b"\x05\x06", greedy(4))
+
+
+def test_integer_arrays_stay_prompts(llm, serves_the_same, reference):
+    assert llm.generate(np.array(GOOD[0]), greedy(8), use_tqdm=False)[0]["token_ids"] == reference[0]
+    assert llm.generate(np.array(GOOD[0], dtype=np.int32)[None], greedy(8), use_tqdm=False)[0]["token_ids"] \
+        == reference[0]
+    assert llm.generate(tuple(GOOD[0]), greedy(8), use_tqdm=False)[0]["token_ids"] == reference[0]
+
+
+# ---------------------------------------------------------------- SamplingParams changed after construction
+
+
+@pytest.mark.parametrize("field, value, pattern", [
+    ("max_tokens", 0, r"max_tokens=0 must be an int >= 1"),
+    ("temperature", float("nan"), r"temperature=nan must be a finite number"),
+    ("top_p", 0.0, r"top_p=0\.0 must be in"),
+    ("stop_token_ids", 7, r"stop_token_ids=7 must be a list"),
+    ("min_tokens", 99, r"min_tokens=99 must be an int in \[0, max_tokens=4\]"),
+])
+def test_a_sampling_params_changed_into_an_invalid_state_is_refused(llm, serves_the_same, field, value, pattern):
+    params = greedy(4)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=pattern):
+        llm.generate(GOOD, params, use_tqdm=False)
+    with pytest.raises(ValueError, match=pattern):  # one bad one among good ones: nothing is queued
+        llm.generate(GOOD, [greedy(4), params, greedy(4)], use_tqdm=False)
+    with pytest.raises(ValueError, match=pattern):
+        llm.add_request(GOOD[0], params)
+
+
+def test_a_change_after_add_request_does_not_reach_the_request(llm, serves_the_same, reference):
+    params = greedy(8)
+    seq_id = llm.add_request(GOOD[0], params)
+    params.max_tokens = 1
+    finished = []
+    while not finished:
+        finished = llm.step()
+    assert [s.seq_id for s in finished] == [seq_id] and llm.output(finished[0])["token_ids"] == reference[0]
+    llm.requests.pop(seq_id)
+
+
+# ---------------------------------------------------------------- engine options
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(swap_space=1e300), r"swap_space=1e\+300 GiB must be in \[0, 1048576\]"),
+    (dict(swap_space=-1), r"swap_space=-1 GiB must be in \[0, 1048576\]"),
+    (dict(swap_space=float("inf")), r"swap_space=inf must be a finite number"),
+    (dict(swap_space=100000), r"swap_space=100000 GiB needs 100000\.0 GiB of memory per rank x 1 rank\(s\), but only"),
+], ids=["swap_space-1e300", "swap_space-negative", "swap_space-inf",
+                                  "swap_space-beyond-the-host"])
+def test_bad_engine_options(llm, serves_the_same, qwen3_dir, kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        LLM(qwen3_dir, **tiny_llm_kwargs(**kwargs))
+
+
+@pytest.mark.parametrize("model", [None, 5, b"/tmp"])
+def test_model_that_is_not_a_path(llm, serves_the_same, model):
+    with pytest.raises(ValueError, match=re.escape(f"model={model!r} must be the path")):
+        LLM(model, **tiny_llm_kwargs())
+
+
+# ---------------------------------------------------------------- interrupted calls
+
+
+def interrupt_after(monkeypatch, llm, num_steps: int):
+    """llm.step raises KeyboardInterrupt (a Ctrl-C) once num_steps steps have run."""
+    step, count = llm.step, [0]
+
+    def step_then_interrupt():
+        if count[0] == num_steps:
+            monkeypatch.setattr(llm, "step", step)
+            raise KeyboardInterrupt
+        count[0] += 1
+        return step()
+    monkeypatch.setattr(llm, "step", step_then_interrupt)
+
+
+@pytest.mark.parametrize("num_steps", [3, 9, 14])
+def test_an_interrupted_generate_leaves_nothing_behind(llm, serves_the_same, monkeypatch, num_steps):
+    """Requests of 4, 8 and 16 new tokens finish at different steps, so the interrupts land with none, some or
+    most of them finished; three interrupts in a row, as a user pressing Ctrl-C again and again."""
+    params = [greedy(4), greedy(8), greedy(16)]
+    for _ in range(3):
+        interrupt_after(monkeypatch, llm, num_steps)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(GOOD, params, use_tqdm=False)
+        assert_idle(llm)
+
+
+@pytest.mark.parametrize("num_chunks", [1, 6])
+def test_a_stream_interrupted_or_closed_early_leaves_nothing_behind(llm, serves_the_same, monkeypatch, num_chunks):
+    params = [greedy(4), greedy(8), greedy(16)]
+    for _ in range(3):
+        stream = llm.generate_stream(GOOD, params)
+        for _ in range(num_chunks):
+            next(stream)
+        stream.close()
+        assert_idle(llm)
+        interrupt_after(monkeypatch, llm, num_chunks)
+        with pytest.raises(KeyboardInterrupt):
+            list(llm.generate_stream(GOOD, params))
+        assert_idle(llm)
+
+
+# ---------------------------------------------------------------- a swap that has to recompute
+
+
+def test_a_swap_that_recomputes_is_said_once_and_counted(qwen3_dir, caplog):
+    """1e-6 GiB of swap space holds no block of this model: every preemption that "swap" asks for recomputes."""
+    prompts = random_prompts((10, 12, 14, 11), seed=71)
+    kwargs = tiny_llm_kwargs(num_kvcache_blocks=12, max_model_len=48, max_num_seqs=4, preemption_mode="swap",
+                             swap_space=1e-6)
+    with caplog.at_level(logging.WARNING, logger="nanovllm.engine.scheduler"), LLM(qwen3_dir, **kwargs) as llm:
+        llm.generate(prompts, greedy(24), use_tqdm=False)
+        stats = llm.stats()
+    assert stats["preemptions_recompute"] > 1 and stats["preemptions_swap"] == 0, stats
+    assert stats["swap_fallback_recomputes"] == stats["preemptions_recompute"], stats
+    warnings = [r.getMessage() for r in caplog.records if "recomputed" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert re.search(r"the host pool holds 0 blocks, fewer than its \d+; raise swap_space", warnings[0]), warnings
+
+
+def test_recompute_by_choice_is_no_fallback(qwen3_dir):
+    prompts = random_prompts((10, 12, 14, 11), seed=71)
+    kwargs = tiny_llm_kwargs(num_kvcache_blocks=12, max_model_len=48, max_num_seqs=4, preemption_mode="recompute")
+    with LLM(qwen3_dir, **kwargs) as llm:
+        llm.generate(prompts, greedy(24), use_tqdm=False)
+        stats = llm.stats()
+    assert stats["preemptions_recompute"] > 0 and stats["swap_fallback_recomputes"] == 0, stats
