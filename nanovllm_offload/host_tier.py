@@ -14,6 +14,8 @@ from nanovllm_offload.policy import PreemptionPolicy
 if TYPE_CHECKING:
     from nanovllm.config import Config
 
+CPU_PREFILL_PRIOR = 1e3  # tokens/s: a small model's prefill on a few CPU cores
+
 
 def num_host_blocks_for(config: "Config", block_bytes: int) -> int | None:
     """The host pool's size in blocks, or None when the config asks for no host tier. Without the prefix-cache role,
@@ -51,10 +53,8 @@ class HostTier:
         if num_blocks is None:
             return None
         check_host_memory(num_blocks * block_bytes, config.tensor_parallel_size, config.swap_space, pinned)
-        # the prefill prior decides until the first prefill is measured, which for a disk hit at start-up is always:
-        # a GPU's tens of thousands of tokens/s would make a CPU engine skip a disk that beats its own prefill
-        policy = PreemptionPolicy(config.preemption_mode, block_bytes, prefill_tokens_per_s=20e3 if pinned else 1e3)
-        return cls(num_blocks, config.kvcache_block_size, policy, config.host_prefix_cache)
+        return cls(num_blocks, config.kvcache_block_size, PreemptionPolicy(config.preemption_mode, block_bytes),
+                   config.host_prefix_cache)
 
     @property
     def num_blocks(self) -> int:
@@ -138,11 +138,13 @@ class HostTier:
         return self.pool.reset_cache()
 
     # --- the disk tier below the host pool (nanovllm_offload/disk_tier.py)
-    def attach_disk(self, store, host_blocks):
+    def attach_disk(self, store, host_blocks, on_cpu: bool = False):
         """Put a disk store (disk_tier.open_disk_store) under the pool; host_blocks: the pool's bytes as a
         (num_blocks, block_bytes) uint8 numpy view."""
-        self.disk = DiskTier(store, host_blocks, self.pool, self.policy or PreemptionPolicy("auto", store.block_bytes),
-                             self.block_size)
+        self.policy = self.policy or PreemptionPolicy("auto", store.block_bytes)
+        if on_cpu:  # the prefill prior decides a disk hit at start-up (nothing measured yet), and the GPU-sized prior
+            self.policy.prefill_tokens_per_s = CPU_PREFILL_PRIOR  # would skip a disk that beats a CPU's prefill
+        self.disk = DiskTier(store, host_blocks, self.pool, self.policy, self.block_size)
 
     def start_disk_load(self, seq: Sequence, num_hit_blocks: int) -> bool:
         """True when seq's next blocks are being loaded from disk: it waits out of the queues (poll_disk)."""

@@ -74,8 +74,8 @@ class LLMEngine:
         if host_tier is not None:
             self._call("allocate_host_cache", host_tier.num_blocks)
             if config.kv_disk_path is not None:  # TP 1 only (Config): the host pool is this process's
-                host_bytes = self.runner.host_cache.kv.view(torch.uint8).view(host_tier.num_blocks, -1).numpy()
-                host_tier.attach_disk(open_disk_store(config, self.runner), host_bytes)
+                kv_bytes = self.runner.host_cache.kv.view(torch.uint8).view(host_tier.num_blocks, -1).numpy()
+                host_tier.attach_disk(open_disk_store(config, self.runner), kv_bytes, self.runner.device.type == "cpu")
         self._call("capture_cuda_graphs")
         return host_tier
 
