@@ -7,7 +7,7 @@ least time the decode steps' KV and weight reads allow at the copy bandwidth mea
                                                       # (1,000 tokens of context a row, or as given)
     python bench.py --profile-mixed 32:1024 0:560x29  # ... and of steps with 32 decode rows + a 1,024-token prompt,
                                                       # and of a prefill of 29 prompts of 560 tokens
-    python bench.py --variants "" "NANOVLLM_DECODE_LONGEST_FIRST=0" --repeat 2
+    python bench.py --variants "" "NANOVLLM_DECODE_TILE=16,32,4,3" --repeat 2
                                                       # each variant (environment settings) in its own process,
                                                       # alternating, then tok/s against the first
 """

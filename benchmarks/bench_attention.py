@@ -2,6 +2,7 @@
 
     python benchmarks/bench_attention.py [--sweep [decode] [prefill]] [--overlap] [--prefill]
     python benchmarks/bench_attention.py --sustained [ROWS ...]
+    python benchmarks/bench_attention.py --kv-cache-dtype auto fp8 [--rows 1024 256] [--layers 8]
 
 Prints, for decode at batch 256 / context 1024 (Qwen3-0.6B and Qwen3-8B head shapes, bf16,
 block_size 256): kernel time, GB/s of KV read, the device-to-device copy bandwidth measured in the
@@ -17,6 +18,8 @@ bench.py prefill step (Qwen3-8B and Qwen3-0.6B heads), 29 prompts of 560 tokens,
 the two interleaved, a plain streaming read of the same cache) with board power and SM clock from NVML.
 ``--overlap`` times only whether decode attention (memory-bound) and a layer's GEMMs (compute-bound) run faster
 side by side on two CUDA streams than one after the other (Qwen3-8B shapes): the premise of nano-batches.
+``--kv-cache-dtype auto fp8`` times only decode attention at the 8B shape reading a bf16 cache against an FP8 cache
+(values + per-token scales), KV bytes read (scales counted) against the copy bandwidth.
 """
 
 import argparse
@@ -30,15 +33,16 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from nanovllm.kernels.triton_attention import (
-    KernelConfig,
-    _SPLIT_PLAN_BLOCK_N,
-    _decode_config,
-    _decode_split_plan,
-    _sm_count,
+from nanovllm.kernels.decode_attention import (
+    SPLIT_PLAN_BLOCK_N,
+    decode_config,
+    decode_split_plan,
     paged_decode_attention,
-    paged_prefill_attention,
+    sm_count,
 )
+from nanovllm.kernels.paged_common import KernelConfig
+from nanovllm.kernels.prefill_attention import paged_prefill_attention
+from nanovllm.layers.kv_layout import KVLayout, quantize_fp8
 
 SHAPES = {  # name: (q heads, kv heads, head_dim)
     "Qwen3-0.6B": (16, 8, 128),
@@ -139,17 +143,16 @@ class DecodeCase:
         self.label = (f"decode {name:11s} B={batch:3d} ctx={ctx:5d}{' (ragged)' if ragged else ''} "
                       f"bs={block_size:3d}{f' table {table_ctx} tokens wide' if table_ctx else ''}")
 
-    def split_plan(self, row_splits=False) -> int:
-        return _decode_split_plan(self.batch, self.num_kv_heads, self.tables[0].shape[1], self.block_size,
-                                  _SPLIT_PLAN_BLOCK_N, _sm_count(self.q.device), row_splits=row_splits)[1]
+    def split_plan(self) -> int:
+        return decode_split_plan(self.batch, self.num_kv_heads, self.tables[0].shape[1], self.block_size,
+                                 SPLIT_PLAN_BLOCK_N, sm_count(self.q.device))
 
-    def run(self, cfg=None, splits=None, row_order=None, row_splits=False) -> tuple[float, float]:
+    def run(self, cfg=None, splits=None) -> tuple[float, float]:
         """(ms of one call, KV bytes read per second), from replays of a graph of one call per table copy."""
         def calls():
             for tables in self.tables:
                 paged_decode_attention(self.q, self.k_cache, self.v_cache, self.lens, tables, self.head_dim ** -0.5,
-                                       out=self.out, num_splits=splits, config=cfg, row_order=row_order,
-                                       row_splits=row_splits)
+                                       out=self.out, num_splits=splits, config=cfg, row_order=self.longest_first)
         calls()  # compiles outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -166,56 +169,35 @@ class DecodeCase:
 
 def bench_decode(name, batch, ctx, block_size, copy_bw, dtype=torch.bfloat16, sweep=False, other_splits=(),
                  ragged=False):
-    """The default kernel, the other grid order, longest first (ragged contexts), other split counts, a sweep."""
+    """The default kernel, then other split counts and a sweep of tiles."""
     case = DecodeCase(name, batch, ctx, block_size, dtype, ragged)
     splits = case.split_plan()
     ms, bw = case.run()
     print(f"{case.label} splits={splits:2d}: "
           f"{ms * 1e3:8.1f} us  KV read {bw / 1e9:7.0f} GB/s  = {bw / copy_bw:6.1%} of copy bw", flush=True)
-    default = _decode_config(dtype, case.head_dim, block_size, splits > 1)
-    ms, bw = case.run(dataclasses.replace(default, heads_fastest=not default.heads_fastest))
-    other = "kv heads fastest" if not default.heads_fastest else "kv heads apart (the plain order)"
-    print(f"    the same, {other} in the grid: {ms * 1e3:8.1f} us  {bw / 1e9:7.0f} GB/s  {bw / copy_bw:6.1%}",
-          flush=True)
-    if ragged:  # rows launched longest context first
-        for fastest in (False, True):
-            ms, bw = case.run(dataclasses.replace(default, heads_fastest=fastest), row_order=case.longest_first)
-            print(f"    longest first{', kv heads fastest' if fastest else ''}: {ms * 1e3:8.1f} us  "
-                  f"{bw / 1e9:7.0f} GB/s  {bw / copy_bw:6.1%}", flush=True)
     for s in other_splits:
         ms, bw = case.run(None, s)
         print(f"    splits={s:2d}: {ms * 1e3:8.1f} us  {bw / 1e9:7.0f} GB/s  {bw / copy_bw:6.1%}", flush=True)
     if sweep:
         configs = [KernelConfig(16, bn, w, st) for bn in (32, 64, 128) for (w, st) in ((4, 2), (4, 3), (8, 3))]
         configs += [KernelConfig(16, 32, 4, 4), KernelConfig(16, 64, 4, 4), KernelConfig(16, 64, 2, 3)]
-        runs = [(c, 1) for c in configs] + [(dataclasses.replace(c, heads_fastest=True), 1) for c in configs]
-        runs += [(c, 2) for c in configs]
+        runs = [(c, 1) for c in configs] + [(c, 2) for c in configs]
         for c, s in runs:
-            order = " heads-fastest" if c.heads_fastest else ""
             try:
                 ms, bw = case.run(c, s)
-                print(f"    sweep bn={c.block_n:3d} warps={c.num_warps} stages={c.num_stages} splits={s}{order}: "
+                print(f"    sweep bn={c.block_n:3d} warps={c.num_warps} stages={c.num_stages} splits={s}: "
                       f"{ms * 1e3:8.1f} us  {bw / 1e9:6.0f} GB/s  {bw / copy_bw:6.1%}", flush=True)
             except Exception as e:  # e.g. out of shared memory
                 print(f"    sweep {c} splits={s}: failed ({type(e).__name__})", flush=True)
     case.free()
 
 
-def bench_split_plans(batch, table_ctx, copy_bw, name="Qwen3-0.6B", ctx=1024, block_size=64):
-    """Ragged contexts in tables `table_ctx` tokens wide, rows longest first as in the engine: the split plan that
-    cuts the table width (NANOVLLM_DECODE_ROW_SPLITS=0) against per-row splits (the default), each with a row's kv
-    heads apart in the grid (NANOVLLM_DECODE_HEADS_FASTEST=0) and side by side (the default)."""
+def bench_wide_tables(batch, table_ctx, copy_bw, name="Qwen3-0.6B", ctx=1024, block_size=64):
+    """Ragged contexts in tables `table_ctx` tokens wide, as the engine's decode graphs pass them (max_model_len
+    wide): each row cuts its own context into the splits, so a short row in a wide table still splits."""
     case = DecodeCase(name, batch, ctx, block_size, ragged=True, table_ctx=table_ctx)
-    print(f"{case.label}:", flush=True)
-    for row_splits in (False, True):
-        splits = case.split_plan(row_splits)
-        line = f"    {'per-row' if row_splits else 'table'} splits={splits:2d}:"
-        for fastest in (False, True):
-            cfg = dataclasses.replace(_decode_config(case.dtype, case.head_dim, block_size, splits > 1),
-                                      heads_fastest=fastest)
-            ms, bw = case.run(cfg, row_order=case.longest_first, row_splits=row_splits)
-            line += f"  heads {'fastest' if fastest else 'apart'} {ms * 1e3:6.1f} us {bw / copy_bw:6.1%}"
-        print(line, flush=True)
+    ms, bw = case.run()
+    print(f"{case.label} splits={case.split_plan():2d}: {ms * 1e3:6.1f} us {bw / copy_bw:6.1%} of copy bw", flush=True)
     case.free()
 
 
@@ -310,6 +292,7 @@ def bench_overlap(batch: int = 288, ctx: int = 1024, repeats: int = 20):
     kv, k_cache, v_cache, tables = make_paged_cache(batch, 2 * ctx - 100, num_kv_heads, head_dim, 64, dtype)
     rng = random.Random(0)
     lens = torch.tensor([rng.randint(100, 2 * ctx - 100) for _ in range(batch)], dtype=torch.int32, device="cuda")
+    order = torch.argsort(lens, descending=True).to(torch.int32)  # the engine sorts once per forward
     q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device="cuda")
     out = torch.empty_like(q)
     x = torch.randn(batch, hidden, dtype=dtype, device="cuda")
@@ -321,7 +304,7 @@ def bench_overlap(batch: int = 288, ctx: int = 1024, repeats: int = 20):
 
     def attention():
         for _ in range(repeats):
-            paged_decode_attention(q, k_cache, v_cache, lens, tables, head_dim ** -0.5, out=out)
+            paged_decode_attention(q, k_cache, v_cache, lens, tables, head_dim ** -0.5, out=out, row_order=order)
 
     def gemms():
         for _ in range(repeats):
@@ -365,7 +348,7 @@ def bench_overlap(batch: int = 288, ctx: int = 1024, repeats: int = 20):
           f"{_graph_replay_us(lambda: concurrent(*streams['equal priority']), repeats)}", flush=True)
     # SM partitions: attention's stream on num_sms SMs, the GEMMs' on the rest (CUDA green contexts; two separate
     # create() calls are not promised disjoint SMs, so the alone-times below say what each really got)
-    total_sms = _sm_count(q.device)
+    total_sms = sm_count(q.device)
     for num_sms in (32, 48, 64, 80):
         pair, why = _green_streams(num_sms, total_sms - num_sms)
         if pair is None:
@@ -437,6 +420,7 @@ def sustained_decode(batch: int = 1024, mean_ctx: int = 574, num_layers: int = 8
     head_major = kv.view(kv.shape[0], num_layers, 2, num_kv_heads, block_size, head_dim).permute(0, 1, 2, 4, 3, 5)
     tables = torch.randperm(batch * width, device="cuda").view(batch, width).to(torch.int32)
     lens = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
+    order = torch.argsort(lens, descending=True).to(torch.int32)  # the engine sorts once per forward
     q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device="cuda")
     out = torch.empty_like(q)
     gemm_shapes = (((num_heads + 2 * num_kv_heads) * head_dim, hidden), (hidden, num_heads * head_dim),
@@ -450,7 +434,7 @@ def sustained_decode(batch: int = 1024, mean_ctx: int = 574, num_layers: int = 8
 
     def attention(cache, layer, cfg):
         paged_decode_attention(q, cache[:, layer, 0], cache[:, layer, 1], lens, tables, head_dim ** -0.5, out=out,
-                               config=cfg)
+                               config=cfg, row_order=order)
 
     def gemms(layer):
         for a, w, o in zip(acts, weights[layer], outs):
@@ -470,7 +454,7 @@ def sustained_decode(batch: int = 1024, mean_ctx: int = 574, num_layers: int = 8
           flush=True)
     us, power = _held(lambda: [gemms(layer) for layer in range(num_layers)], seconds, num_layers)
     print(f"GEMMs alone: {us:7.1f} us/layer {flops / us / 1e6:6.1f} TFLOP/s  {power}", flush=True)
-    default = _decode_config(dtype, head_dim, block_size, False)
+    default = decode_config(dtype, head_dim, block_size, False)
     tiles = [default] + [dataclasses.replace(default, block_n=n, num_warps=w, num_stages=st)
                          for n, w, st in ((64, 2, 2), (64, 2, 3), (32, 2, 3), (32, 4, 2))
                          if (n, w, st) != (default.block_n, default.num_warps, default.num_stages)]
@@ -487,6 +471,71 @@ def sustained_decode(batch: int = 1024, mean_ctx: int = 574, num_layers: int = 8
     del kv, head_major
     torch.cuda.empty_cache()
 
+def time_kv_cache_dtype(kv_cache_dtype: str, lens: list[int], num_layers: int, block_size: int = 64,
+                        num_kv_heads: int = 8, num_heads: int = 32, head_dim: int = 128,
+                        config: KernelConfig | None = None) -> tuple[float, float]:
+    """(seconds a layer, KV bytes read per second) of decode attention over `num_layers` layer views of one
+    block-major cache in `kv_cache_dtype` ("auto": bf16; "fp8": values + per-token scales), so each layer's K/V is a
+    strided view as in the engine; timed in replays of a graph of one call per layer. FP8 bytes count the scales."""
+    rows = len(lens)
+    layout = KVLayout(num_layers, block_size, num_kv_heads, head_dim, torch.bfloat16, kv_cache_dtype)
+    widths = [-(-n // block_size) for n in lens]
+    num_blocks = sum(widths) + 1
+    kv = layout.allocate(num_blocks, torch.device("cuda"))
+    if layout.is_fp8:  # realistic bytes: quantized random K/V
+        for layer in range(num_layers):
+            views = layout.layer_views(kv, layer)
+            for part in ("k", "v"):
+                values, scales = quantize_fp8(torch.randn(num_blocks, block_size, num_kv_heads, head_dim,
+                                                          device="cuda"), layout.dtype)
+                getattr(views, part).copy_(values)
+                getattr(views, part + "_scale").copy_(scales)
+    else:
+        kv.normal_()
+    perm = torch.randperm(num_blocks - 1).tolist()
+    tables = torch.full((rows, max(widths)), -1, dtype=torch.int32)
+    start = 0
+    for i, w in enumerate(widths):
+        tables[i, :w] = torch.tensor(perm[start:start + w])
+        start += w
+    tables, seq_lens = tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(rows, num_heads, head_dim, dtype=torch.bfloat16, device="cuda")  # [B, H, D]
+    out = torch.empty_like(q)
+    order = torch.argsort(seq_lens, descending=True).to(torch.int32)  # the engine sorts once per forward
+    views = [layout.layer_views(kv, i) for i in range(num_layers)]
+
+    def step():
+        for v in views:
+            paged_decode_attention(q, v.k, v.v, seq_lens, tables, head_dim ** -0.5, out=out, row_order=order,
+                                   k_scale=v.k_scale, v_scale=v.v_scale, config=config)
+    step()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    seconds = bench_ms(graph.replay) * 1e-3
+    bytes_per_token_head = head_dim * 2 if not layout.is_fp8 else head_dim + 2  # FP8 values + a bf16 scale
+    kv_bytes = sum(lens) * num_kv_heads * 2 * bytes_per_token_head * num_layers
+    del graph, kv
+    torch.cuda.empty_cache()
+    return seconds / num_layers, kv_bytes / seconds
+
+
+def bench_kv_cache_dtypes(kv_cache_dtypes: list[str], rows_list: list[int], num_layers: int, copy_bw: float,
+                          fp8_tiles: list[str]):
+    """--kv-cache-dtype: decode attention at the Qwen3-8B shape reading a cache in each dtype, ragged contexts as
+    in the 8B bench.py run's first decode step; with --fp8-tiles also the FP8 cache in other decode tiles."""
+    for rows in rows_list:
+        rng = random.Random(0)
+        lens = [rng.randint(100, 1048) for _ in range(rows)]
+        runs = [(dtype, None) for dtype in kv_cache_dtypes] + [("fp8", tile) for tile in fp8_tiles]
+        for dtype, tile in runs:
+            config = None if tile is None else KernelConfig(16, *(int(x) for x in tile.split(",")))
+            per_layer, rate = time_kv_cache_dtype(dtype, lens, num_layers, config=config)
+            print(f"rows {rows} kv {dtype:5s}{f' tile {tile}' if tile else ''}: {per_layer * 1e6:7.1f} us/layer, "
+                  f"KV read {rate / 1e12:.2f} TB/s = {rate / copy_bw:.0%} of copy bandwidth", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", nargs="*", choices=["decode", "prefill"], default=None,
@@ -495,7 +544,18 @@ def main():
     parser.add_argument("--prefill", action="store_true", help="only the prefill tiles on the engine's shapes")
     parser.add_argument("--sustained", type=int, nargs="*", default=None, metavar="ROWS",
                         help="only 8B decode layers held at the power limit, at these batch sizes (default 1024)")
+    parser.add_argument("--kv-cache-dtype", nargs="+", choices=["auto", "fp8"], default=None,
+                        help="only decode attention at the 8B shape reading a cache of each dtype (auto: bf16)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1024, 256], help="with --kv-cache-dtype: batch sizes")
+    parser.add_argument("--layers", type=int, default=8, help="with --kv-cache-dtype: layer views timed per graph")
+    parser.add_argument("--fp8-tiles", nargs="*", default=[], metavar="BLOCK_N,WARPS,STAGES",
+                        help="with --kv-cache-dtype: also time the FP8 cache with these decode tiles")
     args = parser.parse_args()
+    if args.kv_cache_dtype is not None:
+        torch.manual_seed(0)
+        copy_bw = copy_bandwidth()
+        print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)", flush=True)
+        return bench_kv_cache_dtypes(args.kv_cache_dtype, args.rows, args.layers, copy_bw, args.fp8_tiles)
     if args.sustained is not None:
         torch.manual_seed(0)
         for batch in args.sustained or [1024]:  # a full 8B batch at its first decode step; smaller ones later on
@@ -511,7 +571,7 @@ def main():
         return
     sweep = set(args.sweep or ["decode", "prefill"]) if args.sweep is not None else set()
     torch.manual_seed(0)
-    print(f"device: {torch.cuda.get_device_name()}  ({_sm_count(torch.device('cuda'))} SMs)  "
+    print(f"device: {torch.cuda.get_device_name()}  ({sm_count(torch.device('cuda'))} SMs)  "
           f"torch {torch.__version__}  triton {triton.__version__}")
     copy_bw = copy_bandwidth()
     print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)", flush=True)
@@ -528,11 +588,11 @@ def main():
     for batch in (32, 64, 192):
         bench_decode("Qwen3-0.6B", batch, 1024, 64, copy_bw)
     bench_decode("Qwen3-0.6B", 128, 1024, 64, copy_bw, ragged=True)
-    # split plans where they matter: small batches under the engine's graphs, whose tables are max_model_len wide
+    # splits where they matter: small batches under the engine's graphs, whose tables are max_model_len wide
     # (bench.py and bench_swap.py: 4,096; a model's default: 40,960 for Qwen3), e.g. bench_swap's rtx4070 (~33 rows)
     for batch in (1, 8, 16, 32, 48, 64):
         for table_ctx in (4096, 40960):
-            bench_split_plans(batch, table_ctx, copy_bw)
+            bench_wide_tables(batch, table_ctx, copy_bw)
     for name in SHAPES:  # other regimes: small batch / long context (split-K), block_size 16
         bench_decode(name, 8, 8192, 256, copy_bw, other_splits=(4, 16, 32, 64))
         bench_decode(name, 256, 1024, 16, copy_bw)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 
 FLOAT32_MAX = 3.4028234663852886e38  # a temperature above it is infinite on the device: every logit becomes NaN
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most alternatives a request may ask for
 
 
 @dataclass(slots=True)
@@ -21,9 +22,14 @@ class SamplingParams:
     stop: list[str] | str | None = None  # stop strings; the text is cut before the first match
     include_stop_str_in_output: bool = False  # keep the matched stop string (or stop token's text) in the text
     seed: int | None = None  # per-request generator: the same seed gives the same tokens
+    # per generated token: its log-probability and those of the `logprobs` most likely tokens (0: its own only);
+    # of the model's raw distribution (before temperature, top-k/p, min_p, min_tokens), as vLLM returns by default
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for each prompt token but the first; no prefix-cache hits then
 
     def __post_init__(self):
-        for name in ("top_k", "max_tokens", "min_tokens", "seed"):  # numpy / torch-free integers become Python ints
+        # numpy / torch-free integers become Python ints
+        for name in ("top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool):
                 setattr(self, name, int(value))
@@ -46,6 +52,11 @@ class SamplingParams:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens!r} must be an int in [0, max_tokens={self.max_tokens}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name}={value!r} must be None or an int in [0, {MAX_LOGPROBS}] (vLLM's "
+                                 f"max_logprobs; 0 gives the chosen token's log-probability only)")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             value = getattr(self, name)
             if isinstance(value, (str, float)) or value not in (True, False):  # 0 / 1 and numpy bools pass

@@ -10,13 +10,14 @@
 #                    python3.10 that is a Python 3.10-3.12)
 #   TORCH            cpu (default) or cuda
 #   TORCH_VERSION    the torch release to install (default 2.13.0)
-#   TORCH_INDEX_URL  PyTorch's CPU wheel index; when it cannot be reached, the configured index is used instead
+#   TORCH_INDEX_URL  PyTorch's CPU wheel index (the URL PyTorch's install page gives for "CPU"; this project writes no
+#                    package index's address into its files); unset or unreachable: pip's configured index
 set -eu
 
 VENV="${VENV:-.venv}"
 TORCH="${TORCH:-cpu}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
-TORCH_INDEX_URL="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
+TORCH_INDEX_URL="${TORCH_INDEX_URL:-}"
 CUDA_SIZE_NOTE="about 0.5 GB for torch plus about 3 GB of CUDA packages (nvidia-*)"
 
 say() { echo "setup: $*"; }
@@ -58,16 +59,21 @@ sys.exit(0 if any(name.startswith("nvidia-") for name in names) else 1)'
 }
 
 install_cpu_torch() {
-    if index_is_reachable "$TORCH_INDEX_URL"; then
+    if [ -n "$TORCH_INDEX_URL" ] && index_is_reachable "$TORCH_INDEX_URL"; then
         say "torch $TORCH_VERSION: the CPU build from PyTorch's CPU wheel index ($TORCH_INDEX_URL)"
         "$PY" -m pip install --quiet --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"
         return
     fi
-    say "torch $TORCH_VERSION: PyTorch's CPU wheel index ($TORCH_INDEX_URL) is unreachable; using pip's configured index"
+    if [ -n "$TORCH_INDEX_URL" ]; then
+        say "torch $TORCH_VERSION: TORCH_INDEX_URL ($TORCH_INDEX_URL) is unreachable; using pip's configured index"
+    else
+        say "torch $TORCH_VERSION: from pip's configured index (TORCH_INDEX_URL, PyTorch's CPU wheel index, is not set)"
+    fi
     if configured_index_gives_cuda; then
         say "WARNING: the configured index has only the CUDA build of torch $TORCH_VERSION: $CUDA_SIZE_NOTE."
-        say "  For the CPU build (about 0.2 GB), stop now (Ctrl-C) and rerun with TORCH_INDEX_URL set to a reachable"
-        say "  copy of PyTorch's CPU wheel index, or install a torch-$TORCH_VERSION+cpu wheel into $VENV first."
+        say "  For the CPU build (about 0.2 GB), stop now (Ctrl-C) and rerun with TORCH_INDEX_URL set to PyTorch's CPU"
+        say "  wheel index (the URL PyTorch's install page gives for CPU), or install a torch-$TORCH_VERSION+cpu wheel into"
+        say "  $VENV first."
         say "  Downloading the CUDA build in 10 s."
         sleep 10
     fi

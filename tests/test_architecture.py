@@ -16,7 +16,8 @@ PACKAGES = ("nanovllm", "nanovllm_offload")
 # lowest first; a module may import modules of its own layer or of a lower one. The longest matching prefix names a
 # module's layer.
 LAYERS = [
-    ("floor", ["nanovllm.core", "nanovllm.sampling_params", "nanovllm.inputs"]),  # metadata and request checks
+    # metadata, request checks; a request's options and its logprobs' type (vLLM's modules)
+    ("floor", ["nanovllm.core", "nanovllm.sampling_params", "nanovllm.inputs", "nanovllm.logprobs"]),
     ("config", ["nanovllm.config", "nanovllm.utils"]),
     ("offload", ["nanovllm_offload"]),  # the host tier: the floor, torch, config types
     ("kernels", ["nanovllm.kernels"]),
@@ -28,8 +29,9 @@ LAYERS = [
 ]
 # the unit whose cycles count as package cycles: a subpackage, or a top-level module
 UNIT_DEPTH = {"nanovllm": 2, "nanovllm_offload": 1}
-TORCH_FREE = ["nanovllm.core.*", "nanovllm.sampling_params", "nanovllm.inputs", "nanovllm.config", "nanovllm.engine.scheduler",
-              "nanovllm.engine.step_plan", "nanovllm.engine.output", "nanovllm_offload.host_block_pool",
+TORCH_FREE = ["nanovllm.core.*", "nanovllm.sampling_params", "nanovllm.inputs", "nanovllm.logprobs", "nanovllm.config",
+              "nanovllm.engine.scheduler", "nanovllm.engine.step_plan", "nanovllm.engine.output",
+              "nanovllm_offload.host_block_pool",
               "nanovllm_offload.policy", "nanovllm_offload.host_memory", "nanovllm_offload.host_tier"]
 
 

@@ -123,7 +123,9 @@ def test_fp8_host_prefix_cache_hits_give_the_same_tokens(qwen3_dir):
 
 KERNELS = r"""
 import json, torch
-from nanovllm.kernels.triton_attention import store_kvcache, paged_decode_attention, paged_prefill_attention
+from nanovllm.kernels.decode_attention import paged_decode_attention
+from nanovllm.kernels.prefill_attention import paged_prefill_attention
+from nanovllm.kernels.store_kv import store_kvcache
 from nanovllm.layers.attention import TorchBackend
 from nanovllm.layers.kv_layout import KVLayout
 from nanovllm.utils.context import AttentionMetadata

@@ -89,19 +89,6 @@ def test_mixed_steps_match_hf_in_float32(gpu_models, env):
     assert num_same(got["token_ids"], ref) == len(ref), (got["token_ids"], ref)
 
 
-def test_plain_decode_launch_order_matches_hf_in_float32(gpu_models):
-    """The default decode launch (rows sorted by context length inside the decode graphs and before the decode part
-    of mixed steps, a row's kv heads side by side in the grid, each row cut into its own splits: at most 8 rows
-    here, so every launch splits) is what every other test runs; the plain one (NANOVLLM_DECODE_LONGEST_FIRST=0,
-    NANOVLLM_DECODE_HEADS_FASTEST=0, NANOVLLM_DECODE_ROW_SPLITS=0: the table width cut into slices) gives the same
-    tokens too."""
-    ref = run(gpu_models["qwen3"], reference=True)["token_ids"]
-    env = {"NANOVLLM_DECODE_LONGEST_FIRST": "0", "NANOVLLM_DECODE_HEADS_FASTEST": "0",
-           "NANOVLLM_DECODE_ROW_SPLITS": "0"}
-    got = run(gpu_models["qwen3"], env=env, max_num_batched_tokens=64)
-    assert got["graphs"] > 0 and num_same(got["token_ids"], ref) == len(ref), (got["token_ids"], ref)
-
-
 FULL_BATCH_RUN = """
 import json, random, sys
 import torch

@@ -292,8 +292,8 @@ LONG_PROMPT = "hello " * 600  # > max_model_len=512 tokens
     (dict(prompt=[10**9]), "outside the vocabulary"),
     (dict(prompt=["a", "b"]), "one prompt per request"),
     (dict(n=2), "n=2"),
-    (dict(logprobs=2), "logprobs"),
-    (dict(logprobs=0), "logprobs"),  # 0 asks for the sampled tokens' logprobs
+    (dict(logprobs=21), "logprobs=21 must be in [0, 20]"),
+    (dict(logprobs=-1), "logprobs=-1"),
     (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty"),
     (dict(extra_body={"min_tokens": 8}), "min_tokens=8 must be an int in [0, max_tokens=4]"),
     (dict(temperature=1e39), "temperature"),  # inf in float32: it once crashed the step of every request

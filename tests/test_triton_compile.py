@@ -62,7 +62,8 @@ def compile_only(self, *args, grid, warmup, **kwargs):
 JITFunction.run = compile_only
 driver.set_active(StandInDriver())
 
-from nanovllm.kernels import activation, rope_store, sampling, triton_attention as ta
+from nanovllm.kernels import activation, rope_store, sampling
+from nanovllm.kernels import decode_attention, prefill_attention, store_kv
 
 T = 5
 CASES = [  # dtype, head_dim, block_size, (num_heads, num_kv_heads): the engine's shapes, then the edge cases
@@ -77,19 +78,15 @@ for dtype, head_dim, block_size, (num_heads, num_kv_heads) in CASES:
     k_cache, v_cache = kv[:, 1, 0], kv[:, 1, 1]
     k, v = (torch.randn(T, num_kv_heads, head_dim, dtype=dtype) for _ in range(2))
     slots = torch.arange(T, dtype=torch.int64)
-    ta.store_kvcache(k, v, k_cache, v_cache, slots)
+    store_kv.store_kvcache(k, v, k_cache, v_cache, slots)
     q = torch.randn(T, num_heads, head_dim, dtype=dtype)
     seq_lens, block_tables = torch.tensor([2, 3], dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32)
     for max_query_len in (1, 3, 300):  # the tile-size classes
-        ta.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, 2, 5], dtype=torch.int32), seq_lens,
-                                   block_tables, max_query_len, 0.1)
+        prefill_attention.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, 2, 5], dtype=torch.int32),
+                                                  seq_lens, block_tables, max_query_len, 0.1)
     for num_splits in (1, 3):
-        ta.paged_decode_attention(q[:2], k_cache, v_cache, seq_lens, block_tables, 0.1, num_splits=num_splits)
-    # the default launch order: kv heads fastest, rows in a given order
-    cfg = ta.KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, heads_fastest=True)
-    ta.paged_decode_attention(q[:2], k_cache, v_cache, seq_lens, block_tables, 0.1, config=cfg,
-                              row_order=torch.tensor([1, 0], dtype=torch.int32))
-    ta.paged_decode_attention(q[:2], k_cache, v_cache, seq_lens, block_tables, 0.1, num_splits=3, row_splits=True)
+        decode_attention.paged_decode_attention(q[:2], k_cache, v_cache, seq_lens, block_tables, 0.1,
+                                                num_splits=num_splits)
     if head_dim != 96:  # the fused kernel needs head_dim / 2 a power of two (the runner checks)
         qkv = torch.randn(T, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
         cos_sin = torch.randn(64, head_dim)

@@ -1,4 +1,5 @@
-"""GPU tests for nanovllm/kernels/triton_attention.py against a pure-torch reference.
+"""GPU tests for the paged-attention kernels (nanovllm/kernels/store_kv.py, prefill_attention.py,
+decode_attention.py) against a pure-torch reference.
 
 Skipped without CUDA. The cache is always the engine's real layout
 ``kv[num_blocks, num_layers=3, 2, block_size, H, D]`` seen through the non-contiguous layer-1 views,
@@ -20,9 +21,14 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 5e-3}  # fp32 d
 
 
 def _kernels():
-    from nanovllm.kernels import triton_attention
+    from types import SimpleNamespace
 
-    return triton_attention
+    from nanovllm.kernels.decode_attention import paged_decode_attention
+    from nanovllm.kernels.prefill_attention import paged_prefill_attention
+    from nanovllm.kernels.store_kv import store_kvcache
+
+    return SimpleNamespace(store_kvcache=store_kvcache, paged_prefill_attention=paged_prefill_attention,
+                           paged_decode_attention=paged_decode_attention)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,6 +46,13 @@ class Sequence:
         self.sample_row = -1
         self.finish_reason: str | None = None
         self.output_text: str | None = None  # set when a stop string cut the text
+        # SamplingParams.logprobs / prompt_logprobs: one dict {token_id: Logprob} per resolved completion token,
+        # and per prompt token (None for the first); filled as steps are read back
+        self.logprobs: list | None = None if sampling_params.logprobs is None else []
+        self.prompt_logprobs: list | None = None if sampling_params.prompt_logprobs is None else [None]
+        # prompt positions whose logprobs a launched step computes (position p gives token p + 1's); a recompute
+        # after preemption starts past them, so no prompt token gets its logprobs twice
+        self.num_prompt_logprobs_planned = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -66,6 +73,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt tokens still lack their logprobs: their positions must be computed, not taken from a cache."""
+        return self.prompt_logprobs is not None and self.num_prompt_logprobs_planned < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

@@ -1,5 +1,6 @@
 """The engine loop: add requests, then step (schedule -> run -> postprocess) until they finish."""
 import atexit
+import itertools
 import json
 import os
 import time
@@ -12,9 +13,10 @@ from nanovllm.engine.model_runner import ModelRunner, resolve_device
 from nanovllm.engine.output import StreamCursor, TextOutput
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.core.sequence import Sequence
-from nanovllm.engine.step_plan import make_plan
+from nanovllm.engine.step_plan import LogprobRows, add_logprob_rows, make_plan
 from nanovllm.engine.workers import WorkerPool, free_init_method
 from nanovllm.inputs import as_prompt_list, check_prompt
+from nanovllm.logprobs import position_logprobs
 from nanovllm.sampling_params import SamplingParams
 from nanovllm_offload.disk_tier import no_disk_stats, open_disk_store
 from nanovllm_offload.host_tier import HostTier
@@ -41,7 +43,8 @@ class LLMEngine:
             self.scheduler.kv_ready = lambda seq: copy_engine.blocks_ready(seq.block_table)
         self.requests: dict[int, Sequence] = {}
         self._num_empty_steps = 0
-        self._in_flight = None  # (rows, SampledTokens) of the launched step not read back yet
+        self._in_flight = None  # (rows, SampledTokens, LogprobRows | None) of the launched step not read back yet
+        self._logprob_seq_ids: set[int] = set()  # requests that asked for logprobs: steps without any skip them
         # prefill speed for the policy: prompt tokens and rows of the steps launched since the last read-back, which
         # waits for them on the GPU; the time between two read-backs is theirs (with asynchronous scheduling the
         # host's own time for a step overlaps the GPU's, so a step's wall time would be its predecessor's)
@@ -98,6 +101,8 @@ class LLMEngine:
                        self.config.kvcache_block_size)
         self.scheduler.add(seq)
         self.requests[seq.seq_id] = seq
+        if seq.logprobs is not None or seq.prompt_logprobs is not None:
+            self._logprob_seq_ids.add(seq.seq_id)
         return seq.seq_id
 
     def _prompt_token_ids(self, prompt, sampling_params: SamplingParams) -> list[int]:
@@ -132,6 +137,7 @@ class LLMEngine:
 
     def abort_request(self, seq_id: int):
         seq = self.requests.pop(seq_id, None)
+        self._logprob_seq_ids.discard(seq_id)
         if seq is None:
             return
         if not seq.is_finished:
@@ -172,6 +178,7 @@ class LLMEngine:
         self._check_progress(out)
         plan, sample_seqs = make_plan(out, self.config.kvcache_block_size)
         plan.banned_token_ids = self.scheduler.banned_token_ids(sample_seqs)
+        logprob_rows = add_logprob_rows(plan, out, sample_seqs) if self._logprob_seq_ids else None
         if self.workers is not None:
             self.workers.send("run", plan)
         sampled = self.runner.launch(plan, sample_seqs)
@@ -181,12 +188,13 @@ class LLMEngine:
         self._unsynced_prefill_tokens += sum(n for n in out.num_new_tokens if n > 1)
         self._unsynced_rows += len(out.seqs)
         rows = self.scheduler.advance(out)
-        self._in_flight = (rows, sampled) if rows else None
+        self._in_flight = (rows, sampled, logprob_rows) if rows or logprob_rows else None
         if not self.config.async_scheduling:
             finished += self._read_back()
         self._call_workers_wait()
         self._observe_copies()
         self.runner.release([seq.seq_id for seq in finished])
+        self._logprob_seq_ids.difference_update(seq.seq_id for seq in finished)
         finished, self._unclaimed = self._unclaimed + finished, []
         return finished
 
@@ -200,12 +208,29 @@ class LLMEngine:
         """Fill in the tokens of the step in flight; returns the sequences that finished."""
         if self._in_flight is None:
             return []
-        rows, sampled = self._in_flight
+        rows, sampled, logprob_rows = self._in_flight
         self._in_flight = None
         token_ids = sampled.tolist()  # waits for the step on the GPU
         self._observe_prefill()
+        if logprob_rows is not None:
+            self._attach_logprobs(logprob_rows, *sampled.logprob_lists())
         updated, finished = self.scheduler.resolve(rows, token_ids)
         return finished + self.text_output.apply_stop_strings(updated + finished, self.scheduler.finish)
+
+    def _attach_logprobs(self, owners: LogprobRows, token_ids: list[list[int]], values: list[list[float]],
+                         ranks: list[int]):
+        """Hand a read-back step's logprob rows to their sequences (before resolve, which may finish them: the
+        token a sequence ends with keeps its logprobs; a row whose sequence already finished is dropped, as its
+        token is)."""
+        rows = zip(token_ids, values, ranks)
+        for seq, (ids, row_values, rank) in zip(owners.sample_seqs, rows):
+            if not seq.is_finished:
+                seq.logprobs.append(position_logprobs(ids, row_values, rank, seq.sampling_params.logprobs,
+                                                      self.text_output.token_text))
+        for seq, num_rows in owners.prompt_chunks:
+            num_top = seq.sampling_params.prompt_logprobs
+            seq.prompt_logprobs.extend(position_logprobs(ids, row_values, rank, num_top, self.text_output.token_text)
+                                       for ids, row_values, rank in itertools.islice(rows, num_rows))
 
     def _check_progress(self, out: SchedulerOutput):
         progress = not out.is_empty or self._in_flight is not None or self.scheduler.is_finished()  # idle is fine
@@ -249,7 +274,8 @@ class LLMEngine:
         return [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
 
     def generate(self, prompts: list[str] | list[list[int]] | str, sampling_params=None, use_tqdm: bool = True):
-        """Run prompts to completion; returns {"text", "token_ids", "finish_reason"} per prompt, in input order."""
+        """Run prompts to completion; returns {"text", "token_ids", "finish_reason", "logprobs", "prompt_logprobs"}
+        per prompt, in input order (the logprobs None unless SamplingParams asked for them)."""
         seq_ids = self._queue(prompts, sampling_params)
         pending = set(seq_ids)
         self._generating.update(seq_ids)
@@ -272,8 +298,9 @@ class LLMEngine:
         return [self.output(self.requests.pop(seq_id)) for seq_id in seq_ids]
 
     def generate_stream(self, prompts: list[str] | list[list[int]] | str, sampling_params=None):
-        """Like generate, but yields {"index", "token_ids", "text", "finish_reason"} with the new tokens and text
-        of a request as soon as a step produces them; finish_reason is None until its last chunk.
+        """Like generate, but yields {"index", "token_ids", "text", "finish_reason", "logprobs", "prompt_logprobs"}
+        with the new tokens, text and logprobs of a request as soon as a step produces them; finish_reason is None
+        until its last chunk, prompt_logprobs None after its first.
         Closing the generator early aborts the unfinished requests and frees their blocks; a request aborted by
         abort_request meanwhile ends with finish_reason "abort"."""
         seq_ids = self._queue(prompts, sampling_params)
@@ -289,7 +316,8 @@ class LLMEngine:
                     seq = self.requests.get(seq_id)
                     if seq is None:  # aborted by abort_request
                         del pending[seq_id]
-                        yield {"index": i, "token_ids": [], "text": "", "finish_reason": "abort"}
+                        yield {"index": i, "token_ids": [], "text": "", "finish_reason": "abort", "logprobs": None,
+                               "prompt_logprobs": None}
                         continue
                     chunk = cursor.chunk(seq, i)
                     if chunk is None:

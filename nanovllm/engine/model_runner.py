@@ -16,6 +16,7 @@ from nanovllm.engine.step_plan import StepPlan
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.kv_layout import KVLayout, check_fp8_support, hadamard
+from nanovllm.layers.logprobs import chosen_and_top, raw_logprobs
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.utils.compile import set_compile
@@ -243,16 +244,41 @@ class ModelRunner:
             self.copy_engine.issue_step_copies(plan.swap_out, plan.swap_in, plan.new_gpu_block_ids, plan.block_tables)
         if not plan.num_tokens:
             return SampledTokens(None)
-        logits = self._forward(plan)
+        logits, prompt_logprobs = self._forward(plan)
         if self.copy_engine is not None:
             self.copy_engine.forward_issued(plan.slot_mapping)
-        if logits is None or self.rank != 0:
+        if self.rank != 0:
             return SampledTokens(None)
+        if logits is None:
+            return SampledTokens(None, prompt_logprobs)
+        rows = self._to_device(plan.sample_logprob_rows, torch.int64) if plan.sample_logprob_rows else None
+        logprobs = raw_logprobs(logits[rows]) if rows is not None else None  # before the sampler masks logits
         self._last_sampled = self.sampler(logits, self.sampling_tensors(sample_seqs), plan.banned_token_ids)
-        return SampledTokens(self._last_sampled)
+        if logprobs is not None:
+            sample_logprobs = chosen_and_top(logprobs, self._last_sampled[rows], plan.num_top_logprobs)
+            prompt_logprobs = _cat_rows(sample_logprobs, prompt_logprobs)
+        return SampledTokens(self._last_sampled, prompt_logprobs)
 
-    def _forward(self, plan: StepPlan) -> torch.Tensor | None:
-        """Logits of the sampled rows (rank 0; None elsewhere or when nothing is sampled)."""
+    # rows per full-vocabulary slice of prompt logits: a long prompt chunk's float32 log-softmax stays within the
+    # size of what the profiling run sized (max_num_seqs rows of logits; 256 x a 152k vocabulary is 156 MB)
+    PROMPT_LOGPROB_ROWS = 256
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> tuple[torch.Tensor, ...] | None:
+        """chosen_and_top of the prompt rows (rank 0; every rank computes their logits, a collective at TP > 1)."""
+        indices = self._to_device(plan.prompt_logprob_indices, torch.int64)
+        token_ids = self._to_device(plan.prompt_logprob_token_ids, torch.int64)
+        parts = None
+        for start in range(0, len(plan.prompt_logprob_indices), self.PROMPT_LOGPROB_ROWS):
+            end = start + self.PROMPT_LOGPROB_ROWS
+            logits = self.model.compute_logits(hidden[indices[start:end]])
+            if logits is not None:
+                parts = _cat_rows(parts, chosen_and_top(raw_logprobs(logits), token_ids[start:end],
+                                                         plan.num_top_logprobs))
+        return parts
+
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
+        """Logits of the sampled rows (rank 0; None elsewhere or when nothing is sampled), and the prompt rows'
+        logprobs (rank 0; None elsewhere or when the step has none)."""
         graph = self._graph_for(plan)
         inputs = prepare_step_inputs(plan, self.device, self._last_sampled, self.split_mixed_steps)
         if graph is not None:
@@ -267,9 +293,10 @@ class ModelRunner:
                     hidden = self.model(inputs.input_ids, inputs.positions)
             finally:
                 reset_context()
+        prompt_logprobs = self._prompt_logprobs(hidden, plan) if plan.prompt_logprob_indices else None
         if not plan.logits_indices:
-            return None
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+            return None, prompt_logprobs
+        return self.model.compute_logits(hidden[inputs.logits_indices]), prompt_logprobs
 
     @torch.inference_mode()
     def warmup(self):
@@ -399,3 +426,10 @@ class ModelRunner:
             torch.cuda.empty_cache()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _cat_rows(first: tuple[torch.Tensor, ...] | None, second: tuple[torch.Tensor, ...] | None):
+    """Two chosen_and_top results, one's rows after the other's (either may be None)."""
+    if first is None or second is None:
+        return first if second is None else second
+    return tuple(torch.cat(pair) for pair in zip(first, second))

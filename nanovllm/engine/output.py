@@ -10,6 +10,16 @@ class TextOutput:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self._token_texts: dict[int, str] = {}  # token_text's memo
+
+    def token_text(self, token_id: int) -> str | None:
+        """One token's text (Logprob.decoded_token, as vLLM decodes it), decoded once per token id."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def detokenize(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -26,7 +36,8 @@ class TextOutput:
 
     def output(self, seq: Sequence) -> dict:
         text = seq.output_text if seq.output_text is not None else self.detokenize(self.text_token_ids(seq))
-        return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason}
+        return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
+                "logprobs": seq.logprobs, "prompt_logprobs": seq.prompt_logprobs}
 
     def apply_stop_strings(self, seqs: list[Sequence], finish: Callable[[Sequence, str], None]) -> list[Sequence]:
         """Ends each sequence whose text now holds a stop string, its text cut before the first match (after it
@@ -82,13 +93,18 @@ class StreamCursor:
         self.text_sent = {seq_id: "" for seq_id in seq_ids}
 
     def chunk(self, seq: Sequence, index: int) -> dict | None:
-        """{"index", "token_ids", "text", "finish_reason"} with what seq gained since the last chunk; None when it
-        gained nothing and has not finished."""
-        new_ids = seq.completion_token_ids[self.num_sent[seq.seq_id]:]
+        """{"index", "token_ids", "text", "finish_reason", "logprobs", "prompt_logprobs"} with what seq gained since
+        the last chunk; None when it gained nothing and has not finished. "logprobs" are the new tokens' (None
+        unless asked for); "prompt_logprobs" come whole in the first chunk, which comes after the whole prompt is
+        computed, and are None after it."""
+        num_sent = self.num_sent[seq.seq_id]
+        new_ids = seq.completion_token_ids[num_sent:]
         if not new_ids and not seq.is_finished:
             return None
         text = self.text_output.stream_text(seq)
         delta = text[len(self.text_sent[seq.seq_id]):]
         self.num_sent[seq.seq_id] += len(new_ids)
         self.text_sent[seq.seq_id] = text
-        return {"index": index, "token_ids": new_ids, "text": delta, "finish_reason": seq.finish_reason}
+        return {"index": index, "token_ids": new_ids, "text": delta, "finish_reason": seq.finish_reason,
+                "logprobs": None if seq.logprobs is None else seq.logprobs[num_sent:num_sent + len(new_ids)],
+                "prompt_logprobs": seq.prompt_logprobs if num_sent == 0 else None}

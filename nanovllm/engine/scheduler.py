@@ -150,13 +150,11 @@ class Scheduler:
         are in the host prefix cache gets GPU blocks for them now and prefills from the next step, after the copies."""
         while self.waiting and budget > 0 and not self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached_block_ids = self.block_manager.find_cached_prefix(seq)  # a waiting seq holds no blocks
-            host_block_ids = self.host_tier.find_prefix(seq, len(cached_block_ids)) if self.host_tier else []
-            if self.host_tier and self.host_tier.start_disk_load(seq, len(cached_block_ids) + len(host_block_ids)):
+            cached_block_ids, host_block_ids, tail = self._find_prefix_hits(seq)
+            num_hits = len(cached_block_ids) + len(host_block_ids)
+            if self.host_tier and not seq.needs_prompt_logprobs and self.host_tier.start_disk_load(seq, num_hits):
                 self.waiting.popleft()  # out of the queue until its blocks are read into the host pool
                 continue
-            # a finished sequence's partial block that continues the GPU hits (not after host hits)
-            tail = None if host_block_ids else self.block_manager.find_cached_tail(seq, len(cached_block_ids))
             num_cached = len(cached_block_ids) * self.block_manager.block_size + (tail[1] if tail else 0)
             num_new = min(seq.num_uncomputed_tokens - num_cached, budget)
             if host_block_ids:  # blocks for the host hits only
@@ -215,12 +213,23 @@ class Scheduler:
             return set()
         return set(self.kv_arriving)
 
+    def _find_prefix_hits(self, seq: Sequence) -> tuple[list[int], list[int], tuple[int, int] | None]:
+        """A waiting seq's (GPU hits, host hits, cached tail). None for a request whose prompt tokens still need
+        their logprobs: a hit would skip the positions that give them (vLLM skips the lookup too)."""
+        if seq.needs_prompt_logprobs:
+            return [], [], None
+        cached_block_ids = self.block_manager.find_cached_prefix(seq)  # a waiting seq holds no blocks
+        host_block_ids = self.host_tier.find_prefix(seq, len(cached_block_ids)) if self.host_tier else []
+        # a finished sequence's partial block that continues the GPU hits (not after host hits)
+        tail = None if host_block_ids else self.block_manager.find_cached_tail(seq, len(cached_block_ids))
+        return cached_block_ids, host_block_ids, tail
+
     # --- the host prefix cache (decided by the host tier; counted here)
     def _count_prefix_lookup(self, seq: Sequence, num_gpu_hits: int, num_tail_hits: int = 0):
         """Counted once per admission (a lookup whose allocation failed is repeated, not counted twice)."""
         block_size = self.block_manager.block_size
         self.stats.prefix_cache_hit_tokens += num_gpu_hits * block_size + num_tail_hits
-        if self.host_tier is not None:
+        if self.host_tier is not None and not seq.needs_prompt_logprobs:  # no lookup was made
             self.stats.host_prefix_query_tokens += self.host_tier.num_prefix_candidates(seq, num_gpu_hits) * block_size
 
     def _onload(self, out: SchedulerOutput, seq: Sequence, cpu_block_ids: list[int]):

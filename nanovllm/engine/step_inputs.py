@@ -68,24 +68,33 @@ class StepInputs:
 
 
 class SampledTokens:
-    """Token ids sampled by a launched step, on their way to the host: a pinned copy and an event on CUDA."""
+    """Token ids sampled by a launched step, and the logprob rows it computed (chosen_and_top's three tensors,
+    sample rows then prompt rows), on their way to the host: pinned copies and an event on CUDA."""
 
-    def __init__(self, sampled: torch.Tensor | None):
-        self.host = self.event = None
-        if sampled is None or not sampled.is_cuda:
-            self.host = sampled
+    def __init__(self, sampled: torch.Tensor | None, logprobs: tuple[torch.Tensor, ...] | None = None):
+        self.event = None
+        self.host, self.logprobs = sampled, logprobs
+        if not any(t is not None and t.is_cuda for t in (sampled, *(logprobs or ()))):
             return
-        self.host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-        self.host.copy_(sampled, non_blocking=True)
+        self.host, self.logprobs = self._to_host(sampled), logprobs and tuple(map(self._to_host, logprobs))
         self.event = torch.cuda.Event()
         self.event.record()
 
+    @staticmethod
+    def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+
     def tolist(self) -> list[int]:
-        if self.host is None:
-            return []
         if self.event is not None:
             self.event.synchronize()
-        return self.host.tolist()
+        return [] if self.host is None else self.host.tolist()
+
+    def logprob_lists(self) -> tuple[list[list[int]], list[list[float]], list[int]] | None:
+        """(token ids, logprobs, chosen ranks) per row; call after tolist (which waits for the copies)."""
+        return self.logprobs and tuple(t.tolist() for t in self.logprobs)
 
 
 def prepare_step_inputs(plan: StepPlan, device: torch.device, last_sampled: torch.Tensor | None,

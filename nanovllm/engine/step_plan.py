@@ -25,6 +25,13 @@ class StepPlan:
     placeholder_sources: list[int] = field(default_factory=list)
     # (sample row, token ids it may not sample): min_tokens not reached yet (Scheduler.banned_token_ids)
     banned_token_ids: list[tuple[int, list[int]]] = field(default_factory=list)
+    # logprobs (filled by add_logprob_rows, only for steps of requests that ask for them): the sample rows (of
+    # logits_indices) whose raw logprobs are returned, the token rows whose next prompt token's logprobs are
+    # returned and those tokens, and the alternatives per row (the step's largest k; -1: no logprobs this step)
+    sample_logprob_rows: list[int] = field(default_factory=list)
+    prompt_logprob_indices: list[int] = field(default_factory=list)
+    prompt_logprob_token_ids: list[int] = field(default_factory=list)
+    num_top_logprobs: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +55,45 @@ def make_plan(out: SchedulerOutput, block_size: int) -> tuple[StepPlan, list[Seq
         ends = list(itertools.accumulate(out.num_new_tokens))
         plan.logits_indices = [ends[i] - 1 for i in sample_rows]
     return plan, [out.seqs[i] for i in sample_rows]
+
+
+@dataclass
+class LogprobRows:
+    """Who owns the rows of a step's logprob output (rank 0's host side, never sent to other ranks): first one
+    row per entry of sample_seqs, then prompt_chunks' rows in order."""
+    sample_seqs: list[Sequence] = field(default_factory=list)
+    prompt_chunks: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, num rows)
+
+    @property
+    def num_sample_rows(self) -> int:
+        return len(self.sample_seqs)
+
+
+def add_logprob_rows(plan: StepPlan, out: SchedulerOutput, sample_seqs: list[Sequence]) -> LogprobRows | None:
+    """Extend the plan with the rows whose logprobs this step returns; None when no row asks for any. Each
+    prompt chunk of a prompt_logprobs request gives the logprobs of the prompt tokens its positions predict
+    (position p predicts token p + 1; the last prompt position is the sampled row), each position once."""
+    rows = LogprobRows()
+    for row, seq in enumerate(sample_seqs):
+        if seq.sampling_params.logprobs is not None:
+            plan.sample_logprob_rows.append(row)
+            rows.sample_seqs.append(seq)
+            plan.num_top_logprobs = max(plan.num_top_logprobs, seq.sampling_params.logprobs)
+    token_start = 0
+    for seq, num_new in zip(out.seqs, out.num_new_tokens):
+        if seq.needs_prompt_logprobs:
+            end = seq.num_computed_tokens + num_new  # the scheduled chunk is [num_computed_tokens, end)
+            first = max(seq.num_computed_tokens, seq.num_prompt_logprobs_planned)
+            last = min(end, seq.num_prompt_tokens - 1)
+            if first < last:
+                row = token_start + first - seq.num_computed_tokens
+                plan.prompt_logprob_indices.extend(range(row, row + last - first))
+                plan.prompt_logprob_token_ids.extend(seq.token_ids[first + 1:last + 1])
+                rows.prompt_chunks.append((seq, last - first))
+                seq.num_prompt_logprobs_planned = last
+                plan.num_top_logprobs = max(plan.num_top_logprobs, seq.sampling_params.prompt_logprobs)
+        token_start += num_new
+    return rows if plan.num_top_logprobs >= 0 else None
 
 
 def _fill_decode_rows(plan: StepPlan, seqs: list[Sequence], bs: int):

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.triton_attention import quantize_fp8_rows
+from nanovllm.kernels.paged_common import quantize_fp8_rows
 
 
 @triton.jit

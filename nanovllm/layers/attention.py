@@ -21,7 +21,6 @@ from torch import nn
 
 from nanovllm.layers.kv_layout import LayerKV, dequantize_fp8, quantize_fp8
 from nanovllm.utils.context import AttentionMetadata, get_context
-from nanovllm.utils.switches import SWITCHES
 
 
 class TorchBackend:
@@ -88,24 +87,25 @@ class TritonBackend:
     splits_mixed_steps = True
 
     def __init__(self):
-        from nanovllm.kernels import triton_attention
-        self.ops = triton_attention
-        # launch decode rows longest context first, so no long row starts last and leaves the GPU to a few
-        # programs (=0 turns it off; measured with heads_fastest, docs/benchmarks.md)
-        self.longest_first = SWITCHES.decode_longest_first
+        from nanovllm.kernels.decode_attention import paged_decode_attention
+        from nanovllm.kernels.prefill_attention import paged_prefill_attention
+        from nanovllm.kernels.store_kv import store_kvcache
+        self.store_kvcache, self.paged_prefill_attention = store_kvcache, paged_prefill_attention
+        self.paged_decode_attention = paged_decode_attention
+        # the decode kernel launches rows longest context first, so no long row starts last and leaves the GPU to a
+        # few programs; the first layer sorts them once per forward (_order_decode_rows)
+        self.longest_first = True
 
     def store_kv(self, k, v, kv: LayerKV, md: AttentionMetadata):
-        self.ops.store_kvcache(k, v, kv.k, kv.v, md.slot_mapping, kv.k_scale, kv.v_scale)
+        self.store_kvcache(k, v, kv.k, kv.v, md.slot_mapping, kv.k_scale, kv.v_scale)
 
     def prefill(self, q, kv: LayerKV, md: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
-        return self.ops.paged_prefill_attention(q, kv.k, kv.v, md.cu_seqlens_q, md.seq_lens, md.block_tables,
-                                                md.max_query_len, scale, out=out, k_scale=kv.k_scale,
-                                                v_scale=kv.v_scale)
+        return self.paged_prefill_attention(q, kv.k, kv.v, md.cu_seqlens_q, md.seq_lens, md.block_tables,
+                                            md.max_query_len, scale, out=out, k_scale=kv.k_scale, v_scale=kv.v_scale)
 
     def decode(self, q, kv: LayerKV, md: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
-        return self.ops.paged_decode_attention(q, kv.k, kv.v, md.seq_lens, md.block_tables, scale, out=out,
-                                               row_order=md.decode_row_order if self.longest_first else None,
-                                               k_scale=kv.k_scale, v_scale=kv.v_scale)
+        return self.paged_decode_attention(q, kv.k, kv.v, md.seq_lens, md.block_tables, scale, out=out,
+                                           row_order=md.decode_row_order, k_scale=kv.k_scale, v_scale=kv.v_scale)
 
 
 class FlashBackend(TritonBackend):

@@ -22,7 +22,7 @@ class AttentionMetadata:
     # decode kernel) and `prefill_part` (the rest, cu_seqlens_q starting at 0) instead of one prefill over all
     decode_part: "AttentionMetadata | None" = None
     prefill_part: "AttentionMetadata | None" = None
-    # decode rows longest context first (unless NANOVLLM_DECODE_LONGEST_FIRST=0): computed on the device by the first
+    # decode rows longest context first (the Triton decode launch order): computed on the device by the first
     # layer's attention of each forward (so a CUDA graph recomputes it on replay), read by the others
     decode_row_order: torch.Tensor | None = None
 

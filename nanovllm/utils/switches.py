@@ -15,13 +15,6 @@ class Switches:
     prefill_tile: str = ""
     # NANOVLLM_DECODE_TILE: the same for unsplit decode launches (full batches) at block sizes below 128
     decode_tile: str = ""
-    # NANOVLLM_DECODE_HEADS_FASTEST (default on): a sequence's kv heads side by side in the decode grid; off is the
-    # head-major order it was measured against
-    decode_heads_fastest: bool = True
-    # NANOVLLM_DECODE_ROW_SPLITS (default on): each decode row splits its own context; off cuts the table width
-    decode_row_splits: bool = True
-    # NANOVLLM_DECODE_LONGEST_FIRST (default on): decode rows launched longest context first
-    decode_longest_first: bool = True
     # NANOVLLM_TRITON_SAMPLER (default on): the Triton sampling kernel; off runs the torch sampler, which is also the
     # fallback wherever Triton cannot compile, so tests use it to cover that path
     triton_sampler: bool = True
@@ -52,9 +45,6 @@ class Switches:
 ENV_NAMES = {
     "NANOVLLM_PREFILL_TILE": "prefill_tile",
     "NANOVLLM_DECODE_TILE": "decode_tile",
-    "NANOVLLM_DECODE_HEADS_FASTEST": "decode_heads_fastest",
-    "NANOVLLM_DECODE_ROW_SPLITS": "decode_row_splits",
-    "NANOVLLM_DECODE_LONGEST_FIRST": "decode_longest_first",
     "NANOVLLM_TRITON_SAMPLER": "triton_sampler",
     "NANOVLLM_DECODE_GRAPHS": "decode_graphs_on_cpu",
     "NANOVLLM_PIECEWISE_GRAPHS": "piecewise_graphs",

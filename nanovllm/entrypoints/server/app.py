@@ -138,8 +138,9 @@ def _add_routes(app: FastAPI, engine: EngineLoop, llm: LLM, served_model_name: s
         reply = streaming.Reply(f"chatcmpl-{uuid.uuid4().hex}", served_model_name)
         watch = streaming.ClientWatch(engine, stream, request)
         if body.stream:
-            return streaming.sse_response(streaming.chat_chunks(reply, stream, body.include_usage), watch)
-        return streaming.chat_response(reply, stream, await streaming.collect(stream, watch))
+            return streaming.sse_response(
+                streaming.chat_chunks(reply, stream, body.include_usage, body.top_logprobs or 0), watch)
+        return streaming.chat_response(reply, stream, await streaming.collect(stream, watch), body.top_logprobs or 0)
 
 
 async def _submit(engine: EngineLoop, preparers: ThreadPoolExecutor, llm: LLM, **inputs) -> RequestStream:

@@ -32,6 +32,10 @@ class Delta:
     num_completion_tokens: int  # tokens generated so far, this delta's included
     finish_reason: str | None = None
     final_text: str | None = None
+    # SamplingParams.logprobs asked: this delta's tokens' entries ({token_id: Logprob}); the last Delta's
+    # final_logprobs are all the completion's
+    logprobs: list | None = None
+    final_logprobs: list | None = None
 
 
 class EngineError(RuntimeError):
@@ -243,11 +247,14 @@ class EngineLoop:
             return
         text = self.llm._stream_text(seq)
         delta = Delta(text[len(active.text_sent):], seq.num_completion_tokens)
+        if seq.logprobs is not None:
+            delta.logprobs = seq.logprobs[active.num_tokens_sent:active.num_tokens_sent + len(new_ids)]
         active.num_tokens_sent += len(new_ids)
         active.text_sent = text
         if seq.is_finished:
             delta.finish_reason = seq.finish_reason
-            delta.final_text = self.llm.output(self.llm.requests.pop(seq_id))["text"]
+            output = self.llm.output(self.llm.requests.pop(seq_id))
+            delta.final_text, delta.final_logprobs = output["text"], output["logprobs"]
             del self._active[seq_id]
             self.num_finished_requests += 1
         active.stream.put(delta)

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from nanovllm.sampling_params import MAX_LOGPROBS
+
 # A stop string is matched against the tail of the text after every step: many or long ones slow every step of
 # every request in the batch, so a request may carry only a few short ones (OpenAI allows 4).
 MAX_STOP_STRINGS = 64
@@ -35,8 +37,6 @@ class APIError(Exception):
 UNSUPPORTED_OPTIONS = {
     "best_of": lambda v: v == 1,
     "echo": lambda v: not v,
-    "logprobs": lambda v: v is False,  # chat: a bool; completions: an int, where 0 asks for the sampled tokens'
-    "top_logprobs": lambda v: v == 0,
     "logit_bias": lambda v: v == {},
     "suffix": lambda v: v == "",
     "presence_penalty": lambda v: v == 0,
@@ -124,12 +124,23 @@ class _SamplingRequest(_Strict):
             if value is not None and not changes_nothing(value):
                 raise APIError(400, f"{name}={value!r} is not supported by this server", param=name)
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: alternatives per generated token (0: the token's own only); None: none."""
+        return None
+
+    @staticmethod
+    def _check_num_logprobs(name: str, value: int | None):
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise APIError(400, f"{name}={value} must be in [0, {MAX_LOGPROBS}] (the most this server returns)",
+                           param=name)
+
     def sampling(self, max_tokens: int | None) -> dict:
         """SamplingParams options; max_tokens None: as many as fit (see prepare.room_left)."""
         options = {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                    "top_k": self.top_k, "min_p": self.min_p, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
                    "seed": self.seed, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
-                   "include_stop_str_in_output": self.include_stop_str_in_output}
+                   "include_stop_str_in_output": self.include_stop_str_in_output, "logprobs": self.num_logprobs}
         return {k: v for k, v in options.items() if v is not None or k == "max_tokens"}
 
     @property
@@ -140,6 +151,15 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None  # the legacy API's: top tokens per generated token, besides the chosen one
+
+    def check(self, served_model_name: str):
+        super().check(served_model_name)
+        self._check_num_logprobs("logprobs", self.logprobs)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt
@@ -174,6 +194,18 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
+    logprobs: bool | None = None  # each generated token's logprob ...
+    top_logprobs: int | None = None  # ... and those of this many most likely tokens (needs logprobs)
+
+    def check(self, served_model_name: str):
+        super().check(served_model_name)
+        self._check_num_logprobs("top_logprobs", self.top_logprobs)
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, f"top_logprobs={self.top_logprobs} needs logprobs=true", param="top_logprobs")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict]:
         if not self.messages:

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from nanovllm.entrypoints.server.engine_loop import Delta, EngineError, EngineLoop, RequestStream
+from nanovllm.entrypoints.server.openai_logprobs import chat_logprobs, completion_logprobs
 from nanovllm.entrypoints.server.protocol import APIError
 
 
@@ -44,29 +45,36 @@ async def collect(stream: RequestStream, watch: ClientWatch) -> Delta:
 
 
 def completion_response(reply: Reply, stream: RequestStream, last: Delta) -> dict:
-    choice = {"index": 0, "text": last.final_text, "logprobs": None, "finish_reason": last.finish_reason}
+    logprobs = None if last.final_logprobs is None else completion_logprobs(last.final_logprobs)
+    choice = {"index": 0, "text": last.final_text, "logprobs": logprobs, "finish_reason": last.finish_reason}
     return reply.body(choice, usage=usage(stream, last.num_completion_tokens))
 
 
-def chat_response(reply: Reply, stream: RequestStream, last: Delta) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": last.final_text}, "logprobs": None,
+def chat_response(reply: Reply, stream: RequestStream, last: Delta, num_top_logprobs: int = 0) -> dict:
+    logprobs = None if last.final_logprobs is None else chat_logprobs(last.final_logprobs, num_top_logprobs)
+    choice = {"index": 0, "message": {"role": "assistant", "content": last.final_text}, "logprobs": logprobs,
               "finish_reason": last.finish_reason}
     return reply.body(choice, object="chat.completion", usage=usage(stream, last.num_completion_tokens))
 
 
 async def completion_chunks(reply: Reply, stream: RequestStream, include_usage: bool) -> AsyncIterator[dict]:
-    num_tokens = 0
+    num_tokens = text_offset = 0  # text_offset: where the next token's text starts (legacy logprobs)
     async for delta in stream.events():
         if delta.finish_reason == "abort":
             return
         num_tokens = delta.num_completion_tokens
-        yield reply.body({"index": 0, "text": delta.text, "logprobs": None,
+        logprobs = None
+        if delta.logprobs is not None:
+            logprobs = completion_logprobs(delta.logprobs, text_offset)
+            text_offset += sum(map(len, logprobs["tokens"]))
+        yield reply.body({"index": 0, "text": delta.text, "logprobs": logprobs,
                                 "finish_reason": delta.finish_reason})
     if include_usage:
         yield reply.body({}, usage=usage(stream, num_tokens))
 
 
-async def chat_chunks(reply: Reply, stream: RequestStream, include_usage: bool) -> AsyncIterator[dict]:
+async def chat_chunks(reply: Reply, stream: RequestStream, include_usage: bool,
+                      num_top_logprobs: int = 0) -> AsyncIterator[dict]:
     chunk = "chat.completion.chunk"
     yield reply.body({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}, object=chunk)
@@ -75,8 +83,9 @@ async def chat_chunks(reply: Reply, stream: RequestStream, include_usage: bool) 
         if delta.finish_reason == "abort":
             return
         num_tokens = delta.num_completion_tokens
+        logprobs = None if delta.logprobs is None else chat_logprobs(delta.logprobs, num_top_logprobs)
         yield reply.body({"index": 0, "delta": {"content": delta.text} if delta.text else {},
-                                "logprobs": None, "finish_reason": delta.finish_reason}, object=chunk)
+                                "logprobs": logprobs, "finish_reason": delta.finish_reason}, object=chunk)
     if include_usage:
         yield reply.body({}, object=chunk, usage=usage(stream, num_tokens))
 

@@ -1,0 +1,249 @@
+"""Decode attention over the paged KV cache (split-K / flash-decoding): one query per sequence.
+
+Program ``(kv_head, b, split)`` runs the ``GROUP`` query heads of one kv head (padded to 16 rows for ``tl.dot``) over
+one slice of row ``row_order[b]``'s context and writes a partial output and its log-sum-exp; the reduce kernel merges
+the slices. The number of splits depends only on shapes (batch, kv heads, block-table width), never on ``seq_lens``
+values, so the launch is CUDA-graph capturable. Each row cuts its own length into that many slices in the kernel (a
+graph's table is max_model_len wide, and cutting that width would leave a short row one live slice); slices past a
+sequence's end exit at once. With a single split the first kernel writes the output directly (no reduce launch).
+
+The launch order: a sequence's kv heads side by side in the grid (programs running together read neighbouring bytes
+of the same cache rows, since a token's row holds every kv head) and rows longest context first (no long row starts
+last and leaves the GPU to a few programs). Together, and with per-row splits, they beat the plain (row, head) grid in
+batch order and cutting the table width in every engine measurement (docs/benchmarks_archive.md: the decode launch
+order, per-row decode splits).
+"""
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.paged_common import LOG2E, KernelConfig, attend_tile, check_cache, fp16_query, scale_args, \
+    tile_from_env
+
+
+# One piece: the GROUP query rows and their running softmax state stay in registers from the load through the key
+# loop to the store of the output or the partials, and the per-tile work already lives in attend_tile.
+@triton.jit(do_not_specialize=["num_splits", "stride_btb"])
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, seq_lens_ptr, block_tables_ptr, row_order_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr,
+    qk_scale, num_heads, num_splits,
+    stride_qb, stride_qh, stride_qd,
+    stride_ob, stride_oh, stride_od,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_sb, stride_st,
+    stride_btb,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+):
+    kvh = tl.program_id(0)  # a row's kv heads side by side in the grid
+    b = tl.load(row_order_ptr + tl.program_id(1))  # the grid's row index -> batch row (longest context first)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    if SPLIT:  # this row's own context in num_splits slices
+        tokens_per_split = _row_split_tokens(seq_len, num_splits, BLOCK_N)
+        start = split * tokens_per_split
+        end = tl.minimum(start + tokens_per_split, seq_len)
+        if start >= end:  # slice past the end of this sequence: the reduce ignores it
+            return
+    else:
+        start = 0
+        end = seq_len
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    head = kvh * GROUP + offs_g  # [BLOCK_G] query heads of this kv head
+    qo_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_G, BLOCK_D]
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=qo_mask, other=0.0)  # [BLOCK_G, BLOCK_D]
+    if FP8:
+        if q.dtype != tl.float32:
+            q, qk_scale = fp16_query(q, qk_scale)
+
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_btb
+    k_head = k_cache_ptr + kvh * stride_kh
+    v_head = v_cache_ptr + kvh * stride_vh
+    ks_head = k_scale_ptr + kvh
+    vs_head = v_scale_ptr + kvh
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n in range(start, end, BLOCK_N):
+        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_head, v_head, ks_head, vs_head, bt_row, n, m_i, end,
+                                    stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale,
+                                    HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, False, FP8)
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]  # [BLOCK_G, BLOCK_D]
+    if not SPLIT:
+        tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=qo_mask)
+    else:
+        # partials: part_o [B, H, num_splits, BLOCK_D], part_lse [B, H, num_splits] (log2 domain)
+        part = (b * num_heads + head).to(tl.int64) * num_splits + split  # [BLOCK_G]
+        g_mask = offs_g < GROUP
+        tl.store(part_o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o, mask=g_mask[:, None])
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_safe), mask=g_mask)
+
+
+@triton.jit
+def _row_split_tokens(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Slice length when each row cuts its own context into num_splits slices: a multiple of BLOCK_N, >= BLOCK_N."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(
+    part_o_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
+    num_heads, num_splits,
+    stride_ob, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    tokens_per_split = _row_split_tokens(seq_len, num_splits, BLOCK_N)
+    num_valid = (seq_len + tokens_per_split - 1) // tokens_per_split
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = (offs_s < num_valid) & (offs_s < num_splits)  # [BLOCK_S]
+    base = (b * num_heads + h).to(tl.int64) * num_splits
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))  # [BLOCK_S]
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence (seq_len 0): output zeros
+    w = tl.exp2(lse - m)  # [BLOCK_S]
+    denom = tl.sum(w, 0)
+    o = tl.load(part_o_ptr + (base + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
+                mask=s_mask[:, None], other=0.0)  # [BLOCK_S, BLOCK_D]
+    o = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)  # [BLOCK_D]
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+
+# Split policy constants (see decode_split_plan).
+_TARGET_CTAS_PER_SM = 4  # enough resident programs to keep HBM busy
+_MAX_SPLITS = 64  # bounds the scratch buffers and the reduce tile
+# One reduce tile for every split count: the count follows the block-table width, which differs between graph
+# replays (max_model_len wide) and eager mixed steps (the step's own width), so a tile sized per count compiled a
+# new variant in the middle of a run (0.2 s on an H200). Slices past num_splits are masked loads that read nothing.
+_REDUCE_BLOCK_S = triton.next_power_of_2(_MAX_SPLITS)
+SPLIT_PLAN_BLOCK_N = 64  # the default plan's slices are multiples of this (every default decode block_n divides it)
+# the bf16/fp16 tile of unsplit decode launches (full batches) at block sizes below 128 from NANOVLLM_DECODE_TILE,
+# "block_m,block_n,num_warps,num_stages" (block_m is ignored: a GQA group is padded to 16 rows); side-by-side runs
+# of bench.py
+_DECODE_TILE = tile_from_env("NANOVLLM_DECODE_TILE")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's number of SMs, which the split plan fills; 132 (an H100/H200) for CPU and interpreter runs."""
+    if device.type != "cuda":
+        return 132
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def decode_split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, block_n: int,
+                      num_sms: int, num_splits: int | None = None) -> int:
+    """num_splits from shapes only, never from seq_lens values (graph capture).
+
+    Programs are (kv_heads x batch x splits). When batch x kv_heads alone fills the GPU there is one split.
+    Otherwise each row's context is cut (in the kernel) into enough slices to reach ~_TARGET_CTAS_PER_SM programs
+    per SM, at most _MAX_SPLITS and no more than the table width (max_blocks * block_size tokens) has block_n-token
+    pieces. A given `num_splits` (tests, benchmarks) is only clamped to [1, _MAX_SPLITS].
+    """
+    if num_splits is not None:
+        return max(1, min(num_splits, _MAX_SPLITS))
+    ctas = max(1, batch * num_kv_heads)
+    target = _TARGET_CTAS_PER_SM * num_sms
+    if ctas >= target:
+        return 1
+    return min(triton.cdiv(target, ctas), _MAX_SPLITS, triton.cdiv(max(1, max_blocks * block_size), block_n))
+
+
+def decode_config(dtype: torch.dtype, head_dim: int, block_size: int, split: bool) -> KernelConfig:
+    """The decode kernel's default tile for this dtype, head size, cache block size and launch kind."""
+    if dtype == torch.float32 or head_dim > 128:
+        return KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
+    # H200 sweep, bf16 D=128 B=256 ctx=1024: (128, 4 warps, 2 stages) ~96% of copy bw with block_size 256
+    # but ~92% with block_size 16, where (64, 4, 3) gives ~96%. The big tile fits one program per SM,
+    # so for split (small-batch) launches, where the wave tail matters, the smaller tile is used.
+    if split or block_size < 128:
+        if not split and _DECODE_TILE is not None:
+            return dataclasses.replace(_DECODE_TILE, block_m=16)
+        return KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+    return KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=2)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                           block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                           num_splits: int | None = None, config: KernelConfig | None = None,
+                           row_order: torch.Tensor | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence (at its last position) over its paged context. Returns [B, H, D] (`out` when given).
+
+    CUDA-graph safe: no host sync, scratch sized from shapes only. ``num_splits``/``config`` override the
+    heuristics (tests and benchmarks). ``row_order`` [B] int32, the rows longest context first (the engine sorts
+    them once per forward); None sorts them here. With FP8 caches, `k_scale`/`v_scale` [num_blocks, block_size,
+    num_kv_heads] hold each token's scales.
+    """
+    batch, num_heads, head_dim = q.shape  # [B, H, D]
+    check_cache(k_cache, v_cache, k_cache.shape[2], head_dim)
+    assert num_heads % k_cache.shape[2] == 0
+    if out is None:
+        out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)  # [B, H, D]
+    assert out.shape == (batch, num_heads, head_dim)
+    if batch == 0:
+        return out
+    splits = decode_split_plan(batch, k_cache.shape[2], block_tables.shape[1], k_cache.shape[1],
+                               config.block_n if config is not None else SPLIT_PLAN_BLOCK_N, sm_count(q.device),
+                               num_splits)
+    cfg = config or decode_config(q.dtype, head_dim, k_cache.shape[1], splits > 1)
+    if row_order is None:
+        row_order = torch.argsort(seq_lens, descending=True).to(torch.int32)
+    _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, row_order, scale, out, splits, cfg, k_scale, v_scale)
+    return out
+
+
+def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, row_order, scale: float, out, splits: int,
+                   cfg: KernelConfig, k_scale, v_scale) -> None:
+    """The decode kernel on a (kv_heads, batch, splits) grid, then, with splits, the reduce into `out`."""
+    batch, num_heads, head_dim = q.shape  # [B, H, D]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    if splits > 1:
+        part_o = torch.empty((batch, num_heads, splits, block_d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    fp8 = k_scale is not None
+    k_scale, v_scale, scale_strides = scale_args(k_cache, k_scale, v_scale)
+    _decode_kernel[(num_kv_heads, batch, splits)](
+        q, k_cache, v_cache, k_scale, v_scale, seq_lens, block_tables, row_order,
+        out, part_o, part_lse,
+        scale * LOG2E, num_heads, splits,
+        *q.stride(), *out.stride(),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], *scale_strides,
+        block_tables.stride(0),
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1], SPLIT=splits > 1,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        FP8=fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _decode_reduce_kernel[(batch, num_heads)](
+            part_o, part_lse, seq_lens, out,
+            num_heads, splits,
+            *out.stride(),
+            HEAD_DIM=head_dim, BLOCK_S=_REDUCE_BLOCK_S, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
+            num_warps=4,
+        )
