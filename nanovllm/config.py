@@ -87,6 +87,9 @@ class Config:
     # preemption. "always"; "without_swap": none when victims may be swapped (a host tier with preemption_mode swap
     # or auto), as vLLM admits, since a preemption then costs copies instead of recomputed tokens (docs/swap_tier.md)
     admission_watermark: str = "always"
+    # --- disk tier (nanovllm_offload/disk_*.py, docs/disk_tier.md): prefix blocks kept across restarts
+    kv_disk_path: str | None = None  # a directory (created when missing); None: no disk tier
+    kv_disk_gib: float = 64  # cap on the directory's files (every model's blocks share it)
     # --- filled in by __post_init__
     hf_config: Any = field(default=None, repr=False)
     architecture: str = ""
@@ -133,9 +136,29 @@ class Config:
         if not 0 <= self.swap_space <= MAX_SWAP_SPACE_GIB:
             raise ValueError(f"swap_space={self.swap_space:g} GiB must be in [0, {MAX_SWAP_SPACE_GIB}] (GiB of host "
                              f"memory per rank; whether it fits this host is checked when the pool is allocated)")
+        self._check_disk_tier()
         self.hf_config = load_hf_config(self.model)
         self._check_model_shape()
         self._check_kv_cache_dtype()
+
+    def _check_disk_tier(self):
+        gib = self.kv_disk_gib
+        if not isinstance(gib, numbers.Real) or isinstance(gib, bool) or not math.isfinite(gib) or gib <= 0:
+            raise ValueError(f"kv_disk_gib={gib!r} must be a finite number of GiB > 0")
+        if self.kv_disk_path is None:
+            return
+        if not isinstance(self.kv_disk_path, (str, os.PathLike)) or not os.fspath(self.kv_disk_path):
+            raise ValueError(f"kv_disk_path={self.kv_disk_path!r} must be a directory path (or None: no disk tier)")
+        self.kv_disk_path = os.fspath(self.kv_disk_path)
+        if os.path.exists(self.kv_disk_path) and not os.path.isdir(self.kv_disk_path):
+            raise ValueError(f"kv_disk_path={self.kv_disk_path!r} is not a directory; pass a directory")
+        if self.swap_space <= 0 or not self.host_prefix_cache:
+            raise ValueError(f"kv_disk_path={self.kv_disk_path!r} needs the host tier below the GPU: swap_space > 0 "
+                             f"(got {self.swap_space}), enable_prefix_caching=True (got {self.enable_prefix_caching})"
+                             f" and host_cache_policy != 'off' (got {self.host_cache_policy!r})")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"kv_disk_path needs tensor_parallel_size=1 (got {self.tensor_parallel_size}): each rank "
+                             f"would need its own store and agreement on every hit; drop kv_disk_path or use TP 1")
 
     def _check_kv_cache_dtype(self):
         if self.kv_cache_dtype == "auto":

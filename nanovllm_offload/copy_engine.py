@@ -226,6 +226,11 @@ class CopyEngine:
         recent, self.recent_copies = self.recent_copies, []
         return recent
 
+    def out_copies_done(self) -> bool:
+        """Every swap-out issued so far has landed on the host (the out stream runs them in order); the disk tier
+        reads host blocks only then."""
+        return not self.is_cuda or self.last_out_event is None or self.last_out_event.query()
+
     def synchronize(self):
         if self.is_cuda:
             self.out_stream.synchronize()

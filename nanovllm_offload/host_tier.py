@@ -6,12 +6,15 @@ from typing import TYPE_CHECKING
 
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.sequence import Sequence
+from nanovllm_offload.disk_tier import DiskTier, no_disk_stats
 from nanovllm_offload.host_block_pool import HostBlockPool
 from nanovllm_offload.host_memory import check_host_memory, num_host_blocks
 from nanovllm_offload.policy import PreemptionPolicy
 
 if TYPE_CHECKING:
     from nanovllm.config import Config
+
+CPU_PREFILL_PRIOR = 1e3  # tokens/s: a small model's prefill on a few CPU cores
 
 
 def num_host_blocks_for(config: "Config", block_bytes: int) -> int | None:
@@ -40,6 +43,7 @@ class HostTier:
         self.policy = policy  # None: every victim is recomputed unless the caller names a mode
         self.prefix_cache = prefix_cache  # the pool is also a second-level prefix cache
         self._last_copy_totals = (0.0, 0.0)  # the copy engine's (exposed, copy) seconds at the last observation
+        self.disk: DiskTier | None = None  # the tier below (attach_disk); None: no disk tier
 
     @classmethod
     def from_config(cls, config: "Config", block_bytes: int, pinned: bool) -> "HostTier | None":
@@ -88,9 +92,11 @@ class HostTier:
             self.pool.free(seq)
         return copies
 
-    def free(self, seq: Sequence):
-        """Release seq's host blocks (it finished or was aborted)."""
+    def free(self, seq: Sequence) -> bool:
+        """Release seq's host blocks (it finished or was aborted). True when it was waiting for a disk load (so it
+        was in no scheduler queue)."""
         self.pool.free(seq)
+        return self.disk is not None and self.disk.drop(seq)
 
     # --- the host prefix cache: lookup, onload, offload
     def num_prefix_candidates(self, seq: Sequence, num_gpu_hits: int) -> int:
@@ -124,10 +130,41 @@ class HostTier:
             cpu_block_id = self.pool.store(block_hash)
             if cpu_block_id is not None:
                 copies.append((gpu_block_id, cpu_block_id))
+                if self.disk is not None:
+                    self.disk.hold_for_write(cpu_block_id, block_hash)
         return copies
 
     def reset_cache(self) -> bool:
         return self.pool.reset_cache()
+
+    # --- the disk tier below the host pool (nanovllm_offload/disk_tier.py)
+    def attach_disk(self, store, host_blocks, on_cpu: bool = False):
+        """Put a disk store (disk_tier.open_disk_store) under the pool; host_blocks: the pool's bytes as a
+        (num_blocks, block_bytes) uint8 numpy view."""
+        self.policy = self.policy or PreemptionPolicy("auto", store.block_bytes)
+        if on_cpu:  # the prefill prior decides a disk hit at start-up (nothing measured yet), and the GPU-sized prior
+            self.policy.prefill_tokens_per_s = CPU_PREFILL_PRIOR  # would skip a disk that beats a CPU's prefill
+        self.disk = DiskTier(store, host_blocks, self.pool, self.policy, self.block_size)
+
+    def start_disk_load(self, seq: Sequence, num_hit_blocks: int) -> bool:
+        """True when seq's next blocks are being loaded from disk: it waits out of the queues (poll_disk)."""
+        return self.prefix_cache and self.disk is not None and self.disk.start_load(seq, num_hit_blocks)
+
+    def submit_disk_writes(self):
+        """Hand the blocks held for disk writes to the store; call once the copies into them have landed."""
+        if self.disk is not None and self.disk.pending_writes:
+            self.disk.submit_writes()
+
+    def poll_disk(self) -> list[Sequence]:
+        """Sequences whose disk loads came back (their blocks are host hits now); never blocks."""
+        return self.disk.poll() if self.disk is not None else []
+
+    @property
+    def num_disk_waiting(self) -> int:
+        return self.disk.num_waiting_seqs if self.disk is not None else 0
+
+    def disk_stats(self) -> dict:
+        return self.disk.stats() if self.disk is not None else no_disk_stats()
 
     # --- what the engine measured, for the policy
     def observe_prefill(self, num_tokens: int, seconds: float):

@@ -1,4 +1,4 @@
-"""Swap or recompute, per preempted sequence (plain Python; no torch)."""
+"""Swap or recompute, per preempted sequence; load or recompute, per disk hit (plain Python; no torch)."""
 from dataclasses import dataclass
 
 from nanovllm.core.sequence import Sequence
@@ -28,6 +28,13 @@ class PreemptionPolicy:
         copy_s = 2 * num_blocks * self.block_bytes / self.copy_bytes_per_s * self.exposed_fraction
         recompute_s = seq.num_computed_tokens / self.prefill_tokens_per_s
         return copy_s <= recompute_s
+
+    def should_load_from_disk(self, num_tokens: int, num_bytes: int, read_bytes_per_s: float) -> bool:
+        """Load a disk hit when reading its bytes at the disk's measured read speed takes no longer than prefilling
+        its tokens at the measured prefill speed. A load costs only the waiting sequence its wait, a recompute every
+        running sequence a share of a forward, so comparing the two times leans towards recomputing: a fast GPU
+        never waits on a slow disk (docs/disk_tier.md)."""
+        return num_bytes / read_bytes_per_s <= num_tokens / self.prefill_tokens_per_s
 
     def observe_copy(self, num_bytes: int, seconds: float):
         if num_bytes > 0 and seconds > 0:

@@ -20,6 +20,7 @@ from nanovllm.engine.workers import WorkerPool, free_init_method
 from nanovllm.inputs import as_prompt_list, check_prompt
 from nanovllm.logprobs import position_logprobs
 from nanovllm.sampling_params import SamplingParams
+from nanovllm_offload.disk_tier import no_disk_stats, open_disk_store
 from nanovllm_offload.host_tier import HostTier
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,9 @@ class LLMEngine:
         host_tier = HostTier.from_config(config, self.runner.block_bytes, pinned=self.runner.device.type == "cuda")
         if host_tier is not None:
             self._call("allocate_host_cache", host_tier.num_blocks)
+            if config.kv_disk_path is not None:  # TP 1 only (Config): the host pool is this process's
+                kv_bytes = self.runner.host_cache.kv.view(torch.uint8).view(host_tier.num_blocks, -1).numpy()
+                host_tier.attach_disk(open_disk_store(config, self.runner), kv_bytes, self.runner.device.type == "cpu")
         self._call("capture_cuda_graphs")
         self._log_memory()
         return host_tier
@@ -195,6 +199,8 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.send("run", plan)
         sampled = self.runner.launch(plan, sample_seqs)
+        if self.host_tier is not None and self.runner.copy_engine.out_copies_done():
+            self.host_tier.submit_disk_writes()  # the host blocks they read are filled now
         finished = self._read_back()  # the previous step, while this one runs
         self._unsynced_prefill_tokens += sum(n for n in out.num_new_tokens if n > 1)
         self._unsynced_rows += len(out.seqs)
@@ -245,6 +251,9 @@ class LLMEngine:
 
     def _check_progress(self, out: SchedulerOutput):
         progress = not out.is_empty or self._in_flight is not None or self.scheduler.is_finished()  # idle is fine
+        if out.is_empty and self.scheduler.num_disk_waiting:  # only disk loads in flight: wait, do not spin
+            time.sleep(0.001)
+            progress = True
         self._num_empty_steps = 0 if progress else self._num_empty_steps + 1
         if self._num_empty_steps > 1:
             s = self.scheduler
@@ -372,10 +381,12 @@ class LLMEngine:
         stats["swap_exposed_seconds"] = engine.exposed_seconds if engine else 0.0
         stats["num_gpu_blocks"] = self.num_gpu_blocks
         stats["num_cpu_blocks"] = self.host_tier.num_blocks if self.host_tier is not None else 0
+        stats.update(self.host_tier.disk_stats() if self.host_tier is not None else no_disk_stats())
         return stats
 
     def close(self):
         """Release the KV caches, the host pool and the worker processes; safe to call twice."""
+        self._close_disk_tier()
         if self.workers is not None:
             self.workers.close()
             self.workers = None
@@ -383,6 +394,20 @@ class LLMEngine:
         if self.runner is not None:
             self.runner.close()
             self.runner = None
+
+    def _close_disk_tier(self):
+        """Finish the disk writes before the host pool goes; when idle, offload what the last step freed first."""
+        disk = self.host_tier.disk if self.host_tier is not None else None
+        if disk is None or self.runner is None:
+            return
+        try:
+            self._read_back()
+            if self.scheduler.is_finished():
+                self.runner.launch(make_plan(self.scheduler.schedule(), self.config.kvcache_block_size)[0])
+            self.runner.copy_engine.synchronize()
+        finally:
+            self.host_tier.disk = None
+            disk.close()
 
     def __enter__(self):
         return self

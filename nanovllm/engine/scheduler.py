@@ -88,11 +88,16 @@ class Scheduler:
         return banned
 
     def is_finished(self) -> bool:
-        return not (self.waiting or self.running or self.swapped)
+        return not (self.waiting or self.running or self.swapped or self.num_disk_waiting)
+
+    @property
+    def num_disk_waiting(self) -> int:
+        """Waiting sequences that are out of the queue while their prefix is read from disk."""
+        return self.host_tier.num_disk_waiting if self.host_tier is not None else 0
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
+        return len(self.waiting) + len(self.running) + len(self.swapped) + self.num_disk_waiting
 
     def schedule(self) -> SchedulerOutput:
         """One step: copies for the host prefix cache, then the running sequences (preempting when blocks run out),
@@ -101,6 +106,8 @@ class Scheduler:
         self._forced_swap_out = []
         self.block_manager.begin_step()
         self._offload(out)  # blocks freed by the last step, before anything can evict them
+        if self.host_tier is not None:  # sequences whose disk loads landed go back to the front, as host hits
+            self.waiting.extendleft(reversed(self.host_tier.poll_disk()))
         budget, num_preempted = self._schedule_running(out, self.max_num_batched_tokens)
         if not num_preempted:
             self._admit_waiting(out, budget)
@@ -149,6 +156,10 @@ class Scheduler:
         while self.waiting and budget > 0 and not self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached_block_ids, host_block_ids, tail = self._find_prefix_hits(seq)
+            num_hits = len(cached_block_ids) + len(host_block_ids)
+            if self.host_tier and not seq.needs_prompt_logprobs and self.host_tier.start_disk_load(seq, num_hits):
+                self.waiting.popleft()  # out of the queue until its blocks are read into the host pool
+                continue
             num_cached = len(cached_block_ids) * self.block_manager.block_size + (tail[1] if tail else 0)
             num_new = min(seq.num_uncomputed_tokens - num_cached, budget)
             if host_block_ids:  # blocks for the host hits only
@@ -381,13 +392,12 @@ class Scheduler:
         """Remove seq from its queue and release its blocks on both tiers (also used for aborts)."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status == SequenceStatus.WAITING:
-            self.waiting.remove(seq)
         elif seq.status == SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
         self.block_manager.free(seq, keep_tail=True)
-        if self.host_tier is not None:
-            self.host_tier.free(seq)
+        was_loading = self.host_tier is not None and self.host_tier.free(seq)  # then it is in no queue
+        if seq.status == SequenceStatus.WAITING and not was_loading:
+            self.waiting.remove(seq)
         self.min_tokens_pending.discard(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

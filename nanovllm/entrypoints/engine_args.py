@@ -30,6 +30,8 @@ HELP = {
     "max_cudagraph_capture_size": "decode steps of up to this many rows (and max-num-seqs) replay CUDA graphs",
     "async_scheduling": "schedule step N+1 while step N runs (default: on at tensor_parallel_size 1)",
     "max_num_batched_tokens": "token budget per step; longer prompts are prefilled in chunks",
+    "kv_disk_path": "a directory for a disk tier below the host pool: prefix KV kept across restarts",
+    "kv_disk_gib": "cap on the disk tier directory's files in GiB",
 }
 
 

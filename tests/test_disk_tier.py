@@ -1,0 +1,148 @@
+"""The disk tier with the real engine (SmolLM2 on the CPU): a first process stores a prompt's KV blocks, and later
+engines (this test process) find them, load them, and generate the same greedy tokens; a corrupted file, another
+KV dtype and a slow disk each fall back to recomputing. The store itself: tests/test_disk_store.py."""
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import close_llm, random_prompts, smollm2_llm_kwargs
+from nanovllm.core.hashing import hash_block
+
+BLOCK_SIZE = 8  # smollm2_llm_kwargs
+PROMPT = random_prompts([97], seed=31)[0]  # 12 full blocks and the last token: all 96 tokens before it can hit
+NUM_HIT_TOKENS = (len(PROMPT) - 1) // BLOCK_SIZE * BLOCK_SIZE
+MAX_TOKENS = 4
+DISK_KWARGS = dict(swap_space=0.05, host_cache_policy="write_back", max_model_len=128, num_kvcache_blocks=32)
+
+FIRST_RUN = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from conftest import smollm2_llm_kwargs
+from nanovllm import LLM, SamplingParams
+with LLM({model!r}, **smollm2_llm_kwargs(kv_disk_path={path!r}, **{disk_kwargs!r})) as llm:
+    out = llm.generate([{prompt!r}], SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True),
+                       use_tqdm=False)
+    stats = llm.stats()
+print(json.dumps({{"token_ids": out[0]["token_ids"], "prefill_tokens": stats["prefill_tokens"]}}))
+"""
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, smollm2_dir):
+    """A first engine, in its own process, run to completion and closed: its blocks are on disk."""
+    path = str(tmp_path_factory.mktemp("kv_disk") / "kv")
+    code = FIRST_RUN.format(tests=os.path.dirname(__file__), model=smollm2_dir, path=path, disk_kwargs=DISK_KWARGS,
+                            prompt=PROMPT, max_tokens=MAX_TOKENS)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["prefill_tokens"] == len(PROMPT)
+    return path, result["token_ids"]
+
+
+@pytest.fixture
+def disk_copy(first_run, tmp_path):
+    """A copy of the first run's directory for one test to use (and spoil)."""
+    path = str(tmp_path / "kv")
+    shutil.copytree(first_run[0], path)
+    return path
+
+
+def generate(smollm2_dir, path, **overrides) -> tuple[list[int], dict]:
+    from nanovllm import LLM, SamplingParams
+    llm = LLM(smollm2_dir, **smollm2_llm_kwargs(kv_disk_path=path, **dict(DISK_KWARGS, **overrides)))
+    try:
+        out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                           use_tqdm=False)
+        return out[0]["token_ids"], llm.stats()
+    finally:
+        close_llm(llm)
+
+
+def block_file(path: str, block_index: int) -> str:
+    h = 0
+    for i in range(block_index + 1):
+        h = hash_block(h, PROMPT[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+    [found] = glob.glob(os.path.join(path, "*", "??", f"{h:016x}.kvb"))
+    return found
+
+
+def test_a_restarted_engine_loads_the_first_runs_blocks(smollm2_dir, first_run, disk_copy):
+    token_ids, stats = generate(smollm2_dir, disk_copy)
+    assert token_ids == first_run[1]
+    assert stats["disk_hit_tokens"] == stats["disk_loaded_tokens"] == NUM_HIT_TOKENS
+    assert stats["prefill_tokens"] <= 0.1 * len(PROMPT)
+    assert stats["disk_read_bytes"] > 0 and stats["disk_skipped_tokens"] == stats["disk_corrupt_blocks"] == 0
+
+
+def test_a_corrupted_file_is_a_counted_miss(smollm2_dir, first_run, disk_copy):
+    path = block_file(disk_copy, 2)
+    with open(path, "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        f.write(b"\xff" * 100)
+    token_ids, stats = generate(smollm2_dir, disk_copy)
+    assert token_ids == first_run[1]
+    assert stats["disk_corrupt_blocks"] == 1
+    assert stats["disk_loaded_tokens"] == 2 * BLOCK_SIZE  # the blocks before the corrupt one
+    assert stats["prefill_tokens"] == len(PROMPT) - 2 * BLOCK_SIZE
+    with open(path, "rb") as f:  # removed, and stored again whole by this run's write-back
+        f.seek(-100, os.SEEK_END)
+        assert f.read() != b"\xff" * 100
+
+
+def test_another_kv_cache_dtype_never_hits(smollm2_dir, first_run, disk_copy):
+    _, stats = generate(smollm2_dir, disk_copy, kv_cache_dtype="fp8")
+    assert stats["disk_hit_tokens"] == stats["disk_loaded_tokens"] == 0
+    assert stats["prefill_tokens"] == len(PROMPT)
+    assert len(glob.glob(os.path.join(disk_copy, "*", "meta.json"))) == 2  # its own fingerprint directory
+
+
+def test_a_slow_disk_is_skipped(smollm2_dir, first_run, disk_copy, monkeypatch):
+    import nanovllm.engine.llm_engine as llm_engine
+    open_store = llm_engine.open_disk_store
+
+    def slow_store(*args, **kwargs):
+        store = open_store(*args, **kwargs)
+        store.read_bytes_per_s, store.ema = 1e3, 0.0  # 1 kB/s: any prefill beats it
+        return store
+
+    monkeypatch.setattr(llm_engine, "open_disk_store", slow_store)
+    token_ids, stats = generate(smollm2_dir, disk_copy)
+    assert token_ids == first_run[1]
+    assert stats["disk_hit_tokens"] == stats["disk_skipped_tokens"] == NUM_HIT_TOKENS
+    assert stats["disk_loaded_tokens"] == 0  # (disk_read_bytes: only the start-up probe)
+    assert stats["prefill_tokens"] == len(PROMPT)
+
+
+def test_cache_ls_and_clear(first_run, disk_copy, capsys):
+    from nanovllm.entrypoints.cli import main
+    assert main(["cache", "ls", "--kv-disk-path", disk_copy]) == 0
+    listing = capsys.readouterr().out
+    assert "SmolLM2" in listing and "1 fingerprint(s)" in listing
+    assert main(["cache", "clear", "--kv-disk-path", disk_copy]) == 0
+    assert "removed 1 fingerprint(s)" in capsys.readouterr().out
+    assert not glob.glob(os.path.join(disk_copy, "*", "??", "*.kvb"))
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (dict(kv_disk_gib=0), "kv_disk_gib=0"),
+    (dict(swap_space=0), "swap_space > 0"),
+    (dict(host_cache_policy="off"), "host_cache_policy"),
+    (dict(tensor_parallel_size=2, async_scheduling=False), "tensor_parallel_size=1"),
+])
+def test_config_names_what_the_disk_tier_needs(smollm2_dir, tmp_path, overrides, words):
+    from nanovllm.config import Config
+    with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+        Config(smollm2_dir, **smollm2_llm_kwargs(kv_disk_path=str(tmp_path), **dict(DISK_KWARGS, **overrides)))
+
+
+def test_a_file_is_not_a_disk_path(smollm2_dir, tmp_path):
+    from nanovllm.config import Config
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match="is not a directory"):
+        Config(smollm2_dir, **smollm2_llm_kwargs(kv_disk_path=str(tmp_path / "f"), **DISK_KWARGS))
