@@ -8,6 +8,8 @@ bytes object's byte values.
 import numbers
 import reprlib
 
+from nanovllm.sampling_params import SamplingParams
+
 _short = reprlib.Repr()  # bounded reprs: a 10 MB prompt must not become a 10 MB error message
 _short.maxstring = _short.maxother = 60
 PROMPT_FORMS = "a string, a list of token ids (ints), or a list of those"
@@ -66,3 +68,11 @@ def _check_encodable(text: str):
 def _bytes_message(name: str, value) -> str:
     return (f"{name}={_short.repr(value)} is {type(value).__name__}, not text or token ids; decode it to a str "
             f"first (e.g. {name}.decode())")
+
+
+def checked_params(sampling_params) -> SamplingParams:
+    """A checked copy of a request's SamplingParams (ValueError naming the option when a field was set to
+    something invalid after construction); the request keeps the copy, so later changes do not reach it."""
+    if not isinstance(sampling_params, SamplingParams):
+        raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+    return sampling_params.clone()

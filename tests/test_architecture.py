@@ -168,3 +168,36 @@ def test_the_metadata_floor_imports_without_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok" and len(modules) > 10
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
+
+
+def oversized(root: pathlib.Path = ROOT) -> list[str]:
+    """Production files over 400 lines and functions over 60. Triton kernels (@triton.jit) are excepted: each says
+    in a comment why it is one piece (a kernel's loads, loop and stores share registers and masks)."""
+    found = []
+    for module, path in module_files(root).items():
+        text = path.read_text()
+        if text.count("\n") > MAX_FILE_LINES:
+            found.append(f"{module}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                is_kernel = any("jit" in ast.unparse(d) for d in node.decorator_list)
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES and not is_kernel:
+                    found.append(f"{module}.{node.name}: {length} lines")
+    return found
+
+
+def test_files_and_functions_stay_small():
+    assert oversized() == []
+
+
+def test_an_oversized_function_is_found(tmp_path):
+    copy = tmp_path / "repo"
+    shutil.copytree(ROOT / "nanovllm", copy / "nanovllm")
+    shutil.copytree(ROOT / "nanovllm_offload", copy / "nanovllm_offload")
+    body = "".join(f"    x{i} = {i}\n" for i in range(61))
+    (copy / "nanovllm" / "core" / "planted.py").write_text(f"def planted():\n{body}")
+    assert oversized(copy) == ["nanovllm.core.planted.planted: 62 lines"]

@@ -37,7 +37,7 @@ def test_auto_dtype_on_cuda_follows_the_gpu(monkeypatch, capability, checkpoint,
     import torch
     from transformers import Qwen3Config
 
-    from nanovllm.engine.model_runner import resolve_dtype
+    from nanovllm.engine.device import resolve_dtype
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a test GPU")
     hf = Qwen3Config(dtype=checkpoint)
@@ -49,7 +49,7 @@ def test_bfloat16_on_a_gpu_without_it_names_the_option(monkeypatch):
     import torch
     from transformers import Qwen3Config
 
-    from nanovllm.engine.model_runner import resolve_dtype
+    from nanovllm.engine.device import resolve_dtype
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
     with pytest.raises(ValueError, match=r"dtype='bfloat16': Tesla T4 \(compute capability 7\.5\).*dtype='float16'"):

@@ -1,9 +1,7 @@
 """The engine loop: add requests, then step (schedule -> run -> postprocess) until they finish."""
 import atexit
 import itertools
-import json
 import logging
-import os
 import time
 
 import torch
@@ -11,20 +9,22 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.core.memory_plan import GiB, format_breakdown
-from nanovllm.engine.model_runner import ModelRunner, resolve_device
+from nanovllm.engine.device import resolve_device
+from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output import StreamCursor, TextOutput
+from nanovllm.engine.progress import update_bar
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.core.sequence import Sequence
 from nanovllm.engine.step_plan import LogprobRows, add_logprob_rows, make_plan
+from nanovllm.engine.tokenizer import eos_token_ids, load_tokenizer
 from nanovllm.engine.workers import WorkerPool, free_init_method
-from nanovllm.inputs import as_prompt_list, check_prompt
+from nanovllm.inputs import as_prompt_list, check_prompt, checked_params
 from nanovllm.logprobs import position_logprobs
 from nanovllm.sampling_params import SamplingParams
 from nanovllm_offload.disk_tier import no_disk_stats, open_disk_store
 from nanovllm_offload.host_tier import HostTier
 
 logger = logging.getLogger(__name__)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class LLMEngine:
@@ -34,7 +34,7 @@ class LLMEngine:
         # where the GPU memory went, in bytes (weights, activation_peak, graph_pools, non_torch, kv, left_free, ...;
         # nanovllm/core/memory_plan.py); None on CPU or with kv_cache_memory_bytes
         self.memory_breakdown: dict | None = None
-        self.tokenizer = _load_tokenizer(model)
+        self.tokenizer = load_tokenizer(model)
         self.text_output = TextOutput(self.tokenizer)
         try:
             self.host_tier = self._start_runners()
@@ -43,7 +43,7 @@ class LLMEngine:
             raise
         self.block_bytes = self.runner.block_bytes
         self.scheduler = Scheduler.from_config(config, self.num_gpu_blocks, self.host_tier,
-                                               _eos_token_ids(model, config.hf_config, self.tokenizer))
+                                               eos_token_ids(model, config.hf_config, self.tokenizer))
         copy_engine = self.runner.copy_engine
         if copy_engine is not None:
             self.scheduler.kv_ready = lambda seq: copy_engine.blocks_ready(seq.block_table)
@@ -113,7 +113,7 @@ class LLMEngine:
 
     # --- requests
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
-        sampling_params = _params_snapshot(sampling_params)
+        sampling_params = checked_params(sampling_params)
         seq = Sequence(self._prompt_token_ids(prompt, sampling_params), sampling_params,
                        self.config.kvcache_block_size)
         self.scheduler.add(seq)
@@ -155,11 +155,10 @@ class LLMEngine:
     def abort_request(self, seq_id: int):
         seq = self.requests.pop(seq_id, None)
         self._logprob_seq_ids.discard(seq_id)
-        if seq is None:
-            return
-        if not seq.is_finished:
+        if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
-        self.runner.release([seq_id])  # also a request that finished in a step whose caller was interrupted
+        if seq is not None:  # also a request that finished in a step whose caller was interrupted
+            self.runner.release([seq_id])
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self._in_flight is None
@@ -285,7 +284,7 @@ class LLMEngine:
             raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts; pass one or one each")
         # checked again here, not only when built: a SamplingParams may have been changed since (they are mutable,
         # as in vLLM); each request keeps its own checked copy, so a later change cannot reach it either
-        sampling_params = [_params_snapshot(sp) for sp in sampling_params]
+        sampling_params = [checked_params(sp) for sp in sampling_params]
         for prompt, sp in zip(prompts, sampling_params):
             self._prompt_token_ids(prompt, sp)
         return [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
@@ -305,7 +304,7 @@ class LLMEngine:
                 pending.difference_update(done)
                 bar.update(len(done))
                 if use_tqdm:
-                    last = self._update_bar(bar, last)
+                    last = update_bar(bar, last, self.stats, len(self.scheduler.swapped))
         finally:
             bar.close()
             self._generating.difference_update(seq_ids)
@@ -354,21 +353,6 @@ class LLMEngine:
     def _stream_text(self, seq: Sequence) -> str:  # the server's stream reads it
         return self.text_output.stream_text(seq)
 
-    def _update_bar(self, bar, last):
-        now = time.perf_counter()
-        seconds = now - last[0]
-        if seconds < 0.5:  # refresh twice a second, not every step
-            return last
-        stats = self.stats()
-        prev = last[1]
-        swap_bytes = stats["bytes_swapped_out"] + stats["bytes_swapped_in"] - prev["bytes_swapped_out"] \
-            - prev["bytes_swapped_in"]
-        bar.set_postfix_str(
-            f"prefill={(stats['prefill_tokens'] - prev['prefill_tokens']) / seconds:.0f}tok/s "
-            f"decode={(stats['decode_tokens'] - prev['decode_tokens']) / seconds:.0f}tok/s "
-            f"swap={swap_bytes / seconds / 1e9:.2f}GB/s swapped={len(self.scheduler.swapped)}", refresh=False)
-        return now, stats
-
     # --- counters and lifetime
     def stats(self) -> dict:
         stats = self.scheduler.stats.as_dict()
@@ -414,32 +398,3 @@ class LLMEngine:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _params_snapshot(sampling_params) -> SamplingParams:
-    """A checked copy (ValueError naming the option when a field was set to something invalid since)."""
-    if not isinstance(sampling_params, SamplingParams):
-        raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-    return sampling_params.clone()
-
-
-def _load_tokenizer(model: str):
-    if not any(os.path.exists(os.path.join(model, f)) for f in TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model)
-
-
-def _eos_token_ids(model: str, hf_config, tokenizer) -> set[int]:
-    ids = set()
-    sources = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
-    path = os.path.join(model, "generation_config.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            sources.append(json.load(f).get("eos_token_id"))
-    for value in sources:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(v for v in value if isinstance(v, int))
-    return ids

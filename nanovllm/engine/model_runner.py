@@ -1,7 +1,6 @@
 """The model runner: the only owner of model weights, the GPU KV cache and (through the copy engine) the host KV
 cache. It turns a SchedulerOutput into tensors, issues the swap copies, runs the forward pass and samples."""
 import gc
-import logging
 import os
 from datetime import timedelta
 
@@ -12,6 +11,7 @@ from nanovllm.config import SUPPORTED_ARCHITECTURES, Config
 from nanovllm.core.sequence import Sequence
 from nanovllm.engine.kv_cache import num_blocks_for_budget
 from nanovllm.engine.memory_profile import apply_budget, profile_memory
+from nanovllm.engine.device import resolve_device, resolve_dtype
 from nanovllm.engine.step_inputs import SampledTokens, prepare_step_inputs
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.layers.activation import SiluAndMul
@@ -27,41 +27,6 @@ from nanovllm.utils.loader import init_dummy_weights, load_weights
 from nanovllm.utils.switches import SWITCHES
 from nanovllm_offload.copy_engine import CopyEngine
 from nanovllm_offload.host_kv_cache import HostKVCache
-
-logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is available; use device='cpu' or 'auto'")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
-    """The model's dtype. "auto": float32 on CPU; on CUDA the checkpoint's half type, bfloat16 when it has none, and
-    float16 instead of bfloat16 on GPUs before compute capability 8.0 (T4, V100, RTX 20-series), which have no
-    bfloat16 arithmetic, as vLLM does."""
-    bf16_ok = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
-    if name != "auto":
-        if DTYPES[name] == torch.bfloat16 and not bf16_ok:
-            raise ValueError(f"dtype='{name}': {torch.cuda.get_device_name(device)} (compute capability "
-                             f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}) has no bfloat16 "
-                             f"arithmetic, which needs 8.0 or newer; use dtype='float16' (or 'auto')")
-        return DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.bfloat16
-    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    if dtype == torch.bfloat16 and not bf16_ok:
-        logger.warning("%s has no bfloat16 arithmetic (compute capability < 8.0): running the model in float16",
-                       torch.cuda.get_device_name(device))
-        return torch.float16
-    return dtype
 
 
 class ModelRunner:

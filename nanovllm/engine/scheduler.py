@@ -8,7 +8,8 @@ from collections.abc import Callable
 from nanovllm.config import Config
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
-from nanovllm.engine.scheduler_output import SchedulerOutput, SchedulerStats
+from nanovllm.engine.min_tokens import banned_token_ids
+from nanovllm.engine.scheduler_output import SchedulerOutput, SchedulerStats, last_copy_per_host_block
 from nanovllm_offload.host_block_pool import HostBlockPool
 from nanovllm_offload.host_tier import HostTier
 
@@ -70,22 +71,8 @@ class Scheduler:
             self.min_tokens_pending.add(seq.seq_id)
 
     def banned_token_ids(self, sample_seqs: list[Sequence]) -> list[tuple[int, list[int]]]:
-        """(sample row, token ids) that this step may not sample: a request's stop tokens, and EOS unless
-        ignore_eos, while it has fewer than min_tokens completion tokens (vLLM's min_tokens)."""
-        if not self.min_tokens_pending:
-            return []
-        banned = []
-        for row, seq in enumerate(sample_seqs):
-            if seq.seq_id not in self.min_tokens_pending:
-                continue
-            params = seq.sampling_params
-            if seq.num_completion_tokens >= params.min_tokens:  # placeholders count: they will be tokens
-                self.min_tokens_pending.discard(seq.seq_id)
-                continue
-            eos = () if params.ignore_eos else self.eos_token_ids
-            if ids := sorted({*params.stop_token_ids, *eos}):  # none with ignore_eos and no stop tokens
-                banned.append((row, ids))
-        return banned
+        """(sample row, token ids) that this step may not sample (min_tokens.py); prunes min_tokens_pending."""
+        return banned_token_ids(self.min_tokens_pending, sample_seqs, self.eos_token_ids)
 
     def is_finished(self) -> bool:
         return not (self.waiting or self.running or self.swapped or self.num_disk_waiting)
@@ -113,7 +100,7 @@ class Scheduler:
             self._admit_waiting(out, budget)
             self._resume_swapped(out)
         out.new_gpu_block_ids = self.block_manager.new_gpu_block_ids
-        out.swap_out = _last_copy_per_host_block(out.swap_out)
+        out.swap_out = last_copy_per_host_block(out.swap_out)
         self._one_token_rows_first(out)
         self._last_out = out
         return out
@@ -402,13 +389,3 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.metrics.mark_finished(time.perf_counter())
-
-
-def _last_copy_per_host_block(copies: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """A host block stored for the prefix cache is free at once, so a small pool can hand it out again in the same
-    step (to a swap-out victim, or to another store): the earlier copy to it is dead. Keeping only the last copy to
-    each host block lets the copy engine issue a step's copies in its own order (on CUDA it does)."""
-    last = {cpu_block_id: i for i, (_, cpu_block_id) in enumerate(copies)}
-    if len(last) == len(copies):
-        return copies
-    return [copy for i, copy in enumerate(copies) if last[copy[1]] == i]

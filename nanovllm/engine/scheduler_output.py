@@ -50,3 +50,13 @@ class SchedulerStats:
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def last_copy_per_host_block(copies: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """A host block stored for the prefix cache is free at once, so a small pool can hand it out again in the same
+    step (to a swap-out victim, or to another store): the earlier copy to it is dead. Keeping only the last copy to
+    each host block lets the copy engine issue a step's copies in its own order (on CUDA it does)."""
+    last = {cpu_block_id: i for i, (_, cpu_block_id) in enumerate(copies)}
+    if len(last) == len(copies):
+        return copies
+    return [copy for i, copy in enumerate(copies) if last[copy[1]] == i]
