@@ -92,7 +92,7 @@ def test_filters_apply_in_vllms_order():
     distribution (0.5 < 0.6) would keep two; so would min_p=0.5 applied after top_p."""
     logits = torch.tensor([0.5, 0.3, 0.2]).log()
     ones = torch.ones(NUM_DRAWS)
-    first_only = torch.tensor([1.0, 0.0, 0.0])
+    first_only = torch.tensor([1.0, 0.0, 0.0], device="cpu")  # frequencies() returns CPU tensors
     freq = frequencies(logits, 1.0, top_ks=torch.full((NUM_DRAWS,), 2), top_ps=torch.full((NUM_DRAWS,), 0.6))
     assert torch.equal(freq, first_only), freq
     freq = frequencies(logits, 1.0, top_ks=torch.full((NUM_DRAWS,), 3), top_ps=torch.full((NUM_DRAWS,), 0.6),
@@ -105,7 +105,7 @@ def test_filters_apply_in_vllms_order():
 def test_top_p_keeps_the_first_token_however_small_and_drops_nothing_at_one():
     logits = torch.tensor([3.0, 1.0, 0.0, -1.0])
     freq = frequencies(logits, 1.0, top_ks=torch.full((NUM_DRAWS,), 4), top_ps=torch.full((NUM_DRAWS,), 1e-46))
-    assert torch.equal(freq, torch.tensor([1.0, 0.0, 0.0, 0.0])), freq  # 1e-46 is 0 in float32
+    assert torch.equal(freq, torch.tensor([1.0, 0.0, 0.0, 0.0], device="cpu")), freq  # 1e-46 is 0 in float32
     # top_p = 1 next to a filtering row: a tail token whose float32 cumsum above it reaches 1 still stays
     tail = torch.tensor([30.0, 0.0])  # p(tail) ~ 1e-13: the cumsum above it is 1.0 in float32
     st = SamplingTensors(torch.ones(2), torch.tensor([2, 1]), torch.tensor([1.0, 1.0]), None, None, False)

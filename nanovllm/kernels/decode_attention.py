@@ -221,7 +221,7 @@ def decode_config(dtype: torch.dtype, head_dim: int, block_size: int, split: boo
         # An FP8 tile carries half the bytes of a bf16 one, so more of them must be in flight: two buffers
         # (5 stages, as the block-table load takes two) and 128 registers, which ptxas meets without spilling,
         # for four programs per SM where the uncapped kernel fits three.
-        return KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=5, max_registers=128)
+        return KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=5, max_registers=128, fp8_keys_major=False)
     # H200 sweep, bf16 D=128 B=256 ctx=1024: (128, 4 warps, 2 stages) ~96% of copy bw with block_size 256
     # but ~92% with block_size 16, where (64, 4, 3) gives ~96%. The big tile fits one program per SM,
     # so for split (small-batch) launches, where the wave tail matters, the smaller tile is used.
