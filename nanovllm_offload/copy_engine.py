@@ -237,3 +237,8 @@ class CopyEngine:
             self.in_stream.synchronize()
             torch.cuda.current_stream().synchronize()
         self.poll()
+
+    def close(self):
+        """Finish every copy, then let go of both caches (a closed engine's hooks may still hold this object)."""
+        self.synchronize()
+        self.gpu_kv = self.host_kv = None

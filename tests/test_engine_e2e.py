@@ -624,3 +624,17 @@ def test_cli_chat_prompt_has_one_bos(smollm2_dir, tmp_path, monkeypatch):
                      "--max-tokens", "1", "--max-model-len", "256", "--num-kvcache-blocks", "32",
                      "--kvcache-block-size", "16", "--enforce-eager"]) == 0
     assert seen and seen[0][0] == 1 and seen[0][1] != 1, seen[0][:4]
+
+
+def test_a_closed_engine_lets_go_of_its_kv_cache(qwen3_dir):
+    """A second LLM in the same process gets the memory of the first: the scheduler's kv_ready hook, which outlives
+    close(), held the copy engine and through it the whole KV cache (on a GPU the next engine then found no room)."""
+    import gc
+    import weakref
+
+    with LLM(qwen3_dir, device="cpu", enforce_eager=True, num_kvcache_blocks=32, kvcache_block_size=16,
+             preemption_mode="swap", swap_space=0.01) as llm:
+        llm.generate([[1, 2, 3, 4]] * 2, SamplingParams(max_tokens=4), use_tqdm=False)
+        kv_cache = weakref.ref(llm.runner.kv_cache)
+    gc.collect()
+    assert kv_cache() is None

@@ -86,13 +86,13 @@ GPU_SCRIPT = textwrap.dedent("""
     import time
     import torch
     from nanovllm_offload.host_kv_cache import HostKVCache
-    cache = HostKVCache(3 * 1024, (2, 2, 16, 8, 128), torch.bfloat16, pin_memory=True)  # 3 GiB: not a power of two
+    cache = HostKVCache(3 * 8192, (2, 2, 16, 8, 128), torch.bfloat16, pin_memory=True)  # 3 GiB: not a power of two
     assert cache.kv.numel() * cache.kv.element_size() == 3 << 30
     assert cache.kv.is_pinned(), "the pool's pages are not registered"
-    gpu = torch.empty(cache.kv[:1024].shape, dtype=cache.kv.dtype, device="cuda")
+    gpu = torch.empty(cache.kv[:8192].shape, dtype=cache.kv.dtype, device="cuda")
     torch.cuda.synchronize()
     start = time.perf_counter()
-    gpu.copy_(cache.kv[:1024], non_blocking=True)  # 1 GiB: tens of ms over any link
+    gpu.copy_(cache.kv[:8192], non_blocking=True)  # 1 GiB (blocks of 128 KiB): tens of ms over any link
     call_s = time.perf_counter() - start
     torch.cuda.synchronize()
     copy_s = time.perf_counter() - start

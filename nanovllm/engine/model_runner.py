@@ -363,7 +363,7 @@ class ModelRunner:
 
     def close(self):
         if self.copy_engine is not None:
-            self.copy_engine.synchronize()
+            self.copy_engine.close()
         if self.host_cache is not None:
             self.host_cache.close()
         for attn in (m for m in self.model.modules() if isinstance(m, Attention)):
