@@ -262,6 +262,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                       "directory with a config.json")
     parser.add_argument("--token-scale", type=float, default=1.0,
                         help="laptop-agent(-restart): multiply every prompt and output length (quick runs)")
+    parser.add_argument("--warmup-tokens", type=int, default=0,
+                        help="laptop scenarios: also warm up on a prompt of this many fresh tokens (e.g. 8192), so "
+                             "that the engine has timed prefills before the workload (the disk rule reads them)")
     parser.add_argument("--engine-options", type=json.loads, default={},
                         help='LLM options over the scenario\'s, as JSON: \'{"num_kvcache_blocks": 512}\'')
     parser.add_argument("--kv-gib", type=float, default=None,
