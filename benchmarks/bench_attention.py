@@ -521,6 +521,16 @@ def time_kv_cache_dtype(kv_cache_dtype: str, lens: list[int], num_layers: int, b
     return seconds / num_layers, kv_bytes / seconds
 
 
+def parse_fp8_tile(tile: str) -> KernelConfig:
+    """"BLOCK_N,WARPS,STAGES[,MAX_REGISTERS][,q]": a decode tile; "q" keeps the scores [query heads, keys]."""
+    parts = tile.split(",")
+    keys_major = parts[-1] != "q"
+    numbers = [int(x) for x in parts if x != "q"]
+    block_n, num_warps, num_stages = numbers[:3]
+    max_registers = numbers[3] if len(numbers) > 3 else None
+    return KernelConfig(16, block_n, num_warps, num_stages, max_registers, keys_major)
+
+
 def bench_kv_cache_dtypes(kv_cache_dtypes: list[str], rows_list: list[int], num_layers: int, copy_bw: float,
                           fp8_tiles: list[str]):
     """--kv-cache-dtype: decode attention at the Qwen3-8B shape reading a cache in each dtype, ragged contexts as
@@ -530,7 +540,7 @@ def bench_kv_cache_dtypes(kv_cache_dtypes: list[str], rows_list: list[int], num_
         lens = [rng.randint(100, 1048) for _ in range(rows)]
         runs = [(dtype, None) for dtype in kv_cache_dtypes] + [("fp8", tile) for tile in fp8_tiles]
         for dtype, tile in runs:
-            config = None if tile is None else KernelConfig(16, *(int(x) for x in tile.split(",")))
+            config = None if tile is None else parse_fp8_tile(tile)
             per_layer, rate = time_kv_cache_dtype(dtype, lens, num_layers, config=config)
             print(f"rows {rows} kv {dtype:5s}{f' tile {tile}' if tile else ''}: {per_layer * 1e6:7.1f} us/layer, "
                   f"KV read {rate / 1e12:.2f} TB/s = {rate / copy_bw:.0%} of copy bandwidth", flush=True)
@@ -548,7 +558,7 @@ def main():
                         help="only decode attention at the 8B shape reading a cache of each dtype (auto: bf16)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1024, 256], help="with --kv-cache-dtype: batch sizes")
     parser.add_argument("--layers", type=int, default=8, help="with --kv-cache-dtype: layer views timed per graph")
-    parser.add_argument("--fp8-tiles", nargs="*", default=[], metavar="BLOCK_N,WARPS,STAGES",
+    parser.add_argument("--fp8-tiles", nargs="*", default=[], metavar="BLOCK_N,WARPS,STAGES[,MAXNREG][,q]",
                         help="with --kv-cache-dtype: also time the FP8 cache with these decode tiles")
     args = parser.parse_args()
     if args.kv_cache_dtype is not None:

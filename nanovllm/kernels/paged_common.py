@@ -147,6 +147,15 @@ class KernelConfig:
     block_n: int  # keys per inner step
     num_warps: int
     num_stages: int
+    max_registers: int | None = None  # ptxas's per-thread cap (Triton's maxnreg): more programs per SM
+    fp8_keys_major: bool = True  # FP8 decode: scores as [keys, heads] (decode_attention._attend_fp8_keys_major)
+
+    def launch_options(self) -> dict:
+        """The kernel launch's compile options."""
+        options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.max_registers is not None:
+            options["maxnreg"] = self.max_registers
+        return options
 
 
 def tile_from_env(name: str) -> "KernelConfig | None":
