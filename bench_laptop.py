@@ -89,6 +89,7 @@ def agent_workload(num_sessions: int, num_turns: int = 8, token_scale: float = 1
 
     def scaled(num_tokens: int) -> int:
         return max(1, round(num_tokens * token_scale))
+
     system = [rng.randint(0, 10000) for _ in range(scaled(2048))]
     tools = [[[rng.randint(0, 10000) for _ in range(rng.randint(scaled(500), scaled(3000)))] for _ in range(num_turns)]
              for _ in range(num_sessions)]

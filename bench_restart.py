@@ -149,9 +149,11 @@ def print_restart_table(scenario_options: dict, results: list[dict]):
 
 
 def _print_after_rows(after: dict[str, dict]):
+    """One row per process after the restart. The speeds: the median over its disk hits of what the rule read, then
+    the engine's measurement at the end; a read speed also as tokens/s (one rank's bytes per token)."""
     head = ("mode", "after s", "per turn s", "prompt tok computed", "GPU hits", "host hits",
-            "disk hit/loaded/skipped tok", "disk read GB", "read GB/s (tok/s) at hits; end", "prefill tok/s at hits; end",
-            "loads/hits (rule: load)", "TTFT p50 s", "sched->1st tok p50 s")
+            "disk hit/loaded/skipped tok", "disk read GB", "read GB/s (tok/s) at hits; end",
+            "prefill tok/s at hits; end", "loads/hits (rule: load)", "TTFT p50 s", "sched->1st tok p50 s")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for mode, r in after.items():
         s, disk = r["stats"], r["disk"]
@@ -160,7 +162,8 @@ def _print_after_rows(after: dict[str, dict]):
         print(f"| {mode} | {r['seconds']:.2f} | {per_turn} | {s['prefill_tokens']} | {s['prefix_cache_hit_tokens']} | "
               f"{s['host_prefix_hit_tokens']} | {s['disk_hit_tokens']}/{s['disk_loaded_tokens']}/"
               f"{s['disk_skipped_tokens']} | {s['disk_read_bytes'] / 1e9:.2f} | {_read_speeds(disk)} | "
-              f"{_median(points, 'prefill_tokens_per_s', '{:.0f}')}; {_number(disk['prefill_tokens_per_s'], '{:.0f}')} | "
+              f"{_median(points, 'prefill_tokens_per_s', '{:.0f}')}; "
+              f"{_number(disk['prefill_tokens_per_s'], '{:.0f}')} | "
               f"{sum(p['is_loading'] for p in points)}/{len(points)} ({sum(p['rule_says_load'] for p in points)}) | "
               f"{r['latency']['ttft_p50']:.3f} | "
               f"{_number(statistics.median(r['agent_waits']) if r['agent_waits'] else None, '{:.3f}')} |")

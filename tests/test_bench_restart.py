@@ -36,8 +36,9 @@ def tiny_shape_dir(tmp_path) -> str:
 
 def test_the_disk_tier_across_a_restart_computes_less_than_a_cold_restart(tmp_path, monkeypatch):
     tables = []
-    monkeypatch.setattr(sys, "argv", ["bench_swap.py", "--scenario", "laptop-agent-restart", "--shape",
-                                      tiny_shape_dir(tmp_path), "--out-dir", str(tmp_path), "--keep-restart-dir", *QUICK])
+    argv = ["--scenario", "laptop-agent-restart", "--shape", tiny_shape_dir(tmp_path), "--out-dir", str(tmp_path),
+            "--keep-restart-dir", *QUICK]
+    monkeypatch.setattr(sys, "argv", ["bench_swap.py", *argv])
     monkeypatch.setattr(bench_swap, "print_restart_table", lambda options, results: tables.append(results))
     assert bench_swap.main() == 0
     runs = {r["mode"]: r for r in tables[-1]}
