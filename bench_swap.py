@@ -6,6 +6,7 @@
     python bench_swap.py --scenario chat                 # multi-turn chat: the host tier as a prefix cache
     python bench_swap.py --scenario rtx4070 chat --simulate   # the scheduler alone, on CPU, in seconds
     python bench_swap.py --scenario laptop-reasoning laptop-agent   # inside an 8 GiB budget (bench_laptop.py)
+    python bench_swap.py --scenario laptop-agent-restart             # the disk tier across a process restart
 
 Modes: unpressured (no KV cap), recompute, swap, auto (all three capped). The workload is nano-vllm's bench.py:
 random.seed(0), prompt and output lengths uniform in [100, 1024], prompt ids uniform in [0, 10000]. The host prefix
@@ -13,6 +14,7 @@ cache is off in these four modes, so that they compare preemption alone.
 "chat": 128 conversations x 4 turns sharing a 2048-token system prompt, Qwen3-8B shape, 20 GiB of GPU KV; modes
 no_host_tier (recompute, no host pool) and host_tier (64 GiB host pool: prefix cache + swap).
 "laptop-reasoning", "laptop-agent": an 8 GB laptop's workloads inside gpu_memory_budget_gib=8 (bench_laptop.py).
+"laptop-agent-restart": laptop-agent split by a process restart after turn 4; modes cold and disk (bench_restart.py).
 --gpu-memory-gib N runs any scenario as if the GPU had N GiB (gpu_memory_budget_gib).
 """
 import argparse
@@ -24,8 +26,11 @@ import sys
 import tempfile
 import time
 
-from bench_laptop import (AGENT_MODES, LAPTOP_SCENARIOS, REASONING_MODES, laptop_options, print_laptop_table,
-                          reasoning_workload, agent_workload, run_laptop, simulated_num_gpu_blocks)
+from bench_laptop import (AGENT_MODES, LAPTOP_SCENARIOS, REASONING_MODES, RESTART_MODES, agent_workload,
+                          laptop_options, model_dir, print_laptop_table, reasoning_workload, run_laptop,
+                          simulated_num_gpu_blocks, stats_since)
+from bench_restart import print_restart_table, run_restart
+from bench_timeline import Timeline, plot
 from nanovllm.config import KV_CACHE_DTYPES
 from nanovllm.core.request_metrics import latency_summary
 from nanovllm.utils.presets import preset_dir
@@ -42,7 +47,8 @@ CHAT_MODES = ["no_host_tier", "host_tier"]
 
 
 def scenario_modes(scenario: str) -> list[str]:
-    return {"chat": CHAT_MODES, "laptop-agent": AGENT_MODES, "laptop-reasoning": REASONING_MODES}.get(scenario, MODES)
+    return {"chat": CHAT_MODES, "laptop-agent": AGENT_MODES, "laptop-reasoning": REASONING_MODES,
+            "laptop-agent-restart": RESTART_MODES}.get(scenario, MODES)
 
 
 def chat_workload(num_convs: int, num_turns: int = 4):
@@ -56,15 +62,16 @@ def chat_workload(num_convs: int, num_turns: int = 4):
 
 
 def engine_options(scenario: str, mode: str, args) -> dict:
-    """The LLM options of one mode of a scenario (the GPU runs and --simulate share them)."""
+    """The LLM options of one mode of a scenario (the GPU runs and --simulate share them), --engine-options last."""
+    options = laptop_options(scenario, mode, args) if scenario in LAPTOP_SCENARIOS else _options(scenario, mode, args)
+    return {**options, **args.engine_options}
+
+
+def _options(scenario: str, mode: str, args) -> dict:
     s = SCENARIOS[scenario]
-    if scenario in LAPTOP_SCENARIOS:
-        return dict(load_format="dummy", enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
-                    tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
-                    kvcache_block_size=args.kvcache_block_size, **laptop_options(scenario, mode, args))
     swap_space = s["swap_space"] if args.swap_space is None else args.swap_space  # 0 too
     options = dict(load_format="dummy", max_model_len=8192 if scenario == "chat" else 4096,
-                   gpu_memory_budget_gib=args.gpu_memory_gib,
+                   gpu_memory_budget_gib=args.gpu_memory_gib or None,
                    max_num_seqs=args.max_num_seqs or 1024, enforce_eager=args.enforce_eager,
                    tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
                    kvcache_block_size=args.kvcache_block_size, kv_cache_dtype=args.kv_cache_dtype)
@@ -81,7 +88,6 @@ def engine_options(scenario: str, mode: str, args) -> dict:
 
 def run_chat(mode: str, num_convs: int, args) -> dict:
     from nanovllm import LLM, SamplingParams
-    from nanovllm.utils.presets import preset_dir
     s = SCENARIOS["chat"]
     llm = LLM(preset_dir(s["shape"]), **engine_options("chat", mode, args))
     system, users, max_tokens = chat_workload(num_convs, s["num_turns"])
@@ -127,7 +133,6 @@ def run_mode(scenario: str, mode: str, num_seqs: int, args) -> dict:
     """Runs inside the subprocess: one engine, one mode, the whole workload."""
     from bench import seed_workload
     from nanovllm import LLM, SamplingParams
-    from nanovllm.utils.presets import preset_dir
     s = SCENARIOS[scenario]
     llm = LLM(preset_dir(s["shape"]), **engine_options(scenario, mode, args))
     prompts, params = seed_workload(num_seqs)
@@ -137,8 +142,7 @@ def run_mode(scenario: str, mode: str, num_seqs: int, args) -> dict:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
     seconds = time.perf_counter() - start
-    stats = {k: (v - base[k] if isinstance(v, (int, float)) and k in base and not k.startswith("num_") else v)
-             for k, v in llm.stats().items()}
+    stats = stats_since(base, llm.stats())
     llm.close()
     return dict(mode=mode, output_tokens=sum(p.max_tokens for p in params), seconds=seconds, stats=stats,
                 timeline=timeline.points, latency=latency_summary([o["metrics"] for o in outputs]))
@@ -155,7 +159,7 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
     from nanovllm.core.sequence import Sequence
     from nanovllm_offload.host_tier import HostTier, num_host_blocks_for
     from nanovllm_offload.policy import PreemptionPolicy
-    config = Config(preset_dir(args.shape or SCENARIOS[scenario]["shape"]), **engine_options(scenario, mode, args))
+    config = Config(model_dir(args.shape or SCENARIOS[scenario]["shape"]), **engine_options(scenario, mode, args))
     hf, block_size = config.hf_config, config.kvcache_block_size
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     num_kv_heads = hf.num_key_value_heads // config.tensor_parallel_size  # one rank's, as its budget is
@@ -193,8 +197,8 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
         run(*reasoning_workload(num_seqs))
     elif scenario in ("chat", "laptop-agent"):
         num_turns = SCENARIOS[scenario]["num_turns"]
-        workload = chat_workload if scenario == "chat" else agent_workload
-        system, users, max_tokens = workload(num_seqs, num_turns)
+        system, users, max_tokens = (chat_workload(num_seqs, num_turns) if scenario == "chat"
+                                     else agent_workload(num_seqs, num_turns, args.token_scale))
         histories = [list(system) for _ in range(num_seqs)]
         for t in range(num_turns):
             histories = run([h + users[c][t] for c, h in enumerate(histories)], [m[t] for m in max_tokens])
@@ -225,33 +229,6 @@ def print_simulation(scenario: str, results: list[dict]):
               f"{r['host_prefix_hit_tokens']} |")
 
 
-class Timeline:
-    """Per step: seconds since start, GPU blocks in use, host blocks in use, bytes swapped so far, and what the step
-    computed: sequences, tokens."""
-
-    def __init__(self, llm):
-        self.points, self.start, step = [], time.perf_counter(), llm.step
-        bm, host = llm.scheduler.block_manager, llm.scheduler.host_pool
-        sched = llm.scheduler
-        schedule, last = sched.schedule, {}
-
-        def recorded_schedule():
-            out = schedule()
-            last["num_seqs"], last["num_tokens"] = len(out.seqs), sum(out.num_new_tokens)
-            return out
-
-        def timed_step():
-            finished = step()
-            host_used = sum(len(s.cpu_block_table) for s in sched.swapped) if host else 0
-            swapped = ((sched.stats.blocks_swapped_out + sched.stats.blocks_swapped_in) * llm.block_bytes
-                       * llm.config.tensor_parallel_size)  # all ranks, as stats() counts them
-            self.points.append((time.perf_counter() - self.start, bm.num_blocks - bm.num_free_blocks,
-                                host_used, swapped, last.get("num_seqs", 0), last.get("num_tokens", 0)))
-            return finished
-        sched.schedule = recorded_schedule
-        llm.step = timed_step
-
-
 def print_table(scenario: str, results: list[dict]):
     print(f"\n## {scenario}: {SCENARIOS[scenario]}")
     head = ("mode", "out tok", "seconds", "tok/s", "preempt swap/recomp", "recomputed", "GB swapped", "copy GB/s",
@@ -268,40 +245,28 @@ def print_table(scenario: str, results: list[dict]):
               f"{lat['ttft_p50']:.2f}/{lat['ttft_p99']:.2f} | {lat['itl_p50'] * 1e3:.1f}/{lat['itl_p99'] * 1e3:.1f} |")
 
 
-def plot(scenario: str, results: list[dict], path: str):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
-    for r in results:
-        t = [p[0] for p in r["timeline"]]
-        for ax, i in zip(axes, (1, 2, 3)):
-            ys = [p[i] / 1e9 if i == 3 else p[i] for p in r["timeline"]]
-            ax.plot(t, ys, label=r["mode"])
-    for ax, label in zip(axes, ("GPU blocks in use", "host blocks held by swapped seqs", "GB swapped (cumulative)")):
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    axes[-1].set_xlabel("seconds")
-    fig.suptitle(f"bench_swap.py --scenario {scenario}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"wrote {path}")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", nargs="+", default=["rtx4070"], choices=sorted(SCENARIOS))
     parser.add_argument("--modes", nargs="+", default=None,
-                        choices=list(dict.fromkeys(MODES + CHAT_MODES + REASONING_MODES + AGENT_MODES)),
+                        choices=list(dict.fromkeys(MODES + CHAT_MODES + REASONING_MODES + AGENT_MODES + RESTART_MODES)),
                         help="default: all modes of the scenario")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply num-seqs (quick runs)")
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help="default 1,024, vLLM 0.26's default on a GPU of 70 GB or more, under which its reference "
                              "numbers were measured (the engine's own default is nano-vllm's 512); laptop: 256")
     parser.add_argument("--gpu-memory-gib", type=float, default=None,
-                        help="run as if the GPU had this many GiB (gpu_memory_budget_gib; laptop scenarios: 8)")
-    parser.add_argument("--shape", default=None, help="laptop scenarios: another preset (default: qwen3-1.7b)")
+                        help="run as if the GPU had this many GiB (gpu_memory_budget_gib; laptop scenarios: 8, and 0 "
+                             "for the whole GPU)")
+    parser.add_argument("--shape", default=None, help="laptop scenarios: another preset (default: qwen3-1.7b) or a "
+                                                      "directory with a config.json")
+    parser.add_argument("--token-scale", type=float, default=1.0,
+                        help="laptop-agent(-restart): multiply every prompt and output length (quick runs)")
+    parser.add_argument("--warmup-tokens", type=int, default=0,
+                        help="laptop scenarios: also warm up on a prompt of this many fresh tokens (e.g. 8192), so "
+                             "that the engine has timed prefills before the workload (the disk rule reads them)")
+    parser.add_argument("--engine-options", type=json.loads, default={},
+                        help='LLM options over the scenario\'s, as JSON: \'{"num_kvcache_blocks": 512}\'')
     parser.add_argument("--kv-gib", type=float, default=None,
                         help="laptop scenarios: cap the KV at this many GiB instead of sizing it from the budget "
                              "(with --simulate: instead of the assumed terms in bench_laptop.py)")
@@ -320,63 +285,96 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-tqdm", action="store_true")
     parser.add_argument("--simulate", action="store_true",
                         help="no model, no GPU: run only the scheduler on the workload and print what it decides")
+    parser.add_argument("--keep-page-cache", action="store_true",
+                        help="laptop-agent-restart: read the disk tier's files from the page cache if they are there "
+                             "(default: dropped before the disk mode, so its reads come from the device)")
+    parser.add_argument("--keep-restart-dir", action="store_true",
+                        help="laptop-agent-restart: keep the KV directory and histories.json made under --out-dir")
     parser.add_argument("--run-mode", nargs=3, default=None, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    parser.add_argument("--restart-dir", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.simulate and "laptop-agent-restart" in args.scenario:
+        parser.error("--simulate cannot run laptop-agent-restart: whether a disk hit is loaded depends on the disk's "
+                     "and the prefill's measured speeds, which the scheduler alone does not have; simulate "
+                     "laptop-agent for the workload's scheduling")
+    return args
 
 
 def main():
     args = parse_args()
     if args.run_mode:
-        scenario, mode, path = args.run_mode
-        num_seqs = max(1, round(SCENARIOS[scenario]["num_seqs"] * args.scale))
-        if scenario in LAPTOP_SCENARIOS:
-            run = run_laptop(scenario, mode, num_seqs, args)
-        else:
-            run = run_chat(mode, num_seqs, args) if scenario == "chat" else run_mode(scenario, mode, num_seqs, args)
-        with open(path, "w") as f:
-            json.dump(run, f)
-        return
+        return run_in_child(args)
     num_failed = 0
     for scenario in args.scenario:
-        results = []
         modes_here = scenario_modes(scenario)
+        modes = [m for m in (args.modes or modes_here) if m in modes_here]
         if args.simulate:
-            num_seqs = max(1, round(SCENARIOS[scenario]["num_seqs"] * args.scale))
-            modes = [m for m in (args.modes or modes_here) if m in modes_here and m != "unpressured"]
-            print_simulation(scenario, [simulate(scenario, m, num_seqs, args) for m in modes])
-            continue
-        for mode in [m for m in (args.modes or modes_here) if m in modes_here]:
-            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-                path = f.name
-            cmd = [sys.executable, __file__, "--run-mode", scenario, mode, path] + [a for a in sys.argv[1:]]
-            cmd = [c for c in cmd if c not in ("--plot",)]
-            proc = subprocess.run(_strip_scenario(cmd))
-            if proc.returncode:
-                print(f"{scenario}/{mode} failed with exit code {proc.returncode}")
-                num_failed += 1
-                continue
-            with open(path) as f:
-                results.append(json.load(f))
-            os.unlink(path)
-            if args.save_timeline:
-                with open(os.path.join(args.out_dir, f"timeline_{scenario}_{mode}.json"), "w") as f:
-                    json.dump(results[-1]["timeline"], f)
-            r = results[-1]
-            print(f"{scenario}/{mode}: {r['output_tokens'] / r['seconds']:.0f} tok/s", flush=True)
-            if scenario in LAPTOP_SCENARIOS:
-                print_laptop_table(scenario, [r])
-            elif scenario != "chat":
-                print_table(scenario, [r])  # each row as soon as its mode finishes
-        if scenario in LAPTOP_SCENARIOS:
-            print_laptop_table(scenario, results)
-            continue
-        if scenario == "chat":
-            print_chat_table(results)
-            continue
+            results = [simulate(scenario, m, num_seqs_of(scenario, args), args) for m in modes if m != "unpressured"]
+            print_simulation(scenario, results)
+        elif scenario == "laptop-agent-restart":
+            results = run_restart(modes, args, lambda *run: run_child(*run, args=args))
+            num_failed += len(modes) + 1 - len(results)  # "before" too
+            print_restart_table(SCENARIOS[scenario], results)
+        else:
+            results = [r for r in (run_child(scenario, mode, args=args) for mode in modes) if r is not None]
+            num_failed += len(modes) - len(results)
+            print_results(scenario, results, args)
+    return 1 if num_failed else 0
+
+
+def num_seqs_of(scenario: str, args) -> int:
+    return max(1, round(SCENARIOS[scenario]["num_seqs"] * args.scale))
+
+
+def run_in_child(args):
+    """--run-mode SCENARIO MODE PATH: one engine runs one mode and writes its result to PATH."""
+    scenario, mode, path = args.run_mode
+    num_seqs = num_seqs_of(scenario, args)
+    if scenario in LAPTOP_SCENARIOS:
+        run = run_laptop(scenario, mode, num_seqs, args, engine_options(scenario, mode, args))
+    else:
+        run = run_chat(mode, num_seqs, args) if scenario == "chat" else run_mode(scenario, mode, num_seqs, args)
+    with open(path, "w") as f:
+        json.dump(run, f)
+
+
+def run_child(scenario: str, mode: str, extra_argv=(), *, args) -> dict | None:
+    """One mode in a process of its own (--run-mode, this command's other options and extra_argv): its result, or
+    None when it failed. Its row is printed as soon as it finishes."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    cmd = [sys.executable, __file__, "--run-mode", scenario, mode, path] + [a for a in sys.argv[1:] if a != "--plot"]
+    try:
+        proc = subprocess.run(_strip_scenario(cmd) + list(extra_argv))
+        if proc.returncode:
+            print(f"{scenario}/{mode} failed with exit code {proc.returncode}")
+            return None
+        with open(path) as f:
+            r = json.load(f)
+    finally:
+        os.unlink(path)
+    if args.save_timeline:
+        with open(os.path.join(args.out_dir, f"timeline_{scenario}_{mode}.json"), "w") as f:
+            json.dump(r["timeline"], f)
+    print(f"{scenario}/{mode}: {r['output_tokens'] / r['seconds']:.0f} tok/s", flush=True)
+    if scenario == "laptop-agent-restart":
+        print_restart_table(SCENARIOS[scenario], [r])
+    elif scenario in LAPTOP_SCENARIOS:
+        print_laptop_table(scenario, [r])
+    elif scenario != "chat":
+        print_table(scenario, [r])  # each row as soon as its mode finishes
+    return r
+
+
+def print_results(scenario: str, results: list[dict], args):
+    if scenario in LAPTOP_SCENARIOS:
+        print_laptop_table(scenario, results)
+    elif scenario == "chat":
+        print_chat_table(results)
+    else:
         print_table(scenario, results)
         if args.plot and results:
             plot(scenario, results, os.path.join(args.out_dir, f"bench_swap_{scenario}.png"))
-    return 1 if num_failed else 0
 
 
 def _strip_scenario(cmd: list[str]) -> list[str]:

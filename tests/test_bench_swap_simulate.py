@@ -2,6 +2,8 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench_swap  # noqa: E402
 
@@ -45,3 +47,33 @@ def test_command_line_details_reach_the_runs():
            "--modes", "swap", "auto", "--enforce-eager"]
     assert bench_swap._strip_scenario(cmd) == ["python", "bench_swap.py", "--run-mode", "rtx4070", "swap", "/tmp/x",
                                                "-tp", "2", "--enforce-eager"]
+
+
+def test_the_restart_scenario_is_refused_by_simulate(capsys):
+    with pytest.raises(SystemExit):
+        bench_swap.parse_args(["--scenario", "laptop-agent", "laptop-agent-restart", "--simulate"])
+    assert "--simulate cannot run laptop-agent-restart" in capsys.readouterr().err
+
+
+def test_laptop_options_are_the_runs_and_the_simulations():
+    """One source of a laptop mode's options (the GPU run, --simulate and the restart's processes read it)."""
+    args = bench_swap.parse_args(["--scenario", "laptop-agent-restart", "--engine-options", '{"max_num_seqs": 4}'])
+    args.restart_dir = "/tmp/restart"
+    cold, disk = (bench_swap.engine_options("laptop-agent-restart", mode, args) for mode in ("cold", "disk"))
+    assert disk == dict(cold, kv_disk_path="/tmp/restart/kv")
+    assert cold["load_format"] == "dummy" and cold["gpu_memory_budget_gib"] == 8 and cold["max_num_seqs"] == 4
+    assert cold["host_cache_policy"] == "write_back" and "kv_disk_path" not in cold
+    whole_gpu = bench_swap.parse_args(["--scenario", "laptop-agent", "--gpu-memory-gib", "0"])
+    assert bench_swap.engine_options("laptop-agent", "host_tier", whole_gpu)["gpu_memory_budget_gib"] is None
+
+
+def test_the_agent_workload_at_token_scale_1_is_the_issues():
+    import random
+    rng = random.Random(3)  # the issue's generator, in its order
+    system = [rng.randint(0, 10000) for _ in range(2048)]
+    tools = [[[rng.randint(0, 10000) for _ in range(rng.randint(500, 3000))] for _ in range(8)] for _ in range(4)]
+    max_tokens = [[rng.randint(200, 800) for _ in range(8)] for _ in range(4)]
+    assert bench_swap.agent_workload(4, 8) == (system, tools, max_tokens)
+    short_system, short_tools, short_max_tokens = bench_swap.agent_workload(2, 8, token_scale=0.05)
+    assert len(short_system) == 102 and all(25 <= len(t) <= 150 for s in short_tools for t in s)
+    assert all(10 <= m <= 40 for s in short_max_tokens for m in s)
