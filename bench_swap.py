@@ -5,7 +5,7 @@
     python bench_swap.py --scenario rtx4070 --scale 0.25 --plot
     python bench_swap.py --scenario chat                 # multi-turn chat: the host tier as a prefix cache
     python bench_swap.py --scenario rtx4070 chat --simulate   # the scheduler alone, on CPU, in seconds
-    python bench_swap.py --scenario laptop-reasoning laptop-agent   # inside an 8 GiB budget (bench_laptop.py)
+    python bench_swap.py --scenario laptop-reasoning laptop-agent   # inside an 8 GiB budget (benchmarks/bench_laptop.py)
     python bench_swap.py --scenario laptop-agent-restart             # the disk tier across a process restart
 
 Modes: unpressured (no KV cap), recompute, swap, auto (all three capped). The workload is nano-vllm's bench.py:
@@ -13,8 +13,8 @@ random.seed(0), prompt and output lengths uniform in [100, 1024], prompt ids uni
 cache is off in these four modes, so that they compare preemption alone.
 "chat": 128 conversations x 4 turns sharing a 2048-token system prompt, Qwen3-8B shape, 20 GiB of GPU KV; modes
 no_host_tier (recompute, no host pool) and host_tier (64 GiB host pool: prefix cache + swap).
-"laptop-reasoning", "laptop-agent": an 8 GB laptop's workloads inside gpu_memory_budget_gib=8 (bench_laptop.py).
-"laptop-agent-restart": laptop-agent split by a process restart after turn 4; modes cold and disk (bench_restart.py).
+"laptop-reasoning", "laptop-agent": an 8 GB laptop's workloads inside gpu_memory_budget_gib=8 (benchmarks/bench_laptop.py).
+"laptop-agent-restart": laptop-agent split by a process restart after turn 4; modes cold and disk (benchmarks/bench_restart.py).
 --gpu-memory-gib N runs any scenario as if the GPU had N GiB (gpu_memory_budget_gib).
 """
 import argparse
@@ -26,11 +26,11 @@ import sys
 import tempfile
 import time
 
-from bench_laptop import (AGENT_MODES, LAPTOP_SCENARIOS, REASONING_MODES, RESTART_MODES, agent_workload,
+from benchmarks.bench_laptop import (AGENT_MODES, LAPTOP_SCENARIOS, REASONING_MODES, RESTART_MODES, agent_workload,
                           laptop_options, model_dir, print_laptop_table, reasoning_workload, run_laptop,
                           simulated_num_gpu_blocks, stats_since)
-from bench_restart import print_restart_table, run_restart
-from bench_timeline import Timeline, plot
+from benchmarks.bench_restart import print_restart_table, run_restart
+from benchmarks.bench_timeline import Timeline, plot
 from nanovllm.config import KV_CACHE_DTYPES
 from nanovllm.core.request_metrics import latency_summary
 from nanovllm.utils.presets import preset_dir
@@ -269,7 +269,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help='LLM options over the scenario\'s, as JSON: \'{"num_kvcache_blocks": 512}\'')
     parser.add_argument("--kv-gib", type=float, default=None,
                         help="laptop scenarios: cap the KV at this many GiB instead of sizing it from the budget "
-                             "(with --simulate: instead of the assumed terms in bench_laptop.py)")
+                             "(with --simulate: instead of the assumed terms in benchmarks/bench_laptop.py)")
     parser.add_argument("--swap-space", type=float, default=None, help="GiB; default per scenario")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
