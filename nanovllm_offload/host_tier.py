@@ -163,10 +163,26 @@ class HostTier:
     def num_disk_waiting(self) -> int:
         return self.disk.num_waiting_seqs if self.disk is not None else 0
 
-    def disk_stats(self) -> dict:
-        return self.disk.stats() if self.disk is not None else no_disk_stats()
+    def stats(self) -> dict:
+        """The pool's size, the disk tier's counters (zeros without one) and the policy's prefill speed now."""
+        disk_stats = self.disk.stats() if self.disk is not None else no_disk_stats()
+        stats = dict(num_cpu_blocks=self.num_blocks, **disk_stats)
+        if self.policy is not None:
+            stats["prefill_tokens_per_s"] = self.policy.prefill_tokens_per_s
+        return stats
+
+    @staticmethod
+    def no_tier_stats() -> dict:
+        """stats() of an engine without a host tier."""
+        return dict(num_cpu_blocks=0, **no_disk_stats())
 
     # --- what the engine measured, for the policy
+    def seed_prefill_speed(self, tokens_per_s: float | None):
+        """Start the policy from the prefill speed the runner measured at start-up (None: nothing measured, as on
+        the CPU, and the prior stays): the first admission's disk hits are decided before any step is timed."""
+        if self.policy is not None and tokens_per_s is not None and tokens_per_s > 0:
+            self.policy.prefill_tokens_per_s = tokens_per_s
+
     def observe_prefill(self, num_tokens: int, seconds: float):
         if self.policy is not None:
             self.policy.observe_prefill(num_tokens, seconds)

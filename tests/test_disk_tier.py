@@ -119,6 +119,32 @@ def test_a_slow_disk_is_skipped(smollm2_dir, first_run, disk_copy, monkeypatch):
     assert stats["prefill_tokens"] == len(PROMPT)
 
 
+@pytest.mark.parametrize("seeded_tokens_per_s, is_loaded", [(100.0, True), (1e9, False)],
+                         ids=["slow_prefill_loads", "fast_prefill_recomputes"])
+def test_the_first_admission_decides_on_the_seeded_prefill_speed(smollm2_dir, first_run, disk_copy, monkeypatch,
+                                                                 seeded_tokens_per_s, is_loaded):
+    """A restart's hit comes at the first admission, before any prefill is timed: the rule compares the disk's read
+    speed (fixed here at 1 GB/s: the 96 tokens' 4.4 MB in 4.4 ms) with the prefill speed the runner measured at
+    start-up (stubbed: the CPU measures none, so its prior would decide). 100 tokens/s prefills them in 0.96 s: load;
+    1G tokens/s in 0.1 us: recompute."""
+    import nanovllm.engine.llm_engine as llm_engine
+    from nanovllm.engine.model_runner import ModelRunner
+    open_store = llm_engine.open_disk_store
+
+    def store_at_1_gb_per_s(*args, **kwargs):
+        store = open_store(*args, **kwargs)
+        store.read_bytes_per_s, store.ema = 1e9, 0.0
+        return store
+
+    monkeypatch.setattr(llm_engine, "open_disk_store", store_at_1_gb_per_s)
+    monkeypatch.setattr(ModelRunner, "measure_prefill_speed", lambda self: seeded_tokens_per_s)
+    token_ids, stats = generate(smollm2_dir, disk_copy)
+    assert token_ids == first_run[1]
+    assert stats["disk_hit_tokens"] == NUM_HIT_TOKENS
+    assert stats["disk_loaded_tokens"] == (NUM_HIT_TOKENS if is_loaded else 0)
+    assert stats["prefill_tokens"] == len(PROMPT) - stats["disk_loaded_tokens"]
+
+
 def test_cache_ls_and_clear(first_run, disk_copy, capsys):
     from nanovllm.entrypoints.cli import main
     assert main(["cache", "ls", "--kv-disk-path", disk_copy]) == 0

@@ -21,7 +21,7 @@ from nanovllm.engine.workers import WorkerPool, free_init_method
 from nanovllm.inputs import as_prompt_list, check_prompt, checked_params
 from nanovllm.logprobs import position_logprobs
 from nanovllm.sampling_params import SamplingParams
-from nanovllm_offload.disk_tier import no_disk_stats, open_disk_store
+from nanovllm_offload.disk_tier import open_disk_store
 from nanovllm_offload.host_tier import HostTier
 
 logger = logging.getLogger(__name__)
@@ -80,12 +80,13 @@ class LLMEngine:
         self.num_gpu_blocks = self._call("num_kv_blocks_for_budget")
         self._call("allocate_kv_cache", self.num_gpu_blocks)
         host_tier = HostTier.from_config(config, self.runner.block_bytes, pinned=self.runner.device.type == "cuda")
+        self._call("capture_cuda_graphs")
         if host_tier is not None:
             self._call("allocate_host_cache", host_tier.num_blocks)
             if config.kv_disk_path is not None:  # TP 1 only (Config): the host pool is this process's
                 kv_bytes = self.runner.host_cache.kv.view(torch.uint8).view(host_tier.num_blocks, -1).numpy()
                 host_tier.attach_disk(open_disk_store(config, self.runner), kv_bytes, self.runner.device.type == "cpu")
-        self._call("capture_cuda_graphs")
+            host_tier.seed_prefill_speed(self._call("measure_prefill_speed"))  # None on the CPU: the prior stays
         self._log_memory()
         return host_tier
 
@@ -364,8 +365,7 @@ class LLMEngine:
         stats["swap_seconds"] = engine.copy_seconds if engine else 0.0
         stats["swap_exposed_seconds"] = engine.exposed_seconds if engine else 0.0
         stats["num_gpu_blocks"] = self.num_gpu_blocks
-        stats["num_cpu_blocks"] = self.host_tier.num_blocks if self.host_tier is not None else 0
-        stats.update(self.host_tier.disk_stats() if self.host_tier is not None else no_disk_stats())
+        stats.update(self.host_tier.stats() if self.host_tier is not None else HostTier.no_tier_stats())
         return stats
 
     def close(self):

@@ -11,6 +11,7 @@ from nanovllm.config import SUPPORTED_ARCHITECTURES, Config
 from nanovllm.core.sequence import Sequence
 from nanovllm.engine.kv_cache import num_blocks_for_budget
 from nanovllm.engine.memory_profile import apply_budget, profile_memory
+from nanovllm.engine.prefill_probe import measure_prefill_tokens_per_s
 from nanovllm.engine.device import resolve_device, resolve_dtype
 from nanovllm.engine.step_inputs import SampledTokens, prepare_step_inputs
 from nanovllm.engine.step_plan import StepPlan
@@ -329,6 +330,11 @@ class ModelRunner:
         if piecewise != "0":
             self._capture_mixed_graphs(pool)
         self.graph_pool_bytes_measured = torch.cuda.memory_reserved(self.device) - reserved_before
+
+    def measure_prefill_speed(self) -> float | None:
+        """Tokens/s of a timed prefill step, after capture (prefill_probe.py); None on the CPU, where it would cost
+        seconds of start-up, and the policy keeps its prior."""
+        return measure_prefill_tokens_per_s(self) if self.device.type == "cuda" else None
 
     def _capture_decode_graphs(self, capture: bool = True):
         """Returns the graphs' memory pool."""
