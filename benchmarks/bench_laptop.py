@@ -125,12 +125,13 @@ def run_laptop(scenario: str, mode: str, num_seqs: int, args, options: dict) -> 
     from nanovllm import LLM, SamplingParams
     shape = args.shape or LAPTOP_SCENARIOS[scenario]["shape"]
     llm = LLM(model_dir(shape), **options)
+    start_prefill_tokens_per_s = llm.stats().get("prefill_tokens_per_s")  # seeded: measured at start-up on CUDA
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     if args.warmup_tokens:  # timed prefills for the disk rule; fresh ids in every process, so that no tier holds them
         rng = random.Random()
         llm.generate([[rng.randint(0, 10000) for _ in range(args.warmup_tokens)]], SamplingParams(max_tokens=1),
                      use_tqdm=False)
-    decisions = DiskDecisions(llm)
+    decisions = DiskDecisions(llm, start_prefill_tokens_per_s)
     base, start = llm.stats(), time.perf_counter()
     if scenario == "laptop-reasoning":
         prompts, output_lens = reasoning_workload(num_seqs)

@@ -41,10 +41,12 @@ class DiskDecisions:
     """Each disk hit's load-or-recompute decision and the two speeds the rule compared (the store's measured read
     speed, the policy's prefill speed: PreemptionPolicy.should_load_from_disk), recorded by wrapping this engine's
     DiskTier.start_load. `rule_says_load` is the rule's verdict on those inputs; `is_loading` what happened (a full
-    host pool also recomputes)."""
+    host pool also recomputes). start_prefill_tokens_per_s: the policy's prefill speed as the engine started (on
+    CUDA measured at start-up, on the CPU the prior), before the warm-up's prefills moved it."""
 
-    def __init__(self, llm):
+    def __init__(self, llm, start_prefill_tokens_per_s: float | None = None):
         self.points: list[dict] = []
+        self.start_prefill_tokens_per_s = start_prefill_tokens_per_s
         self.host_tier = llm.host_tier
         self.disk = llm.host_tier.disk if llm.host_tier is not None else None
         if self.disk is not None:
@@ -69,7 +71,8 @@ class DiskDecisions:
         """The decisions, the speeds as measured at the end, and what the directory holds (after llm.close(): with
         the writes the engine finished at close)."""
         policy = self.host_tier.policy if self.host_tier is not None else None
-        out = dict(decisions=self.points, prefill_tokens_per_s=policy.prefill_tokens_per_s if policy else None)
+        out = dict(decisions=self.points, prefill_tokens_per_s=policy.prefill_tokens_per_s if policy else None,
+                   start_prefill_tokens_per_s=self.start_prefill_tokens_per_s)
         if self.disk is not None:
             store = self.disk.store.stats()
             out.update(read_bytes_per_s=self.disk.store.read_bytes_per_s, disk_num_blocks=store["disk_num_blocks"],
@@ -150,10 +153,11 @@ def print_restart_table(scenario_options: dict, results: list[dict]):
 
 def _print_after_rows(after: dict[str, dict]):
     """One row per process after the restart. The speeds: the median over its disk hits of what the rule read, then
-    the engine's measurement at the end; a read speed also as tokens/s (one rank's bytes per token)."""
+    the engine's measurement at the end; a read speed also as tokens/s (one rank's bytes per token); the prefill
+    speed also as the engine started (seeded: measured at start-up on CUDA, the prior on the CPU)."""
     head = ("mode", "after s", "per turn s", "prompt tok computed", "GPU hits", "host hits",
             "disk hit/loaded/skipped tok", "disk read GB", "read GB/s (tok/s) at hits; end",
-            "prefill tok/s at hits; end", "loads/hits (rule: load)", "TTFT p50 s", "sched->1st tok p50 s")
+            "prefill tok/s at start; at hits; end", "loads/hits (rule: load)", "TTFT p50 s", "sched->1st tok p50 s")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for mode, r in after.items():
         s, disk = r["stats"], r["disk"]
@@ -162,6 +166,7 @@ def _print_after_rows(after: dict[str, dict]):
         print(f"| {mode} | {r['seconds']:.2f} | {per_turn} | {s['prefill_tokens']} | {s['prefix_cache_hit_tokens']} | "
               f"{s['host_prefix_hit_tokens']} | {s['disk_hit_tokens']}/{s['disk_loaded_tokens']}/"
               f"{s['disk_skipped_tokens']} | {s['disk_read_bytes'] / 1e9:.2f} | {_read_speeds(disk)} | "
+              f"{_number(disk.get('start_prefill_tokens_per_s'), '{:.0f}')}; "
               f"{_median(points, 'prefill_tokens_per_s', '{:.0f}')}; "
               f"{_number(disk['prefill_tokens_per_s'], '{:.0f}')} | "
               f"{sum(p['is_loading'] for p in points)}/{len(points)} ({sum(p['rule_says_load'] for p in points)}) | "

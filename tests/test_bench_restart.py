@@ -10,6 +10,7 @@ import sys
 import xxhash
 
 from conftest import close_llm
+from nanovllm_offload.host_tier import CPU_PREFILL_PRIOR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -63,6 +64,7 @@ def test_the_disk_tier_across_a_restart_computes_less_than_a_cold_restart(tmp_pa
     # prefill: the CPU prior (about 1k tokens/s) against the probe's read speed, which for 1 KiB per token beats it
     # unless the files read at under 1 MB/s. So here the rule loads, and the disk run computes less.
     assert s["disk_loaded_tokens"] > 0
+    assert disk["disk"]["start_prefill_tokens_per_s"] == CPU_PREFILL_PRIOR  # the CPU measures none at start-up
     assert disk["turns"][0]["computed"] < cold["turns"][0]["computed"]
     assert s["prefill_tokens"] < cold["stats"]["prefill_tokens"]
 
