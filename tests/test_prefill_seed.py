@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import close_llm, tiny_llm_kwargs
+from conftest import close_llm, greedy, random_prompts, tiny_llm_kwargs
 from nanovllm.engine.prefill_probe import PROBE_NUM_SEQS, measure_prefill_tokens_per_s
 from nanovllm_offload.host_tier import CPU_PREFILL_PRIOR, HostTier
 from nanovllm_offload.policy import PreemptionPolicy
@@ -71,6 +71,23 @@ def test_the_probe_measures_nothing_without_room():
     assert measure_prefill_tokens_per_s(runner, clock) is None and runner.plans == []
 
 
+def test_the_probe_runs_the_real_forward_and_leaves_later_steps_unchanged(qwen3_dir):
+    """On a real runner (the CPU, called by hand: the engine calls it on CUDA only), before any request as at
+    start-up: the probe's prefills write only free blocks, so the tokens generated afterwards are the same."""
+    from nanovllm import LLM
+    prompts = random_prompts([30, 45, 12], seed=5)
+    results = []
+    for probe in (False, True):
+        llm = LLM(qwen3_dir, **tiny_llm_kwargs(max_num_batched_tokens=64))
+        try:
+            if probe:
+                assert measure_prefill_tokens_per_s(llm.runner) > 0
+            results.append([o["token_ids"] for o in llm.generate(prompts, greedy(6), use_tqdm=False)])
+        finally:
+            close_llm(llm)
+    assert results[0] == results[1]
+
+
 def test_a_seeded_speed_replaces_the_prior_and_none_keeps_it():
     tier = HostTier(4, 16, PreemptionPolicy("auto", 1024), prefix_cache=True)
     tier.seed_prefill_speed(None)
@@ -120,7 +137,7 @@ GPU_RUN = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 from nanovllm import LLM
-with LLM(sys.argv[1], device="cuda", dtype="float32", kvcache_block_size=16, max_model_len=1024, max_num_seqs=8,
+with LLM(sys.argv[1], device="cuda", dtype="float32", kvcache_block_size=16, max_model_len=512, max_num_seqs=8,
          swap_space=0.1) as llm:
     print(json.dumps({"seeded": llm.stats()["prefill_tokens_per_s"]}))
 """
