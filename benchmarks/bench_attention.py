@@ -522,13 +522,13 @@ def time_kv_cache_dtype(kv_cache_dtype: str, lens: list[int], num_layers: int, b
 
 
 def parse_fp8_tile(tile: str) -> KernelConfig:
-    """"BLOCK_N,WARPS,STAGES[,MAX_REGISTERS][,q]": a decode tile; "q" keeps the scores [query heads, keys]."""
+    """"BLOCK_N,WARPS,STAGES[,MAX_REGISTERS][,halves]": a decode tile; "halves" takes head_dim in two halves."""
     parts = tile.split(",")
-    keys_major = parts[-1] != "q"
-    numbers = [int(x) for x in parts if x != "q"]
+    halves = parts[-1] == "halves"
+    numbers = [int(x) for x in parts if x != "halves"]
     block_n, num_warps, num_stages = numbers[:3]
     max_registers = numbers[3] if len(numbers) > 3 else None
-    return KernelConfig(16, block_n, num_warps, num_stages, max_registers, keys_major)
+    return KernelConfig(16, block_n, num_warps, num_stages, max_registers, fp8_d_halves=halves)
 
 
 def bench_kv_cache_dtypes(kv_cache_dtypes: list[str], rows_list: list[int], num_layers: int, copy_bw: float,
@@ -558,7 +558,7 @@ def main():
                         help="only decode attention at the 8B shape reading a cache of each dtype (auto: bf16)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1024, 256], help="with --kv-cache-dtype: batch sizes")
     parser.add_argument("--layers", type=int, default=8, help="with --kv-cache-dtype: layer views timed per graph")
-    parser.add_argument("--fp8-tiles", nargs="*", default=[], metavar="BLOCK_N,WARPS,STAGES[,MAXNREG][,q]",
+    parser.add_argument("--fp8-tiles", nargs="*", default=[], metavar="BLOCK_N,WARPS,STAGES[,MAXNREG][,halves]",
                         help="with --kv-cache-dtype: also time the FP8 cache with these decode tiles")
     args = parser.parse_args()
     if args.kv_cache_dtype is not None:

@@ -124,6 +124,7 @@ def test_fp8_host_prefix_cache_hits_give_the_same_tokens(qwen3_dir):
 KERNELS = r"""
 import json, torch
 from nanovllm.kernels.decode_attention import paged_decode_attention
+from nanovllm.kernels.paged_common import KernelConfig
 from nanovllm.kernels.prefill_attention import paged_prefill_attention
 from nanovllm.kernels.store_kv import store_kvcache
 from nanovllm.layers.attention import TorchBackend
@@ -156,10 +157,11 @@ for kvd in ("fp8_e4m3", "fp8_e5m2"):
     md.block_tables = torch.tensor([[3, -1, -1], [7, 0, 9], [1, 2, -1]], dtype=torch.int32, device=device)
     q = torch.randn(3, H, D, device=device).half()
     want = TorchBackend().decode(q, ref, md, D ** -0.5).float()
-    for splits in (1, 2):
+    for splits, halves in ((1, False), (2, False), (1, True), (2, True)):
+        cfg = KernelConfig(16, 16, 4, 3, fp8_d_halves=True) if halves else None  # 16 keys: tiles span blocks
         got = paged_decode_attention(q, ref.k, ref.v, md.seq_lens, md.block_tables, D ** -0.5, num_splits=splits,
-                                     k_scale=ref.k_scale, v_scale=ref.v_scale).float()
-        res[f"{kvd}/decode/{splits}"] = ((got - want).norm() / want.norm()).item()
+                                     k_scale=ref.k_scale, v_scale=ref.v_scale, config=cfg).float()
+        res[f"{kvd}/decode/{splits}{'/halves' if halves else ''}"] = ((got - want).norm() / want.norm()).item()
     batch = [(0, 20), (10, 7), (39, 1)]  # (cached prefix, new tokens)
     seq_lens = torch.tensor([p + n for p, n in batch], dtype=torch.int32, device=device)
     qlens = [n for _, n in batch]

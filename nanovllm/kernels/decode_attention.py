@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.paged_common import LOG2E, KernelConfig, attend_tile, cache_rows, check_cache, fp16_query, \
-    scale_args, tile_from_env
+from nanovllm.kernels.paged_common import LOG2E, KernelConfig, attend_tile, attend_tile_fp8_halves, check_cache, \
+    fp16_query, scale_args, tile_from_env
 
 
 # One piece: the GROUP query rows and their running softmax state stay in registers from the load through the key
@@ -40,7 +40,7 @@ def _decode_kernel(
     stride_btb,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
-    KEYS_MAJOR: tl.constexpr,
+    D_HALVES: tl.constexpr,
 ):
     kvh = tl.program_id(0)  # a row's kv heads side by side in the grid
     b = tl.load(row_order_ptr + tl.program_id(1))  # the grid's row index -> batch row (longest context first)
@@ -73,65 +73,47 @@ def _decode_kernel(
     vs_head = v_scale_ptr + kvh
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    if FP8 and KEYS_MAJOR and q.dtype == tl.float16:
-        q_t = tl.trans(q)  # [BLOCK_D, BLOCK_G]
+    if D_HALVES:  # FP8 with an fp16 q: head_dim in two halves (attend_tile_fp8_halves)
+        HALF_D: tl.constexpr = BLOCK_D // 2
+        q_lo, q_hi = tl.split(tl.permute(tl.reshape(q, (BLOCK_G, 2, HALF_D)), (0, 2, 1)))  # [BLOCK_G, HALF_D] each
+        acc_lo = tl.zeros([BLOCK_G, HALF_D], tl.float32)
+        acc_hi = tl.zeros([BLOCK_G, HALF_D], tl.float32)
         for n in range(start, end, BLOCK_N):
-            acc, m_i, l_i = _attend_fp8_keys_major(acc, m_i, l_i, q_t, k_head, v_head, ks_head, vs_head, bt_row, n,
-                                                   end, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb,
-                                                   stride_st, qk_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D)
+            acc_lo, acc_hi, m_i, l_i = attend_tile_fp8_halves(
+                acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_head, v_head, ks_head, vs_head, bt_row, n, end,
+                stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale, BLOCK_SIZE, BLOCK_N, HALF_D)
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        offs_h = tl.arange(0, HALF_D)
+        g_rows = (offs_g < GROUP)[:, None]  # [BLOCK_G, 1]
+        _store_output(acc_lo / l_safe[:, None], offs_h, b, head, split, g_rows, out_ptr, part_o_ptr,
+                      num_heads, num_splits, stride_ob, stride_oh, stride_od, SPLIT, BLOCK_D)
+        _store_output(acc_hi / l_safe[:, None], offs_h + HALF_D, b, head, split, g_rows, out_ptr,
+                      part_o_ptr, num_heads, num_splits, stride_ob, stride_oh, stride_od, SPLIT, BLOCK_D)
     else:
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         for n in range(start, end, BLOCK_N):
             acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_head, v_head, ks_head, vs_head, bt_row, n, m_i, end,
                                         stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale,
                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, False, FP8)
-
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]  # [BLOCK_G, BLOCK_D]
-    if not SPLIT:
-        tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
-                 o.to(out_ptr.dtype.element_ty), mask=qo_mask)
-    else:
-        # partials: part_o [B, H, num_splits, BLOCK_D], part_lse [B, H, num_splits] (log2 domain)
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        _store_output(acc / l_safe[:, None], offs_d, b, head, split, qo_mask, out_ptr, part_o_ptr,
+                      num_heads, num_splits, stride_ob, stride_oh, stride_od, SPLIT, BLOCK_D)
+    if SPLIT:  # part_lse [B, H, num_splits], log2 domain
         part = (b * num_heads + head).to(tl.int64) * num_splits + split  # [BLOCK_G]
-        g_mask = offs_g < GROUP
-        tl.store(part_o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o, mask=g_mask[:, None])
-        tl.store(part_lse_ptr + part, m_i + tl.log2(l_safe), mask=g_mask)
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_safe), mask=offs_g < GROUP)
 
 
 @triton.jit
-def _attend_fp8_keys_major(acc, m_i, l_i, q_t, k_head, v_head, ks_head, vs_head, bt_row_ptr, n_start, kv_end,
-                           stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale,
-                           HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
-    """attend_tile's FP8 step for one decode row, with the scores kept transposed ([keys, query heads]).
-
-    The keys are the first operand of the QK dot, which reads an FP8 tile from shared memory in the layout it is
-    stored in, where as the second operand (attend_tile's q @ k^T) it needs a transposed 8-bit load that keeps the
-    whole converted tile in registers: that doubled the kernel's registers and halved the programs per SM.
-    """
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    pos = n_start + offs_n  # [BLOCK_N]
-    n_mask = pos < kv_end
-    k_rows = cache_rows(bt_row_ptr, n_start, pos, n_mask, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
-    v_rows = cache_rows(bt_row_ptr, n_start, pos, n_mask, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N)
-    s_rows = cache_rows(bt_row_ptr, n_start, pos, n_mask, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N)
-    kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-    k_scale = tl.load(ks_head + s_rows, mask=n_mask, other=0.0).to(tl.float32)  # [BLOCK_N]
-    s_t = tl.dot(k.to(tl.float16), q_t) * (k_scale * qk_scale)[:, None]  # [BLOCK_N, BLOCK_G], log2 domain
-    s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s_t, 0))  # [BLOCK_G]
-    alpha = tl.exp2(m_i - m_new)
-    p_t = tl.exp2(s_t - m_new[None, :])  # [BLOCK_N, BLOCK_G]
-    l_i = l_i * alpha + tl.sum(p_t, 0)
-    v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-    v_scale = tl.load(vs_head + s_rows, mask=n_mask, other=0.0).to(tl.float32)  # [BLOCK_N]
-    v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)  # scales relative to the tile's largest: p * ratio fits fp16
-    pv = tl.trans((p_t * (v_scale / v_max)[:, None]).to(tl.float16))  # [BLOCK_G, BLOCK_N]
-    acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float16)) * v_max
-    return acc, m_new, l_i
+def _store_output(o, offs_d, b, head, split, mask, out_ptr, part_o_ptr, num_heads, num_splits,
+                  stride_ob, stride_oh, stride_od, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Columns offs_d of the rows' output o [BLOCK_G, len(offs_d)]: into out, or with splits into the partials
+    part_o [B, H, num_splits, BLOCK_D]; mask covers the real query heads ([BLOCK_G, 1] or the tile's shape)."""
+    if not SPLIT:
+        tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = (b * num_heads + head).to(tl.int64) * num_splits + split  # [BLOCK_G]
+        tl.store(part_o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o, mask=mask)
 
 
 @triton.jit
@@ -219,9 +201,11 @@ def decode_config(dtype: torch.dtype, head_dim: int, block_size: int, split: boo
         return KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
     if fp8:
         # An FP8 tile carries half the bytes of a bf16 one, so more of them must be in flight: two buffers
-        # (5 stages, as the block-table load takes two) and 128 registers, which ptxas meets without spilling,
-        # for four programs per SM where the uncapped kernel fits three.
-        return KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=5, max_registers=128, fp8_keys_major=False)
+        # (5 stages, as the block-table load takes two) and 128 registers (ptxas spills 8 bytes), for four programs
+        # per SM where the uncapped kernel's 146 fit three. 70% of copy bandwidth on an H100 against 58% for the
+        # bf16 tile (docs/benchmarks_archive.md, run BK); head_dim in halves (fp8_d_halves) needs 106 registers
+        # without a cap and is not measured yet.
+        return KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=5, max_registers=128)
     # H200 sweep, bf16 D=128 B=256 ctx=1024: (128, 4 warps, 2 stages) ~96% of copy bw with block_size 256
     # but ~92% with block_size 16, where (64, 4, 3) gives ~96%. The big tile fits one program per SM,
     # so for split (small-batch) launches, where the wave tail matters, the smaller tile is used.
@@ -285,7 +269,8 @@ def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, row_order, scale
         block_tables.stride(0),
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1], SPLIT=splits > 1,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        FP8=fp8, KEYS_MAJOR=cfg.fp8_keys_major, **cfg.launch_options(),
+        FP8=fp8, D_HALVES=fp8 and cfg.fp8_d_halves and q.dtype != torch.float32 and block_d == head_dim,
+        **cfg.launch_options(),
     )
     if splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](

@@ -117,6 +117,41 @@ def attend_tile(acc, m_i, l_i, q, k_head, v_head, ks_head, vs_head, bt_row_ptr, 
 
 
 @triton.jit
+def attend_tile_fp8_halves(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_head, v_head, ks_head, vs_head, bt_row_ptr, n_start,
+                           kv_end, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale,
+                           BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HALF_D: tl.constexpr):
+    """attend_tile's decode step over an FP8 cache with q in fp16 (fp16_query), head_dim taken in two halves: the
+    QK dot as two dots over half the channels, the output as two halves (acc_lo, acc_hi). The FP8 keys enter the dot
+    transposed, which 8-bit values can only do as a whole converted tile in registers; half tiles halve what is live
+    at once, so more programs fit an SM and more bytes are in flight. Same math and masks as attend_tile (MASK on)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, HALF_D)
+    pos = n_start + offs_n  # [BLOCK_N]
+    n_mask = pos < kv_end
+    k_rows = cache_rows(bt_row_ptr, n_start, pos, n_mask, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
+    v_rows = cache_rows(bt_row_ptr, n_start, pos, n_mask, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N)
+    s_rows = cache_rows(bt_row_ptr, n_start, pos, n_mask, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N)
+    k_half = k_head + k_rows[:, None] + offs_h[None, :]  # [BLOCK_N, HALF_D] pointers of the first half
+    qk = tl.dot(q_lo, tl.trans(tl.load(k_half, mask=n_mask[:, None], other=0.0).to(tl.float16)))
+    qk = tl.dot(q_hi, tl.trans(tl.load(k_half + HALF_D, mask=n_mask[:, None], other=0.0).to(tl.float16)), qk)
+    k_scale = tl.load(ks_head + s_rows, mask=n_mask, other=0.0).to(tl.float32)  # [BLOCK_N]
+    qk = tl.where(n_mask[None, :], qk * qk_scale * k_scale[None, :], float("-inf"))  # [M, BLOCK_N], log2 domain
+    m_new = tl.maximum(m_i, tl.max(qk, 1))  # [M]
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_scale = tl.load(vs_head + s_rows, mask=n_mask, other=0.0).to(tl.float32)  # [BLOCK_N]
+    v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)  # scales relative to the tile's largest: p * ratio fits fp16
+    pv = (p * (v_scale / v_max)[None, :]).to(tl.float16)
+    v_half = v_head + v_rows[:, None] + offs_h[None, :]
+    v_lo = tl.load(v_half, mask=n_mask[:, None], other=0.0).to(tl.float16)
+    acc_lo = acc_lo * alpha[:, None] + tl.dot(pv, v_lo) * v_max
+    v_hi = tl.load(v_half + HALF_D, mask=n_mask[:, None], other=0.0).to(tl.float16)
+    acc_hi = acc_hi * alpha[:, None] + tl.dot(pv, v_hi) * v_max
+    return acc_lo, acc_hi, m_new, l_i
+
+
+@triton.jit
 def fp16_query(q, qk_scale):
     """q [M, D] for dots against FP8 keys and values: in fp16, because FP8 -> fp16 is one conversion instruction per
     two values and FP8 -> bf16 several (a bf16 dot left the FP8 decode kernel compute-bound at half the copy
@@ -148,7 +183,7 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     max_registers: int | None = None  # ptxas's per-thread cap (Triton's maxnreg): more programs per SM
-    fp8_keys_major: bool = True  # FP8 decode: scores as [keys, heads] (decode_attention._attend_fp8_keys_major)
+    fp8_d_halves: bool = False  # FP8 decode: K and V in two head_dim halves (attend_tile_fp8_halves)
 
     def launch_options(self) -> dict:
         """The kernel launch's compile options."""
