@@ -10,6 +10,7 @@ prompt at a time, with EOS switched off, so it always produces exactly
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import importlib.util
@@ -285,3 +286,27 @@ def greedy(max_tokens: int, **kw):
     from nanovllm import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+@contextlib.contextmanager
+def serving(app, start_timeout_s: float = 30.0):
+    """Run a FastAPI app under uvicorn in a thread on a free local port; yields the port. On exit the server
+    stops and its thread must end (a server that does not shut down fails the test)."""
+    import threading
+    import time
+
+    import uvicorn
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "uvicorn did not shut down"

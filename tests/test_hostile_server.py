@@ -20,7 +20,7 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
-from conftest import close_llm, smollm2_llm_kwargs  # noqa: E402
+from conftest import close_llm, serving, smollm2_llm_kwargs  # noqa: E402
 from nanovllm import LLM  # noqa: E402
 from nanovllm.entrypoints.server import DEFAULT_MAX_REQUEST_BYTES, build_app  # noqa: E402
 from nanovllm.entrypoints.server import app as app_module  # noqa: E402
@@ -37,20 +37,10 @@ MAX_GAP_S = 0.5  # the longest pause another stream may see between chunks while
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
     llm = LLM(smollm2_dir, **smollm2_llm_kwargs(max_num_seqs=8, num_kvcache_blocks=128))
-    config = uvicorn.Config(build_app(llm, MODEL, api_key=API_KEY), host="127.0.0.1", port=0, log_level="warning",
-                            timeout_graceful_shutdown=5)
-    uv = uvicorn.Server(config)
-    thread = threading.Thread(target=uv.run, name="uvicorn", daemon=True)
-    thread.start()
     try:
-        deadline = time.monotonic() + 30
-        while not uv.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-        yield uv.servers[0].sockets[0].getsockname()[1]
+        with serving(build_app(llm, MODEL, api_key=API_KEY)) as port:
+            yield port
     finally:
-        uv.should_exit = True
-        thread.join(timeout=30)
         close_llm(llm)
 
 

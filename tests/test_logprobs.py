@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from conftest import close_llm, greedy, random_prompts, smollm2_llm_kwargs, tiny_llm_kwargs
+from conftest import close_llm, greedy, random_prompts, serving, smollm2_llm_kwargs, tiny_llm_kwargs
 from nanovllm import LLM, SamplingParams
 from nanovllm.logprobs import Logprob
 
@@ -277,25 +277,11 @@ def smollm2_llm_offline_logprobs(smollm2_llm):
 @pytest.fixture(scope="module")
 def openai_client(smollm2_llm, smollm2_llm_offline_logprobs):
     openai = pytest.importorskip("openai")
-    uvicorn = pytest.importorskip("uvicorn")
-    import threading
-    import time
-
+    pytest.importorskip("uvicorn")
     from nanovllm.entrypoints.server import build_app
-    server = uvicorn.Server(uvicorn.Config(build_app(smollm2_llm, SERVED), host="127.0.0.1", port=0,
-                                          log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
+    with serving(build_app(smollm2_llm, SERVED), start_timeout_s=60) as port:
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120) as c:
             yield c
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 GREEDY_BODY = dict(model=SERVED, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})

@@ -22,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
-from conftest import VOCAB, close_llm, smollm2_llm_kwargs  # noqa: E402
+from conftest import VOCAB, close_llm, serving, smollm2_llm_kwargs  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.entrypoints.server import build_app  # noqa: E402
 
@@ -41,19 +41,10 @@ def server(smollm2_dir):
                                                 swap_space=0.05))
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     reference = {p: llm.generate([p], params, use_tqdm=False)[0]["text"] for p in PROMPTS}
-    config = uvicorn.Config(build_app(llm, MODEL, api_key=API_KEY), host="127.0.0.1", port=0, log_level="warning",
-                            timeout_graceful_shutdown=5)
-    uv = uvicorn.Server(config)
-    thread = threading.Thread(target=uv.run, name="uvicorn", daemon=True)
-    thread.start()
     try:
-        wait_for(lambda: uv.started, "uvicorn to start", timeout_s=30)
-        port = uv.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}", reference
+        with serving(build_app(llm, MODEL, api_key=API_KEY)) as port:
+            yield f"http://127.0.0.1:{port}", reference
     finally:
-        uv.should_exit = True
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "uvicorn did not shut down"
         close_llm(llm)
 
 

@@ -93,6 +93,28 @@ for dtype, head_dim, block_size, (num_heads, num_kv_heads) in CASES:
         for weight in (None, torch.ones(head_dim, dtype=dtype)):
             rope_store.rope_store_kvcache(qkv, slots, cos_sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
                                           slots, weight, weight)
+from nanovllm.kernels.paged_common import KernelConfig
+from nanovllm.layers.kv_layout import KVLayout
+HALVES = [KernelConfig(16, 64, 4, 7, fp8_d_halves=True), KernelConfig(16, 32, 4, 7, fp8_d_halves=True),
+          KernelConfig(16, 64, 4, 5, 96, fp8_d_halves=True)]  # decode tiles bench_attention --fp8-tiles times
+for kv_cache_dtype in ("fp8_e4m3", "fp8_e5m2"):  # FP8 caches: uint8 blocks viewed as FP8 values and bf16 scales
+    layout = KVLayout(2, 64, 8, 128, torch.bfloat16, kv_cache_dtype)
+    views = layout.layer_views(torch.zeros(4, layout.block_bytes, dtype=torch.uint8), 1)
+    scales = dict(k_scale=views.k_scale, v_scale=views.v_scale)
+    k, v = (torch.randn(T, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+    slots = torch.arange(T, dtype=torch.int64)
+    store_kv.store_kvcache(k, v, views.k, views.v, slots, **scales)
+    q = torch.randn(T, 32, 128, dtype=torch.bfloat16)
+    seq_lens, block_tables = torch.tensor([2, 3], dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32)
+    for max_query_len in (1, 3, 300):
+        prefill_attention.paged_prefill_attention(q, views.k, views.v, torch.tensor([0, 2, 5], dtype=torch.int32),
+                                                  seq_lens, block_tables, max_query_len, 0.1, **scales)
+    for num_splits, config in [(1, None), (3, None)] + [(1, c) for c in HALVES]:
+        decode_attention.paged_decode_attention(q[:2], views.k, views.v, seq_lens, block_tables, 0.1,
+                                                num_splits=num_splits, config=config, **scales)
+    qkv = torch.randn(T, 48 * 128, dtype=torch.bfloat16)
+    rope_store.rope_store_kvcache(qkv, slots, torch.randn(64, 128), 32, 8, 128, views.k, views.v, slots,
+                                  rotation=torch.eye(128), **scales)
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
     activation.silu_and_mul(torch.randn(T, 2 * 3072, dtype=dtype))
     sampling.sample_tempered(torch.randn(3, 151936, dtype=dtype), torch.ones(3), seed=1)
