@@ -20,6 +20,7 @@ class PreemptionPolicy:
     exposed_fraction: float = 0.25  # prior: share of copy time the forward waits for
     prefill_tokens_per_s: float = 20e3  # prior
     ema: float = 0.2  # weight of the newest measurement
+    full_prefill_sample_tokens: int = 1024  # a prefill sample of this many tokens or more gets the full ema weight
 
     def should_swap(self, seq: Sequence) -> bool:
         if self.mode != "auto":
@@ -46,5 +47,9 @@ class PreemptionPolicy:
             self.exposed_fraction += self.ema * (fraction - self.exposed_fraction)
 
     def observe_prefill(self, num_tokens: int, seconds: float):
+        """A sample counts in proportion to its tokens (up to full_prefill_sample_tokens): a step of a few prompt
+        tokens times mostly a step's fixed cost, not how fast the hundreds of tokens of a victim or a disk hit
+        would be recomputed."""
         if num_tokens > 0 and seconds > 0:
-            self.prefill_tokens_per_s += self.ema * (num_tokens / seconds - self.prefill_tokens_per_s)
+            weight = self.ema * min(1.0, num_tokens / self.full_prefill_sample_tokens)
+            self.prefill_tokens_per_s += weight * (num_tokens / seconds - self.prefill_tokens_per_s)

@@ -150,3 +150,13 @@ def test_a_cuda_engine_starts_from_a_measured_prefill_speed(qwen3_dir):
     seeded = json.loads(proc.stdout.strip().splitlines()[-1])["seeded"]
     assert seeded != GPU_PRIOR and seeded > 1e3, seeded
     assert "prefill speed measured at start-up" in proc.stderr
+
+
+def test_a_few_token_step_barely_moves_the_prefill_speed():
+    """A 3-token prefill in 10 ms (300 tok/s: a step's fixed cost) must not drag a measured 100k tok/s a fifth of the
+    way down; a full-size step still moves it by the EMA weight."""
+    policy = PreemptionPolicy("auto", 1, prefill_tokens_per_s=100e3)
+    policy.observe_prefill(3, 0.01)
+    assert policy.prefill_tokens_per_s == pytest.approx(100e3 - 0.2 * 3 / 1024 * (100e3 - 300))  # ~99.94k
+    policy.observe_prefill(2048, 2048 / 50e3)  # 50k tok/s over a full step
+    assert policy.prefill_tokens_per_s == pytest.approx(99941.6 + 0.2 * (50e3 - 99941.6), rel=1e-4)
