@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.paged_common import LOG2E, KernelConfig, attend_tile, attend_tile_fp8_halves, check_cache, \
-    fp16_query, scale_args, tile_from_env
+    head_pointers, query_for_cache, scale_args, tile_from_env
 
 
 # One piece: the GROUP query rows and their running softmax state stay in registers from the load through the key
@@ -62,15 +62,11 @@ def _decode_kernel(
     qo_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_G, BLOCK_D]
     q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=qo_mask, other=0.0)  # [BLOCK_G, BLOCK_D]
-    if FP8:
-        if q.dtype != tl.float32:
-            q, qk_scale = fp16_query(q, qk_scale)
+    q, qk_scale = query_for_cache(q, qk_scale, FP8)
 
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_btb
-    k_head = k_cache_ptr + kvh * stride_kh
-    v_head = v_cache_ptr + kvh * stride_vh
-    ks_head = k_scale_ptr + kvh
-    vs_head = v_scale_ptr + kvh
+    k_head, v_head, ks_head, vs_head = head_pointers(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kvh,
+                                                     stride_kh, stride_vh)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     if D_HALVES:  # FP8 with an fp16 q: head_dim in two halves (attend_tile_fp8_halves)
@@ -202,9 +198,8 @@ def decode_config(dtype: torch.dtype, head_dim: int, block_size: int, split: boo
     if fp8:
         # An FP8 tile carries half the bytes of a bf16 one, so more of them must be in flight: two buffers
         # (5 stages, as the block-table load takes two) and 128 registers (ptxas spills 8 bytes), for four programs
-        # per SM where the uncapped kernel's 146 fit three. 70% of copy bandwidth on an H100 against 58% for the
-        # bf16 tile (docs/benchmarks_archive.md, run BK); head_dim in halves (fp8_d_halves) needs 106 registers
-        # without a cap and is not measured yet.
+        # per SM where the uncapped kernel's 146 fit three: 70% of copy bandwidth on an H100 against 58% for the
+        # bf16 tile (docs/benchmarks.md); head_dim in halves (fp8_d_halves) needs 106 registers without a cap.
         return KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=5, max_registers=128)
     # H200 sweep, bf16 D=128 B=256 ctx=1024: (128, 4 warps, 2 stages) ~96% of copy bw with block_size 256
     # but ~92% with block_size 16, where (64, 4, 3) gives ~96%. The big tile fits one program per SM,

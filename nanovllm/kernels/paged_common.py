@@ -152,6 +152,23 @@ def attend_tile_fp8_halves(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_head, v_head,
 
 
 @triton.jit
+def head_pointers(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kvh, stride_kh, stride_vh):
+    """kv head `kvh`'s base pointers in the K and V caches and in their scales (a token's scales are
+    [num_kv_heads], contiguous)."""
+    return k_cache_ptr + kvh * stride_kh, v_cache_ptr + kvh * stride_vh, k_scale_ptr + kvh, v_scale_ptr + kvh
+
+
+@triton.jit
+def query_for_cache(q, qk_scale, FP8: tl.constexpr):
+    """q and the softmax scale as the dots take them: against FP8 keys a half-precision q goes to fp16 (fp16_query);
+    otherwise, and for the float32 parity path, unchanged."""
+    if FP8:
+        if q.dtype != tl.float32:
+            q, qk_scale = fp16_query(q, qk_scale)
+    return q, qk_scale
+
+
+@triton.jit
 def fp16_query(q, qk_scale):
     """q [M, D] for dots against FP8 keys and values: in fp16, because FP8 -> fp16 is one conversion instruction per
     two values and FP8 -> bf16 several (a bf16 dot left the FP8 decode kernel compute-bound at half the copy

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.paged_common import LOG2E, KernelConfig, attend_tile, check_cache, fp16_query, scale_args, \
-    tile_from_env
+from nanovllm.kernels.paged_common import LOG2E, KernelConfig, attend_tile, check_cache, head_pointers, \
+    query_for_cache, scale_args, tile_from_env
 
 
 @triton.jit
@@ -71,15 +71,11 @@ def _prefill_kernel(
     q_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
-    if FP8:
-        if q.dtype != tl.float32:
-            q, qk_scale = fp16_query(q, qk_scale)
+    q, qk_scale = query_for_cache(q, qk_scale, FP8)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_btb
-    k_head = k_cache_ptr + kvh * stride_kh
-    v_head = v_cache_ptr + kvh * stride_vh
-    ks_head = k_scale_ptr + kvh  # a token's scales are [num_kv_heads], contiguous
-    vs_head = v_scale_ptr + kvh
+    k_head, v_head, ks_head, vs_head = head_pointers(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kvh,
+                                                     stride_kh, stride_vh)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
