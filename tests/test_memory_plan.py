@@ -48,3 +48,19 @@ def test_engine_sizing_uses_the_measured_terms_once():
     config.num_kvcache_blocks = 100  # an explicit cap: the breakdown shows the memory it leaves free
     num_blocks, b = num_blocks_for_budget(config, block_bytes, torch.device("cuda"), lambda: measured, 1)
     assert num_blocks == 100 and b["kv"] == 700 * MiB and b["left_free"] == 8 * GiB - int(4.45 * GiB) - 700 * MiB
+
+
+def test_the_model_holds_one_rope_table_for_all_layers():
+    """Besides its weights a model holds one cos/sin table, whatever its depth: the layers share it (a table per
+    layer was 28 x 20 MiB at Qwen3's 40,960 positions, KV that an 8 GiB card lost)."""
+    import torch
+    from nanovllm.config import SUPPORTED_ARCHITECTURES, Config
+    from nanovllm.models.decoder import DecoderForCausalLM
+    from nanovllm.utils.presets import preset_dir
+    config = Config(preset_dir("qwen3-1.7b"), device="cpu", load_format="dummy")
+    with torch.device("meta"):
+        model = DecoderForCausalLM(config.hf_config, SUPPORTED_ARCHITECTURES[config.architecture])
+    buffers = list(model.buffers())  # shared modules' buffers are listed once
+    assert len(buffers) == 1 and buffers[0].shape == (40960, 128) and buffers[0].dtype == torch.float32
+    layers = model.model.layers
+    assert len(layers) == 28 and all(layer.self_attn.rotary_emb is layers[0].self_attn.rotary_emb for layer in layers)
