@@ -85,6 +85,7 @@ class DiskDecisions:
 def run_restart(modes: list[str], args, run_child) -> list[dict]:
     """"before", then a fresh process per mode; run_child(scenario, mode, extra_argv) returns a process's result or
     None when it failed. Returns the results that came back, "before" first."""
+    os.makedirs(args.out_dir, exist_ok=True)  # as the other scenarios' --out-dir (their plots) is
     restart_dir = tempfile.mkdtemp(prefix="bench_restart_", dir=args.out_dir)
     kv_path = os.path.join(restart_dir, "kv")
     print(f"{SCENARIO}: KV directory {kv_path} on {filesystem_of(restart_dir)}", flush=True)

@@ -112,3 +112,29 @@ def test_top_p_keeps_the_first_token_however_small_and_drops_nothing_at_one():
     from nanovllm.layers.sampler import top_k_top_p
     kept = top_k_top_p(tail.expand(2, -1) / st.temperatures.unsqueeze(1), st.top_ks, st.top_ps)
     assert kept[0, 1].item() == 0.0 and kept[1, 1].item() == float("-inf"), kept
+
+
+def test_filtered_rows_are_sampled_in_chunks_with_the_same_draws(monkeypatch):
+    """Seeded rows with temperature, min-p, top-k and top-p draw the same tokens whether the batch is filtered
+    whole or in chunks of 3 rows (the chunks bound the sampler's memory): every field is cut at the same rows."""
+    import nanovllm.layers.sampler as sampler_module
+    torch.manual_seed(0)
+    batch, vocab = 10, 64
+    logits = torch.randn(batch, vocab)  # flat enough that rotated seeds change half the draws
+    temps = torch.linspace(0.0, 1.5, batch)  # row 0 greedy
+    top_ks = torch.tensor([5, 64, 10, 3, 64, 20, 7, 64, 2, 30])
+    top_ps = torch.tensor([1.0, 0.9, 0.8, 1.0, 0.5, 0.95, 1.0, 0.7, 1.0, 0.6])
+    min_ps = torch.full((batch,), 0.01)
+    calls = []
+    filtered = Sampler._filtered_sample
+    monkeypatch.setattr(Sampler, "_filtered_sample", lambda self, x, st: calls.append(x.size(0)) or filtered(self, x, st))
+
+    def draw():
+        generators = [torch.Generator(logits.device).manual_seed(100 + i) for i in range(batch)]
+        return Sampler()(logits.clone(), SamplingTensors(temps, top_ks, top_ps, min_ps, generators, False)).tolist()
+
+    whole = draw()
+    monkeypatch.setattr(sampler_module, "FILTER_CHUNK_ELEMENTS", 3 * vocab)
+    chunked = draw()
+    assert calls == [10, 3, 3, 3, 1]
+    assert chunked == whole and whole[0] == logits[0].argmax().item()

@@ -12,7 +12,9 @@ import logging
 import torch
 
 from nanovllm.core.memory_plan import GiB
+from nanovllm.layers.logprobs import chosen_and_top, raw_logprobs
 from nanovllm.layers.sampler import SamplingTensors
+from nanovllm.sampling_params import MAX_LOGPROBS
 from nanovllm.utils.context import AttentionMetadata, reset_context, set_context
 from nanovllm.utils.switches import SWITCHES
 
@@ -102,7 +104,9 @@ def _peak_bytes(runner, num_tokens: int, seq_len: int, num_rows: int, sample: bo
         tensors = SamplingTensors(torch.full((rows,), 0.7, device=device),
                                   torch.full((rows,), 50, dtype=torch.int64, device=device),
                                   torch.full((rows,), 0.9, device=device), None, None, all_greedy=False)
-        runner.sampler(logits, tensors)
+        logprobs = raw_logprobs(logits)
+        chosen_and_top(logprobs, runner.sampler(logits, tensors), MAX_LOGPROBS)
+        del logprobs
     del logits
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - base
