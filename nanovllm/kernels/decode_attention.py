@@ -199,8 +199,8 @@ def decode_config(dtype: torch.dtype, head_dim: int, block_size: int, split: boo
         # An FP8 tile carries half the bytes of a bf16 one, so more of them must be in flight: two buffers (5
         # stages, as the block-table load takes two), K and V converted in two head_dim halves (fp8_d_halves: the
         # whole converted key tile, transposed for q @ k^T, took 146 registers) and ptxas capped at 96 registers,
-        # which it meets with an 8-byte stack: five programs per SM. 75% of copy bandwidth on an H100 against 70%
-        # for whole rows at 128 registers and 58% for the bf16 tile (docs/benchmarks.md).
+        # which it meets with an 8-byte stack: five programs per SM, as bf16's tile. 75% of copy bandwidth on an H100,
+        # against 70% for whole rows at 128 registers and 58% uncapped (docs/benchmarks.md).
         return KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=5, max_registers=96, fp8_d_halves=True)
     # H200 sweep, bf16 D=128 B=256 ctx=1024: (128, 4 warps, 2 stages) ~96% of copy bw with block_size 256
     # but ~92% with block_size 16, where (64, 4, 3) gives ~96%. The big tile fits one program per SM,
