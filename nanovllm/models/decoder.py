@@ -101,7 +101,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
         # one cos/sin table for all layers: a copy per layer cost 28 x 20 MiB (0.55 GiB) at Qwen3's 40,960
-        # positions, a fifth of the KV that Qwen3-1.7B gets in an 8 GiB budget
+        # positions, memory that the KV of an 8 GiB card went without
         rotary_emb = RotaryEmbedding(head_dim_of(hf), hf.max_position_embeddings, rope_parameters(hf)["rope_theta"])
         self.layers = nn.ModuleList(DecoderLayer(hf, family, rotary_emb) for _ in range(hf.num_hidden_layers))
         self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
