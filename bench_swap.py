@@ -161,8 +161,8 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
     from nanovllm_offload.policy import PreemptionPolicy
     config = Config(model_dir(args.shape or SCENARIOS[scenario]["shape"]), **engine_options(scenario, mode, args))
     hf, block_size = config.hf_config, config.kvcache_block_size
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    num_kv_heads = hf.num_key_value_heads // config.tensor_parallel_size  # one rank's, as its budget is
+    head_dim = config.head_dim
+    num_kv_heads = config.num_kv_heads // config.tensor_parallel_size  # one rank's, as its budget is
     import torch
     from nanovllm.layers.kv_layout import KVLayout
     block_bytes = KVLayout(hf.num_hidden_layers, block_size, num_kv_heads, head_dim, torch.bfloat16,  # as on GPU

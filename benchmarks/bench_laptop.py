@@ -18,6 +18,7 @@ import random
 import time
 
 from benchmarks.bench_restart import DiskDecisions, load_histories, save_histories
+from nanovllm.config import head_dim_of
 from nanovllm.core.memory_plan import GiB, plan_kv_blocks
 from nanovllm.core.request_metrics import latency_summary
 from nanovllm.utils.presets import preset_dir
@@ -111,7 +112,7 @@ def simulated_num_gpu_blocks(scenario: str, config, block_bytes: int, args) -> i
 
 
 def num_parameters(hf) -> int:
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    head_dim = head_dim_of(hf)
     h = hf.hidden_size
     attention = h * head_dim * (2 * hf.num_attention_heads + 2 * hf.num_key_value_heads)
     layer = attention + 3 * h * hf.intermediate_size + 2 * h + 2 * head_dim

@@ -228,12 +228,16 @@ class Config:
 
     @property
     def head_dim(self) -> int:
-        hf = self.hf_config
-        return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        return head_dim_of(self.hf_config)
 
     @property
     def num_kv_heads(self) -> int:
         return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+
+
+def head_dim_of(hf) -> int:
+    """A Hugging Face config's attention head size (explicit, or hidden_size / heads)."""
+    return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
 
 
 def _check_choice(name: str, value, choices):

@@ -6,7 +6,7 @@ Families differ only in: q/k RMSNorm before rope (Qwen3), bias on q/k/v (Qwen2 a
 import torch
 from torch import nn
 
-from nanovllm.config import rope_parameters
+from nanovllm.config import head_dim_of, rope_parameters
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -14,10 +14,6 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, qk_norm_rope
 from nanovllm.utils.distributed import tp_size
-
-
-def head_dim_of(hf) -> int:
-    return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
 
 
 class DecoderAttention(nn.Module):
