@@ -2,7 +2,7 @@
 (gpu_memory_budget_gib) at the engine's default gpu_memory_utilization, Qwen3-1.7B shape, dummy weights.
 
 "laptop-reasoning": 256 requests, prompts of 100-1,000 tokens, outputs of 1,000-6,000 (random.Random(2)),
-ignore_eos; modes recompute, swap, auto (and *_no_watermark: admission_watermark="without_swap").
+ignore_eos; modes recompute, swap, auto.
 "laptop-agent": 4 agent sessions x 8 turns after a 2,048-token shared system prompt; each turn appends a tool output
 of 500-3,000 tokens and generates 200-800 (random.Random(3)); modes no_host_tier and host_tier (16 GiB host pool).
 "laptop-agent-restart": laptop-agent split by a process restart after turn 4 (benchmarks/bench_restart.py): a "before" process
@@ -32,7 +32,7 @@ LAPTOP_SCENARIOS = {
     "laptop-agent": _AGENT,
     "laptop-agent-restart": dict(_AGENT, restart_after_turn=4),
 }
-REASONING_MODES = ["recompute", "swap", "auto", "swap_no_watermark", "auto_no_watermark"]
+REASONING_MODES = ["recompute", "swap", "auto"]
 AGENT_MODES = ["no_host_tier", "host_tier"]
 RESTART_MODES = ["cold", "disk"]  # the processes after the restart; "before" runs first, whatever the modes
 # --simulate has no GPU to measure: what an 8 GiB card is assumed to lose besides the weights and the activation
@@ -60,17 +60,14 @@ def laptop_options(scenario: str, mode: str, args) -> dict:
     if args.kv_gib is not None:
         options.update(kv_cache_memory_bytes=int(args.kv_gib * GiB) // args.tensor_parallel_size)
     swap_space = s["swap_space"] if args.swap_space is None else args.swap_space
-    base = mode.removesuffix("_no_watermark")
-    if base in ("recompute", "no_host_tier"):
+    if mode in ("recompute", "no_host_tier"):
         options.update(preemption_mode="recompute", swap_space=0, host_cache_policy="off")
-    elif base in ("host_tier", "before", "cold", "disk"):
+    elif mode in ("host_tier", "before", "cold", "disk"):
         options.update(preemption_mode="auto", swap_space=swap_space, host_cache_policy="write_back")
     else:  # swap, auto: preemption alone, as bench_swap.py's other scenarios compare it
-        options.update(preemption_mode=base, swap_space=swap_space, host_cache_policy="off")
-    if base in ("before", "disk"):
+        options.update(preemption_mode=mode, swap_space=swap_space, host_cache_policy="off")
+    if mode in ("before", "disk"):
         options.update(kv_disk_path=os.path.join(args.restart_dir, "kv"))
-    if mode.endswith("_no_watermark"):
-        options.update(admission_watermark="without_swap")
     return options
 
 

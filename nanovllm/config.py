@@ -24,7 +24,6 @@ PREEMPTION_MODES = ("auto", "swap", "recompute")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 HOST_CACHE_POLICIES = ("write_back", "write_through", "off")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names: "fp8" is e4m3
-ADMISSION_WATERMARKS = ("always", "without_swap")
 # the options that take one of a few values: checked by Config, offered by the CLI's flags
 OPTION_CHOICES = {
     "device": ("auto", "cuda", "cpu"),
@@ -34,7 +33,6 @@ OPTION_CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "host_cache_policy": HOST_CACHE_POLICIES,
     "kv_cache_dtype": KV_CACHE_DTYPES,
-    "admission_watermark": ADMISSION_WATERMARKS,
 }
 # 1 PiB: more than any host holds, so a larger swap_space is a typo; the bound also keeps its byte count finite.
 # Config does not compare it with this host's memory: bench_swap.py sizes GPU machines' configs on any host
@@ -83,10 +81,6 @@ class Config:
     # the host pool as a second-level prefix cache: "write_back" copies a cached block when it becomes evictable,
     # "write_through" as soon as it is cached, "off" keeps the pool for swapped sequences only
     host_cache_policy: str = "write_back"
-    # free GPU blocks (1%) kept when admitting or resuming while others run, so running sequences can grow before a
-    # preemption. "always"; "without_swap": none when victims may be swapped (a host tier with preemption_mode swap
-    # or auto), as vLLM admits, since a preemption then costs copies instead of recomputed tokens (docs/swap_tier.md)
-    admission_watermark: str = "always"
     # --- disk tier (nanovllm_offload/disk_*.py, docs/disk_tier.md): prefix blocks kept across restarts
     kv_disk_path: str | None = None  # a directory (created when missing); None: no disk tier
     kv_disk_gib: float = 64  # cap on the directory's files (every model's blocks share it)

@@ -21,6 +21,7 @@ from nanovllm_offload.disk_index import (META_FILE, BlockKey, DiskIndex, block_p
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
+PROBE_BYTES = 64 << 20  # the start-up read probe: enough to time the I/O threads at the depth hits read at
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -68,7 +69,11 @@ class DiskStore:
             raise ValueError(f"kv_disk_gib={capacity_bytes / GiB:.6g} cannot hold one KV block file of "
                              f"{self.file_bytes:,} bytes; raise kv_disk_gib")
         self.fsync, self.rescan_interval_s, self.stale_tmp_s, self.ema = fsync, rescan_interval_s, stale_tmp_s, ema
-        self.read_bytes_per_s = prior_read_bytes_per_s  # EMA over completed reads; see should_load
+        # The prior decides only until the first read (the start-up probe's, usually): that read replaces it, the
+        # later ones move an EMA. Blending the first into the prior would leave a disk that reads faster than the
+        # prior below the prefill speed, so never loaded, so never measured again.
+        self.read_bytes_per_s = prior_read_bytes_per_s
+        self.num_read_samples = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._num_in_flight = 0
@@ -133,10 +138,13 @@ class DiskStore:
                 raise ValueError(f"the buffer for block hash {h:#x} is {len(view):,} bytes, not {self.block_bytes:,}")
         return self._submit_read(DiskRead(list(block_hashes), [None] * len(block_hashes), len(block_hashes)), views)
 
-    def probe_read_speed(self, max_blocks: int = 4) -> DiskRead | None:
-        """Times a read of up to max_blocks of this fingerprint's stored blocks (most recently used first) into
-        scratch buffers, so that should_load has a measured speed before the first hit; without one the prior
-        decides, and a prior below the prefill speed would never load, so never measure. None with no blocks."""
+    def probe_read_speed(self, max_blocks: int | None = None) -> DiskRead | None:
+        """Times a read of up to max_blocks (default: PROBE_BYTES' worth, 4 to 64 blocks) of this fingerprint's
+        stored blocks (most recently used first) into scratch buffers, so that should_load has a measured speed
+        before the first hit; without one the prior decides, and a prior below the prefill speed would never load,
+        so never measure. None with no blocks."""
+        if max_blocks is None:
+            max_blocks = min(64, max(4, PROBE_BYTES // self.block_bytes))
         with self._lock:
             ours = (k for k in reversed(self._index.entries) if k[0] == self.fingerprint.hex)
             keys = list(itertools.islice(ours, max_blocks))
@@ -242,7 +250,9 @@ class DiskStore:
         """Read speed from the first block's start to the last block's end: the device's throughput at the queue
         depth we give it, not the time the read waited behind writes."""
         if num_bytes > 0 and seconds > 0:
-            self.read_bytes_per_s += self.ema * (num_bytes / seconds - self.read_bytes_per_s)
+            weight = self.ema if self.num_read_samples else 1.0
+            self.read_bytes_per_s += weight * (num_bytes / seconds - self.read_bytes_per_s)
+            self.num_read_samples += 1
 
     def _finish(self, handle: DiskRead | DiskWrite):
         self._done.put(handle)

@@ -434,7 +434,11 @@ def test_a_probe_measures_the_read_speed_without_changing_the_lru_order(tmp_path
     probe = store.probe_read_speed(max_blocks=2)
     assert store.wait_idle(10) and store.poll() == [probe]
     assert probe.block_hashes == [3, 2] and probe.num_leading_ok == 2  # the most recently used first
-    assert store.read_bytes_per_s > 1e3
+    # the probe's own speed, not a blend with the prior (a blend with a slow prior never loads, so never measures)
+    probe_bytes_per_s = 2 * FILE_BYTES / (probe.last_end_s - probe.first_start_s)
+    assert store.read_bytes_per_s == pytest.approx(probe_bytes_per_s) and store.num_read_samples == 1
+    read_blocks(store, [2])  # later reads move an exponential average
+    assert store.num_read_samples == 2 and store.read_bytes_per_s != pytest.approx(probe_bytes_per_s)
     write_blocks(store, [4])  # still evicts block 1, the least recently used: the probe used nothing
     assert stored_hashes(tmp_path) == [2, 3, 4]
 

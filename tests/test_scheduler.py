@@ -339,17 +339,3 @@ def test_running_stays_in_arrival_order_through_preemptions(mode):
                 break
         assert s.is_finished()
     assert num_steps_with_two_victims > 0
-
-
-def test_admission_watermark_without_swap_admits_as_vllm_does():
-    from nanovllm.config import Config
-    from nanovllm.utils.presets import preset_dir
-    host = HostTier(8, BLOCK_SIZE, PreemptionPolicy("swap", block_bytes=1024), prefix_cache=False)
-    watermarks = {}
-    for rule in ("always", "without_swap"):
-        for mode in ("swap", "recompute"):
-            config = Config(preset_dir("qwen3-0.6b"), device="cpu", kvcache_block_size=BLOCK_SIZE,
-                            preemption_mode=mode, admission_watermark=rule)
-            watermarks[rule, mode] = Scheduler.from_config(config, 200, host, set()).num_watermark_blocks
-    assert watermarks == {("always", "swap"): 2, ("always", "recompute"): 2, ("without_swap", "swap"): 0,
-                          ("without_swap", "recompute"): 2}

@@ -31,7 +31,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        # blocks kept free when admitting or resuming, so running sequences can grow a little before preemption
+        # blocks kept free when admitting or resuming, so running sequences can grow a little before preemption; kept
+        # with a host tier too: admitting without it (as vLLM does) measured no faster (docs/swap_tier.md, Admission)
         self.num_watermark_blocks = max(1, block_manager.num_blocks // 100)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -54,9 +55,6 @@ class Scheduler:
                                      write_through=config.host_cache_policy == "write_through")
         scheduler = cls(block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
                         eos_token_ids, host_tier)
-        can_swap = host_tier is not None and config.preemption_mode != "recompute"
-        if config.admission_watermark == "without_swap" and can_swap:
-            scheduler.num_watermark_blocks = 0  # admit as vLLM does: a preemption costs copies, not recompute
         return scheduler
 
     @property
