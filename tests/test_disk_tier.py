@@ -72,8 +72,10 @@ def block_file(path: str, block_index: int) -> str:
     return found
 
 
-def test_a_restarted_engine_loads_the_first_runs_blocks(smollm2_dir, first_run, disk_copy):
-    token_ids, stats = generate(smollm2_dir, disk_copy)
+def test_a_restarted_engine_loads_the_first_runs_blocks(smollm2_dir, first_run, disk_copy, caplog):
+    with caplog.at_level("INFO", logger="nanovllm_offload.disk_tier"):
+        token_ids, stats = generate(smollm2_dir, disk_copy)
+    assert "disk tier: read speed measured at start-up" in caplog.text  # the probe's speed, size and time
     assert token_ids == first_run[1]
     assert stats["disk_hit_tokens"] == stats["disk_loaded_tokens"] == NUM_HIT_TOKENS
     assert stats["prefill_tokens"] <= 0.1 * len(PROMPT)
