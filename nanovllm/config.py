@@ -34,10 +34,21 @@ OPTION_CHOICES = {
     "host_cache_policy": HOST_CACHE_POLICIES,
     "kv_cache_dtype": KV_CACHE_DTYPES,
 }
+# vLLM's batch limits for cards under 70 GiB (its offline defaults there): a half-size step and half the sampler
+# rows halve the activation peak, which on an 8 GB card is KV that the batch does not get
+SMALL_CARD_BYTES = 70 << 30
+SMALL_CARD_BATCH_LIMITS = dict(max_num_seqs=256, max_num_batched_tokens=8192)
 # 1 PiB: more than any host holds, so a larger swap_space is a typo; the bound also keeps its byte count finite.
 # Config does not compare it with this host's memory: bench_swap.py sizes GPU machines' configs on any host
 MAX_SWAP_SPACE_GIB = 1 << 20
 
+
+def small_card_batch_limits(card_bytes: int | None) -> dict:
+    """The batch limits that replace Config's defaults on a card of card_bytes (the GPU's memory, or the budget when
+    smaller): vLLM's smaller ones under 70 GiB; none on larger cards or the CPU (None)."""
+    if card_bytes is None or card_bytes >= SMALL_CARD_BYTES:
+        return {}
+    return dict(SMALL_CARD_BATCH_LIMITS)
 
 @dataclass(slots=True)
 class Config:
@@ -58,6 +69,8 @@ class Config:
     attention_backend: str = "auto"  # the tested ones: triton on cuda, torch on cpu; "flash" only when asked for
     # --- batch limits
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # a GPU (or budget) under 70 GiB gets vLLM's smaller defaults instead, when these are not passed
+    # (small_card_batch_limits, applied by the engine)
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384  # token budget per step; longer prompts are prefilled in chunks
     # --- GPU KV cache

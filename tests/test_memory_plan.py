@@ -1,4 +1,8 @@
-"""The KV sizing arithmetic (nanovllm/core/memory_plan.py): stubbed measurements give exact block counts."""
+"""The KV sizing arithmetic (nanovllm/core/memory_plan.py): stubbed measurements give exact block counts; and the
+batch limits a card under 70 GiB gets."""
+import pytest
+from conftest import close_llm, tiny_llm_kwargs
+
 from nanovllm.core.memory_plan import GiB, format_breakdown, plan_kv_blocks
 
 MiB = 1 << 20
@@ -64,3 +68,41 @@ def test_the_model_holds_one_rope_table_for_all_layers():
     assert len(buffers) == 1 and buffers[0].shape == (40960, 128) and buffers[0].dtype == torch.float32
     layers = model.model.layers
     assert len(layers) == 28 and all(layer.self_attn.rotary_emb is layers[0].self_attn.rotary_emb for layer in layers)
+
+
+def test_small_card_batch_limits_are_vllms_under_70_gib():
+    from nanovllm.config import small_card_batch_limits
+    from nanovllm.engine.device import card_memory_bytes
+    assert small_card_batch_limits(8 * GiB) == small_card_batch_limits(70 * GiB - 1) == dict(
+        max_num_seqs=256, max_num_batched_tokens=8192)
+    assert small_card_batch_limits(70 * GiB) == small_card_batch_limits(None) == {}
+    assert card_memory_bytes("cpu", 8) is None  # the CPU has no card: Config's defaults
+
+
+@pytest.mark.parametrize("card_gib, passed, expected", [
+    (8, {}, (256, 8192)),
+    (8, dict(max_num_seqs=64, max_num_batched_tokens=1024), (64, 1024)),  # what the caller passes wins
+    (8, dict(max_num_seqs=600), (600, 8192)),
+    (80, {}, (512, 16384)),
+    (None, {}, (512, 16384)),
+], ids=["8gib", "8gib_passed", "8gib_one_passed", "80gib", "cpu"])
+def test_the_engine_takes_the_cards_batch_limits_unless_passed(qwen3_dir, monkeypatch, card_gib, passed, expected):
+    import nanovllm.engine.device as device
+    from nanovllm import LLM
+    seen = []
+
+    def stub_card(device, budget_gib):
+        seen.append((device, budget_gib))
+        return None if card_gib is None else card_gib * GiB
+
+    monkeypatch.setattr(device, "card_memory_bytes", stub_card)
+    kwargs = tiny_llm_kwargs(gpu_memory_budget_gib=card_gib)
+    del kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"]
+    llm = LLM(qwen3_dir, **kwargs, **passed)
+    try:
+        assert seen == [("cpu", card_gib)]
+        config, scheduler = llm.config, llm.scheduler
+        assert (config.max_num_seqs, config.max_num_batched_tokens) == expected
+        assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == expected
+    finally:
+        close_llm(llm)

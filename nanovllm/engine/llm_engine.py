@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.core.memory_plan import GiB, format_breakdown
-from nanovllm.engine.device import resolve_device
+from nanovllm.engine.device import resolve_device, with_card_batch_limits
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output import StreamCursor, TextOutput
 from nanovllm.engine.progress import update_bar
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
-        self.config = config = Config(model, **kwargs)
+        self.config = config = Config(model, **with_card_batch_limits(kwargs))
         self.runner = self.workers = self.host_tier = None
         # where the GPU memory went, in bytes (weights, activation_peak, graph_pools, non_torch, kv, left_free, ...;
         # nanovllm/core/memory_plan.py); None on CPU or with kv_cache_memory_bytes

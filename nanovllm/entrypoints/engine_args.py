@@ -29,7 +29,9 @@ HELP = {
     "enforce_eager": "no CUDA graphs, no torch.compile",
     "max_cudagraph_capture_size": "decode steps of up to this many rows (and max-num-seqs) replay CUDA graphs",
     "async_scheduling": "schedule step N+1 while step N runs (default: on at tensor_parallel_size 1)",
-    "max_num_batched_tokens": "token budget per step; longer prompts are prefilled in chunks",
+    "max_num_batched_tokens": "token budget per step; longer prompts are prefilled in chunks; 8192 on a GPU (or "
+                              "budget) under 70 GiB",
+    "max_num_seqs": "sequences per batch; 256 on a GPU (or budget) under 70 GiB",
     "kv_disk_path": "a directory for a disk tier below the host pool: prefix KV kept across restarts",
     "kv_disk_gib": "cap on the disk tier directory's files in GiB",
 }
