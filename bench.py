@@ -293,7 +293,7 @@ def main():
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=1024,
                         help="vLLM 0.26's default on a GPU of 70 GB or more, under which its reference numbers were "
-                             "measured (the engine's own default is nano-vllm's 512)")
+                             "measured (the engine's own default is nano-vllm's 512, or 256 under 70 GiB)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="default: the engine's (16,384; 8,192 on a GPU or --gpu-memory-gib under 70 GiB)")
     parser.add_argument("--enforce-eager", action="store_true")
@@ -324,7 +324,8 @@ def main():
         return run_variants(args.variants, args.repeat)
     if (args.profile_decode or args.profile_mixed) and args.tensor_parallel_size > 1:
         raise SystemExit("--profile-decode / --profile-mixed run rank 0's forward alone: use --tensor-parallel-size 1")
-    batch_tokens = dict(max_num_batched_tokens=args.max_num_batched_tokens) if args.max_num_batched_tokens else {}
+    batch_tokens = {"max_num_batched_tokens": args.max_num_batched_tokens}
+    batch_tokens = {} if args.max_num_batched_tokens is None else batch_tokens  # None: the engine's default
     llm = LLM(preset_dir(args.shape), load_format="dummy", max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, **batch_tokens,
               attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,

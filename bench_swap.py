@@ -154,12 +154,15 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
     computed are what a GPU run of the mode decides, as long as the decisions do not depend on measured speeds:
     "auto" is simulated as "swap" (what it chose in every H200 run so far), and the asynchronous loop's one-step lag
     is not modelled. "unpressured" is skipped: its KV size comes from the GPU's memory."""
-    from nanovllm.config import Config
+    from nanovllm.config import Config, budget_bytes, small_card_batch_limits
     from nanovllm.engine.scheduler import Scheduler
     from nanovllm.core.sequence import Sequence
     from nanovllm_offload.host_tier import HostTier, num_host_blocks_for
     from nanovllm_offload.policy import PreemptionPolicy
-    config = Config(model_dir(args.shape or SCENARIOS[scenario]["shape"]), **engine_options(scenario, mode, args))
+    options = engine_options(scenario, mode, args)
+    # the batch limits a budget under 70 GiB gives the GPU run (without one: the GPU machines, all larger)
+    options.update(small_card_batch_limits(options, budget_bytes(options.get("gpu_memory_budget_gib"))))
+    config = Config(model_dir(args.shape or SCENARIOS[scenario]["shape"]), **options)
     hf, block_size = config.hf_config, config.kvcache_block_size
     head_dim = config.head_dim
     num_kv_heads = config.num_kv_heads // config.tensor_parallel_size  # one rank's, as its budget is

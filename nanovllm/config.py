@@ -34,8 +34,9 @@ OPTION_CHOICES = {
     "host_cache_policy": HOST_CACHE_POLICIES,
     "kv_cache_dtype": KV_CACHE_DTYPES,
 }
-# vLLM's batch limits for cards under 70 GiB (its offline defaults there): a half-size step and half the sampler
-# rows halve the activation peak, which on an 8 GB card is KV that the batch does not get
+# vLLM's batch limits for cards under 70 GiB (its offline defaults there; vLLM also counts an 80 GB A100 as small,
+# which this rule does not): a half-size step and half the sampler rows halve the activation peak, which on an 8 GB
+# card is KV that the batch does not get
 SMALL_CARD_BYTES = 70 << 30
 SMALL_CARD_BATCH_LIMITS = dict(max_num_seqs=256, max_num_batched_tokens=8192)
 # 1 PiB: more than any host holds, so a larger swap_space is a typo; the bound also keeps its byte count finite.
@@ -43,12 +44,21 @@ SMALL_CARD_BATCH_LIMITS = dict(max_num_seqs=256, max_num_batched_tokens=8192)
 MAX_SWAP_SPACE_GIB = 1 << 20
 
 
-def small_card_batch_limits(card_bytes: int | None) -> dict:
+def small_card_batch_limits(engine_kwargs: dict, card_bytes: int | None) -> dict:
     """The batch limits that replace Config's defaults on a card of card_bytes (the GPU's memory, or the budget when
-    smaller): vLLM's smaller ones under 70 GiB; none on larger cards or the CPU (None)."""
+    smaller), for those engine_kwargs does not set: vLLM's smaller ones under 70 GiB; none on larger cards or the
+    CPU (None)."""
     if card_bytes is None or card_bytes >= SMALL_CARD_BYTES:
         return {}
-    return dict(SMALL_CARD_BATCH_LIMITS)
+    return {name: value for name, value in SMALL_CARD_BATCH_LIMITS.items() if name not in engine_kwargs}
+
+
+def budget_bytes(budget_gib) -> int | None:
+    """gpu_memory_budget_gib in bytes; None when it is None or not a valid budget (Config says why)."""
+    if isinstance(budget_gib, numbers.Real) and not isinstance(budget_gib, bool) and 0 < budget_gib < math.inf:
+        return int(budget_gib * (1 << 30))
+    return None
+
 
 @dataclass(slots=True)
 class Config:

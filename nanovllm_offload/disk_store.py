@@ -59,7 +59,7 @@ class DiskStore:
 
     def __init__(self, path: str, fingerprint: Fingerprint, capacity_bytes: int, *, num_io_threads: int = 2,
                  fsync: bool = False, rescan_interval_s: float = 60.0, stale_tmp_s: float = 600.0,
-                 prior_read_bytes_per_s: float = 1e9, ema: float = 0.2):
+                 prior_read_bytes_per_s: float = 1e9, ema: float = 0.2, reprobe_interval_s: float = 60.0):
         self.path, self.fingerprint = path, fingerprint
         self.block_bytes = fingerprint.block_bytes
         self.file_bytes = HEADER_BYTES + self.block_bytes
@@ -74,6 +74,11 @@ class DiskStore:
         # prior below the prefill speed, so never loaded, so never measured again.
         self.read_bytes_per_s = prior_read_bytes_per_s
         self.num_read_samples = 0
+        # a skipped hit reads nothing, so a speed that once fell below the prefill speed would never be measured
+        # again: reprobe_if_stale re-times a probe when the last measurement is older than this
+        self.reprobe_interval_s = reprobe_interval_s
+        self._last_measured_s = time.monotonic()
+        self._is_probing = False
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._num_in_flight = 0
@@ -148,10 +153,19 @@ class DiskStore:
         with self._lock:
             ours = (k for k in reversed(self._index.entries) if k[0] == self.fingerprint.hex)
             keys = list(itertools.islice(ours, max_blocks))
+            self._is_probing = bool(keys)
         if not keys:
             return None
         handle = DiskRead([h for _, h in keys], [None] * len(keys), len(keys), is_probe=True)
         return self._submit_read(handle, [memoryview(bytearray(self.block_bytes)) for _ in keys])
+
+    def reprobe_if_stale(self) -> bool:
+        """Start a probe (its handle comes back from poll() marked is_probe) unless one is in flight or the last
+        read was measured less than reprobe_interval_s ago. Called when the rule skips a hit. True: one started."""
+        with self._lock:
+            if self._is_probing or time.monotonic() - self._last_measured_s < self.reprobe_interval_s:
+                return False
+        return self.probe_read_speed() is not None
 
     def _submit_read(self, handle: DiskRead, views: list[memoryview]) -> DiskRead:
         with self._lock:
@@ -244,6 +258,7 @@ class DiskStore:
                 return
             num_ok = sum(s is ReadStatus.OK for s in handle.statuses)
             self._observe_read(num_ok * self.file_bytes, handle.last_end_s - handle.first_start_s)
+            self._is_probing &= not handle.is_probe
         self._finish(handle)
 
     def _observe_read(self, num_bytes: int, seconds: float):
@@ -253,6 +268,7 @@ class DiskStore:
             weight = self.ema if self.num_read_samples else 1.0
             self.read_bytes_per_s += weight * (num_bytes / seconds - self.read_bytes_per_s)
             self.num_read_samples += 1
+            self._last_measured_s = time.monotonic()
 
     def _finish(self, handle: DiskRead | DiskWrite):
         self._done.put(handle)

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 from nanovllm.core.hashing import content_hash
 from nanovllm.core.sequence import Sequence
 from nanovllm_offload.disk_fingerprint import kv_fingerprint
-from nanovllm_offload.disk_store import GiB, DiskStore
+from nanovllm_offload.disk_format import ReadStatus
+from nanovllm_offload.disk_store import GiB, DiskRead, DiskStore
 from nanovllm_offload.disk_transfers import DiskTransfers
 from nanovllm_offload.host_block_pool import HostBlockPool
 from nanovllm_offload.policy import PreemptionPolicy
@@ -53,13 +54,23 @@ def open_disk_store(config: "Config", runner, tp_rank: int = 0) -> DiskStore:
     store = DiskStore(config.kv_disk_path, fingerprint, int(config.kv_disk_gib * GiB))
     probe = store.probe_read_speed()
     if probe is not None:
-        store.wait_idle(timeout_s=5.0)
+        is_done = store.wait_idle(timeout_s=5.0)
         store.poll()  # the probe's handle: nothing to hand back
-        seconds = max(0.0, probe.last_end_s - probe.first_start_s)
-        logger.info("disk tier: read speed measured at start-up: %.2f GB/s (%d blocks, %.1f MB in %.1f ms); a hit is "
-                    "loaded where reading it beats prefilling it", store.read_bytes_per_s / 1e9,
-                    probe.num_leading_ok, probe.num_leading_ok * store.file_bytes / 1e6, seconds * 1e3)
+        log_probe(store, probe if is_done else None)
     return store
+
+
+def log_probe(store: DiskStore, probe: DiskRead | None):
+    """The start-up probe's outcome: its speed, or why the prior decides until the first read."""
+    num_ok = 0 if probe is None else sum(s is ReadStatus.OK for s in probe.statuses)
+    if not num_ok:
+        reason = "the probe read nothing" if probe is not None else "the probe did not finish in 5 s"
+        logger.info("disk tier: %s; the prior %.2f GB/s decides until a read is measured", reason,
+                    store.read_bytes_per_s / 1e9)
+        return
+    logger.info("disk tier: read speed measured at start-up: %.2f GB/s (%d blocks, %.1f MB in %.1f ms); a hit is "
+                "loaded where reading it beats prefilling it", store.read_bytes_per_s / 1e9, num_ok,
+                num_ok * store.file_bytes / 1e6, (probe.last_end_s - probe.first_start_s) * 1e3)
 
 
 class DiskTier:
@@ -111,9 +122,13 @@ class DiskTier:
         num_tokens = num_found * self.block_size
         self.counters["disk_hit_tokens"] += num_tokens
         num_blocks = min(num_found, self.pool.num_free_blocks)  # blocks of swapped sequences are not free
-        if not num_blocks or not self.policy.should_load_from_disk(
-                num_tokens, num_found * self.store.block_bytes, self.store.read_bytes_per_s):
+        if not num_blocks:
             self.counters["disk_skipped_tokens"] += num_tokens
+            return False
+        if not self.policy.should_load_from_disk(num_tokens, num_found * self.store.block_bytes,
+                                                 self.store.read_bytes_per_s):
+            self.counters["disk_skipped_tokens"] += num_tokens
+            self.store.reprobe_if_stale()  # a skipped hit measures nothing; the disk may have become faster
             return False
         self.counters["disk_skipped_tokens"] += (num_found - num_blocks) * self.block_size
         cpu_block_ids = [self.pool.pop_free() for _ in range(num_blocks)]

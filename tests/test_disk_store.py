@@ -443,6 +443,28 @@ def test_a_probe_measures_the_read_speed_without_changing_the_lru_order(tmp_path
     assert stored_hashes(tmp_path) == [2, 3, 4]
 
 
+def test_the_default_probe_reads_64_mib_of_blocks_at_most_64(tmp_path):
+    write_blocks(open_store(tmp_path, num_files=100), range(100), one_at_a_time=True)
+    store = open_store(tmp_path, num_files=100)
+    probe = store.probe_read_speed()  # 64 MiB of 1 KiB blocks would be 65,536: capped at 64
+    assert store.wait_idle(10) and probe.num_leading_ok == 64 and probe.block_hashes == list(range(99, 35, -1))
+
+
+def test_a_stale_speed_is_probed_again_when_a_hit_is_skipped(tmp_path):
+    """A skipped hit reads nothing: without a new probe a speed below the prefill speed would stand for good."""
+    write_blocks(open_store(tmp_path), [1, 2, 3])
+    store = open_store(tmp_path, num_files=3, reprobe_interval_s=3600.0)
+    assert not store.reprobe_if_stale()  # measured (at construction's clock) less than an hour ago
+    store.reprobe_interval_s = 0.0
+    assert store.reprobe_if_stale()
+    assert store.wait_idle(10) and store.num_read_samples == 1
+    [probe] = store.poll()
+    assert probe.is_probe and probe.num_leading_ok == 3
+    assert store.reprobe_if_stale() and store.wait_idle(10) and store.num_read_samples == 2
+    store.reprobe_interval_s = 3600.0
+    assert not store.reprobe_if_stale()  # just measured
+
+
 # --- ls and clear
 def test_list_and_clear_per_fingerprint(tmp_path):
     store_a, store_b = open_store(tmp_path), open_store(tmp_path, fingerprint=FP_B)

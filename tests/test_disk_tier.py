@@ -110,7 +110,7 @@ def test_a_slow_disk_is_skipped(smollm2_dir, first_run, disk_copy, monkeypatch):
 
     def slow_store(*args, **kwargs):
         store = open_store(*args, **kwargs)
-        store.read_bytes_per_s, store.ema = 1e3, 0.0  # 1 kB/s: any prefill beats it
+        store.read_bytes_per_s, store.ema, store.num_read_samples = 1e3, 0.0, 1  # 1 kB/s: any prefill beats it
         return store
 
     monkeypatch.setattr(llm_engine, "open_disk_store", slow_store)
@@ -135,7 +135,7 @@ def test_the_first_admission_decides_on_the_seeded_prefill_speed(smollm2_dir, fi
 
     def store_at_1_gb_per_s(*args, **kwargs):
         store = open_store(*args, **kwargs)
-        store.read_bytes_per_s, store.ema = 1e9, 0.0
+        store.read_bytes_per_s, store.ema, store.num_read_samples = 1e9, 0.0, 1  # pinned: no read moves it
         return store
 
     monkeypatch.setattr(llm_engine, "open_disk_store", store_at_1_gb_per_s)

@@ -1,5 +1,7 @@
 """The KV sizing arithmetic (nanovllm/core/memory_plan.py): stubbed measurements give exact block counts; and the
 batch limits a card under 70 GiB gets."""
+from types import SimpleNamespace
+
 import pytest
 from conftest import close_llm, tiny_llm_kwargs
 
@@ -72,11 +74,26 @@ def test_the_model_holds_one_rope_table_for_all_layers():
 
 def test_small_card_batch_limits_are_vllms_under_70_gib():
     from nanovllm.config import small_card_batch_limits
-    from nanovllm.engine.device import card_memory_bytes
-    assert small_card_batch_limits(8 * GiB) == small_card_batch_limits(70 * GiB - 1) == dict(
+    assert small_card_batch_limits({}, 8 * GiB) == small_card_batch_limits({}, 70 * GiB - 1) == dict(
         max_num_seqs=256, max_num_batched_tokens=8192)
-    assert small_card_batch_limits(70 * GiB) == small_card_batch_limits(None) == {}
-    assert card_memory_bytes("cpu", 8) is None  # the CPU has no card: Config's defaults
+    assert small_card_batch_limits({"max_num_seqs": 8}, 8 * GiB) == dict(max_num_batched_tokens=8192)
+    assert small_card_batch_limits({}, 70 * GiB) == small_card_batch_limits({}, None) == {}
+
+
+@pytest.mark.parametrize("device, budget_gib, expected", [
+    ("auto", None, 80 * GiB), ("cuda", 8, 8 * GiB), ("auto", 8.5, int(8.5 * GiB)), ("auto", 100, 80 * GiB),
+    ("auto", float("inf"), 80 * GiB), ("auto", -1, 80 * GiB), ("auto", True, 80 * GiB),  # Config rejects these
+    ("cpu", 8, None), ("tpu", 8, None),
+])
+def test_the_card_is_the_gpu_or_the_smaller_budget(monkeypatch, device, budget_gib, expected):
+    import numpy as np
+    import torch
+    from nanovllm.engine.device import card_memory_bytes
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=80 * GiB))
+    assert card_memory_bytes(device, budget_gib) == expected
+    if isinstance(budget_gib, int) and not isinstance(budget_gib, bool):
+        assert card_memory_bytes(device, np.int64(budget_gib)) == expected  # any real number Config accepts
 
 
 @pytest.mark.parametrize("card_gib, passed, expected", [

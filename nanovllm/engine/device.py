@@ -3,7 +3,7 @@ import logging
 
 import torch
 
-from nanovllm.config import small_card_batch_limits
+from nanovllm.config import budget_bytes, small_card_batch_limits
 
 logger = logging.getLogger(__name__)
 
@@ -23,19 +23,18 @@ def card_memory_bytes(device_option, budget_gib) -> int | None:
     on the CPU. Read before the options are checked, so it asks nothing of options Config will reject."""
     if device_option not in ("auto", "cuda") or not torch.cuda.is_available():
         return None
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    if isinstance(budget_gib, (int, float)) and not isinstance(budget_gib, bool) and budget_gib > 0:
-        return min(total, int(budget_gib * (1 << 30)))
-    return total
+    total = torch.cuda.get_device_properties(0).total_memory  # rank 0 runs on cuda:0 (model_runner.py)
+    budget = budget_bytes(budget_gib)
+    return total if budget is None else min(total, budget)
 
 
 def with_card_batch_limits(engine_kwargs: dict) -> dict:
     """The engine options with the batch limits of the card they will run on (small_card_batch_limits) where the
     caller passed none: on a card under 70 GiB, vLLM's smaller max_num_seqs and max_num_batched_tokens."""
     card_bytes = card_memory_bytes(engine_kwargs.get("device", "auto"), engine_kwargs.get("gpu_memory_budget_gib"))
-    limits = {k: v for k, v in small_card_batch_limits(card_bytes).items() if k not in engine_kwargs}
+    limits = small_card_batch_limits(engine_kwargs, card_bytes)
     if limits:
-        logger.info("a %.1f GiB card: %s, vLLM's defaults under 70 GiB", card_bytes / (1 << 30),
+        logger.info("%.1f GiB of GPU memory (under 70 GiB): %s, vLLM's defaults for such cards", card_bytes / (1 << 30),
                     ", ".join(f"{k}={v}" for k, v in limits.items()))
     return {**engine_kwargs, **limits}
 
