@@ -109,11 +109,6 @@ class DiskStore:
         """How many of the leading block_hashes are stored (without reading them or changing their LRU place)."""
         return next((i for i, h in enumerate(block_hashes) if not self.contains(h)), len(block_hashes))
 
-    def should_load(self, num_tokens: int, num_bytes: int, prefill_tokens_per_s: float) -> bool:
-        """Load a disk hit when reading its bytes at the measured read speed takes no longer than prefilling its
-        tokens at the measured prefill speed (the preemption policy's measurement)."""
-        return num_bytes / self.read_bytes_per_s <= num_tokens / prefill_tokens_per_s
-
     # --- I/O (submitted here, done on the I/O threads, reported by poll)
     def write_async(self, block_hash: int, data) -> DiskWrite | None:
         """Stores one block from the caller's buffer, which must stay unchanged until poll() returns the write.
@@ -145,9 +140,9 @@ class DiskStore:
 
     def probe_read_speed(self, max_blocks: int | None = None) -> DiskRead | None:
         """Times a read of up to max_blocks (default: PROBE_BYTES' worth, 4 to 64 blocks) of this fingerprint's
-        stored blocks (most recently used first) into scratch buffers, so that should_load has a measured speed
-        before the first hit; without one the prior decides, and a prior below the prefill speed would never load,
-        so never measure. None with no blocks."""
+        stored blocks (most recently used first) into scratch buffers, so that the load rule
+        (PreemptionPolicy.should_load_from_disk) has a measured speed before the first hit; without one the prior
+        decides, and a prior below the prefill speed would never load, so never measure. None with no blocks."""
         if max_blocks is None:
             max_blocks = min(64, max(4, PROBE_BYTES // self.block_bytes))
         with self._lock:

@@ -413,9 +413,12 @@ def test_two_processes_share_a_directory_without_corruption(tmp_path):
 
 # --- the load-or-recompute rule
 def test_read_speed_is_measured_and_decides_load_or_recompute(tmp_path):
+    from nanovllm_offload.policy import PreemptionPolicy
     store = open_store(tmp_path, prior_read_bytes_per_s=1e9)
-    assert store.should_load(num_tokens=1000, num_bytes=10**9, prefill_tokens_per_s=1000.0)  # 1 s vs 1 s
-    assert not store.should_load(num_tokens=1000, num_bytes=10**9, prefill_tokens_per_s=2000.0)  # 1 s vs 0.5 s
+    policy = PreemptionPolicy("auto", block_bytes=1, prefill_tokens_per_s=1000.0)
+    assert policy.should_load_from_disk(1000, 10**9, store.read_bytes_per_s)  # 1 s vs 1 s
+    policy.prefill_tokens_per_s = 2000.0
+    assert not policy.should_load_from_disk(1000, 10**9, store.read_bytes_per_s)  # 1 s vs 0.5 s
     write_blocks(store, [1, 2])
     read_blocks(store, [1, 2])
     assert store.read_bytes_per_s != 1e9 and store.stats()["disk_read_bytes_per_s"] == store.read_bytes_per_s
