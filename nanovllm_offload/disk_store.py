@@ -77,7 +77,7 @@ class DiskStore:
         # a skipped hit reads nothing, so a speed that once fell below the prefill speed would never be measured
         # again: reprobe_if_stale re-times a probe when the last measurement is older than this
         self.reprobe_interval_s = reprobe_interval_s
-        self._last_measured_s = time.monotonic()
+        self._last_timed_s = time.monotonic()  # the last read measured, or the last probe finished
         self._is_probing = False
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -155,10 +155,11 @@ class DiskStore:
         return self._submit_read(handle, [memoryview(bytearray(self.block_bytes)) for _ in keys])
 
     def reprobe_if_stale(self) -> bool:
-        """Start a probe (its handle comes back from poll() marked is_probe) unless one is in flight or the last
-        read was measured less than reprobe_interval_s ago. Called when the rule skips a hit. True: one started."""
+        """Start a probe (its handle comes back from poll() marked is_probe) unless one is in flight, or a read was
+        measured or a probe finished less than reprobe_interval_s ago. Called when the rule skips a hit. True: one
+        started."""
         with self._lock:
-            if self._is_probing or time.monotonic() - self._last_measured_s < self.reprobe_interval_s:
+            if self._is_probing or time.monotonic() - self._last_timed_s < self.reprobe_interval_s:
                 return False
         return self.probe_read_speed() is not None
 
@@ -253,7 +254,8 @@ class DiskStore:
                 return
             num_ok = sum(s is ReadStatus.OK for s in handle.statuses)
             self._observe_read(num_ok * self.file_bytes, handle.last_end_s - handle.first_start_s)
-            self._is_probing &= not handle.is_probe
+            if handle.is_probe:  # finished, even with nothing read: no new probe before the interval
+                self._is_probing, self._last_timed_s = False, time.monotonic()
         self._finish(handle)
 
     def _observe_read(self, num_bytes: int, seconds: float):
@@ -263,7 +265,7 @@ class DiskStore:
             weight = self.ema if self.num_read_samples else 1.0
             self.read_bytes_per_s += weight * (num_bytes / seconds - self.read_bytes_per_s)
             self.num_read_samples += 1
-            self._last_measured_s = time.monotonic()
+            self._last_timed_s = time.monotonic()
 
     def _finish(self, handle: DiskRead | DiskWrite):
         self._done.put(handle)
