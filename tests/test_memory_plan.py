@@ -96,6 +96,17 @@ def test_the_card_is_the_gpu_or_the_smaller_budget(monkeypatch, device, budget_g
         assert card_memory_bytes(device, np.int64(budget_gib)) == expected  # any real number Config accepts
 
 
+def test_a_cuda_that_cannot_answer_leaves_configs_defaults(monkeypatch):
+    import torch
+    from nanovllm.engine.device import card_memory_bytes
+
+    def no_properties(index):
+        raise RuntimeError("CUDA driver initialization failed")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_properties)
+    assert card_memory_bytes("cuda", 8) is None  # the runner's start-up reports the real error
+
+
 @pytest.mark.parametrize("card_gib, passed, expected", [
     (8, {}, (256, 8192)),
     (8, dict(max_num_seqs=64, max_num_batched_tokens=1024), (64, 1024)),  # what the caller passes wins

@@ -23,7 +23,10 @@ def card_memory_bytes(device_option, budget_gib) -> int | None:
     on the CPU. Read before the options are checked, so it asks nothing of options Config will reject."""
     if device_option not in ("auto", "cuda") or not torch.cuda.is_available():
         return None
-    total = torch.cuda.get_device_properties(0).total_memory  # rank 0 runs on cuda:0 (model_runner.py)
+    try:
+        total = torch.cuda.get_device_properties(0).total_memory  # rank 0 runs on cuda:0 (model_runner.py)
+    except (RuntimeError, AssertionError):  # a CUDA that cannot answer: Config's defaults; the runner says why
+        return None
     budget = budget_bytes(budget_gib)
     return total if budget is None else min(total, budget)
 
