@@ -324,8 +324,8 @@ def main():
         return run_variants(args.variants, args.repeat)
     if (args.profile_decode or args.profile_mixed) and args.tensor_parallel_size > 1:
         raise SystemExit("--profile-decode / --profile-mixed run rank 0's forward alone: use --tensor-parallel-size 1")
-    batch_tokens = {"max_num_batched_tokens": args.max_num_batched_tokens}
-    batch_tokens = {} if args.max_num_batched_tokens is None else batch_tokens  # None: the engine's default
+    batch_tokens = ({} if args.max_num_batched_tokens is None  # None: the engine's default, which goes by the card
+                    else {"max_num_batched_tokens": args.max_num_batched_tokens})
     llm = LLM(preset_dir(args.shape), load_format="dummy", max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, **batch_tokens,
               attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,

@@ -43,6 +43,10 @@ class DiskRead:
     last_end_s: float = 0.0
 
     @property
+    def num_ok(self) -> int:
+        return sum(s is ReadStatus.OK for s in self.statuses)
+
+    @property
     def num_leading_ok(self) -> int:
         return next((i for i, s in enumerate(self.statuses) if s is not ReadStatus.OK), len(self.statuses))
 
@@ -252,8 +256,7 @@ class DiskStore:
             handle.num_pending -= 1
             if handle.num_pending:
                 return
-            num_ok = sum(s is ReadStatus.OK for s in handle.statuses)
-            self._observe_read(num_ok * self.file_bytes, handle.last_end_s - handle.first_start_s)
+            self._observe_read(handle.num_ok * self.file_bytes, handle.last_end_s - handle.first_start_s)
             if handle.is_probe:  # finished, even with nothing read: no new probe before the interval
                 self._is_probing, self._last_timed_s = False, time.monotonic()
         self._finish(handle)

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 from nanovllm.core.hashing import content_hash
 from nanovllm.core.sequence import Sequence
 from nanovllm_offload.disk_fingerprint import kv_fingerprint
-from nanovllm_offload.disk_format import ReadStatus
 from nanovllm_offload.disk_store import GiB, DiskRead, DiskStore
 from nanovllm_offload.disk_transfers import DiskTransfers
 from nanovllm_offload.host_block_pool import HostBlockPool
@@ -62,7 +61,7 @@ def open_disk_store(config: "Config", runner, tp_rank: int = 0) -> DiskStore:
 
 def log_probe(store: DiskStore, probe: DiskRead | None):
     """The start-up probe's outcome: its speed, or why the prior decides until the first read."""
-    num_ok = 0 if probe is None else sum(s is ReadStatus.OK for s in probe.statuses)
+    num_ok = 0 if probe is None else probe.num_ok
     if not num_ok:
         reason = "the probe read nothing" if probe is not None else "the probe did not finish in 5 s"
         logger.info("disk tier: %s; the prior %.2f GB/s decides until a read is measured", reason,

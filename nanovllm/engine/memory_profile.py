@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from nanovllm.config import budget_bytes
 from nanovllm.core.memory_plan import GiB
 from nanovllm.layers.logprobs import chosen_and_top, raw_logprobs
 from nanovllm.layers.sampler import SamplingTensors
@@ -32,9 +33,8 @@ def non_torch_bytes(device: torch.device) -> int:
 def card_bytes(config, device: torch.device) -> int:
     """The GPU's memory, or the budget when that is smaller."""
     total = torch.cuda.mem_get_info(device)[1]
-    if config.gpu_memory_budget_gib is None:
-        return total
-    return min(total, int(config.gpu_memory_budget_gib * GiB))
+    budget = budget_bytes(config.gpu_memory_budget_gib)
+    return total if budget is None else min(total, budget)
 
 
 def apply_budget(config, device: torch.device):
