@@ -74,16 +74,18 @@ def _decode_kernel(
         q_lo, q_hi = tl.split(tl.permute(tl.reshape(q, (BLOCK_G, 2, HALF_D)), (0, 2, 1)))  # [BLOCK_G, HALF_D] each
         acc_lo = tl.zeros([BLOCK_G, HALF_D], tl.float32)
         acc_hi = tl.zeros([BLOCK_G, HALF_D], tl.float32)
+        v_unit = tl.full((), 1.0, tl.float32)  # the accumulators' unit (attend_tile_fp8_halves); any value while they are zero
         for n in range(start, end, BLOCK_N):
-            acc_lo, acc_hi, m_i, l_i = attend_tile_fp8_halves(
-                acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_head, v_head, ks_head, vs_head, bt_row, n, end,
+            acc_lo, acc_hi, m_i, l_i, v_unit = attend_tile_fp8_halves(
+                acc_lo, acc_hi, m_i, l_i, v_unit, q_lo, q_hi, k_head, v_head, ks_head, vs_head, bt_row, n, end,
                 stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale, BLOCK_SIZE, BLOCK_N, HALF_D)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
+        norm = v_unit / l_safe[:, None]  # [BLOCK_G, 1]
         offs_h = tl.arange(0, HALF_D)
         g_rows = (offs_g < GROUP)[:, None]  # [BLOCK_G, 1]
-        _store_output(acc_lo / l_safe[:, None], offs_h, b, head, split, g_rows, out_ptr, part_o_ptr,
+        _store_output(acc_lo * norm, offs_h, b, head, split, g_rows, out_ptr, part_o_ptr,
                       num_heads, num_splits, stride_ob, stride_oh, stride_od, SPLIT, BLOCK_D)
-        _store_output(acc_hi / l_safe[:, None], offs_h + HALF_D, b, head, split, g_rows, out_ptr,
+        _store_output(acc_hi * norm, offs_h + HALF_D, b, head, split, g_rows, out_ptr,
                       part_o_ptr, num_heads, num_splits, stride_ob, stride_oh, stride_od, SPLIT, BLOCK_D)
     else:
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -148,7 +150,7 @@ def _decode_reduce_kernel(
 
 
 # Split policy constants (see decode_split_plan).
-_TARGET_CTAS_PER_SM = 4  # enough resident programs to keep HBM busy
+_TARGET_WARPS_PER_SM = 16  # enough resident warps to keep HBM busy: four programs of four warps, sixteen of one
 _MAX_SPLITS = 64  # bounds the scratch buffers and the reduce tile
 # One reduce tile for every split count: the count follows the block-table width, which differs between graph
 # replays (max_model_len wide) and eager mixed steps (the step's own width), so a tile sized per count compiled a
@@ -159,6 +161,15 @@ SPLIT_PLAN_BLOCK_N = 64  # the default plan's slices are multiples of this (ever
 # "block_m,block_n,num_warps,num_stages" (block_m is ignored: a GQA group is padded to 16 rows); side-by-side runs
 # of bench.py
 _DECODE_TILE = tile_from_env("NANOVLLM_DECODE_TILE")
+
+
+# The FP8 tile. Reading FP8 costs instructions bf16 does not (each value converted to fp16, V gathered byte by byte
+# for the dot, whose reduction runs over tokens while a token's bytes are contiguous), so the tile is chosen for the
+# fewest instructions per token: one warp per program (no softmax reductions across warps through shared memory,
+# the query and accumulators of one program in one warp's registers), K and V in two head_dim halves (fewer live
+# registers), 32 keys a step and five buffers in flight. Against four warps of 64 keys (the previous default):
+# docs/benchmarks.md, FP8 decode tiles.
+_FP8_DECODE_TILE = KernelConfig(block_m=16, block_n=32, num_warps=1, num_stages=6, fp8_d_halves=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -174,18 +185,19 @@ def sm_count(device: torch.device) -> int:
 
 
 def decode_split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, block_n: int,
-                      num_sms: int, num_splits: int | None = None) -> int:
+                      num_sms: int, num_splits: int | None = None, num_warps: int = 4) -> int:
     """num_splits from shapes only, never from seq_lens values (graph capture).
 
-    Programs are (kv_heads x batch x splits). When batch x kv_heads alone fills the GPU there is one split.
-    Otherwise each row's context is cut (in the kernel) into enough slices to reach ~_TARGET_CTAS_PER_SM programs
-    per SM, at most _MAX_SPLITS and no more than the table width (max_blocks * block_size tokens) has block_n-token
-    pieces. A given `num_splits` (tests, benchmarks) is only clamped to [1, _MAX_SPLITS].
+    Programs are (kv_heads x batch x splits) of `num_warps` warps. When batch x kv_heads alone fills the GPU there
+    is one split. Otherwise each row's context is cut (in the kernel) into enough slices to reach
+    ~_TARGET_WARPS_PER_SM warps per SM, at most _MAX_SPLITS and no more than the table width (max_blocks *
+    block_size tokens) has block_n-token pieces. A given `num_splits` (tests, benchmarks) is only clamped to
+    [1, _MAX_SPLITS].
     """
     if num_splits is not None:
         return max(1, min(num_splits, _MAX_SPLITS))
     ctas = max(1, batch * num_kv_heads)
-    target = _TARGET_CTAS_PER_SM * num_sms
+    target = triton.cdiv(_TARGET_WARPS_PER_SM * num_sms, num_warps)
     if ctas >= target:
         return 1
     return min(triton.cdiv(target, ctas), _MAX_SPLITS, triton.cdiv(max(1, max_blocks * block_size), block_n))
@@ -196,12 +208,7 @@ def decode_config(dtype: torch.dtype, head_dim: int, block_size: int, split: boo
     if dtype == torch.float32 or head_dim > 128:
         return KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
     if fp8:
-        # An FP8 tile carries half the bytes of a bf16 one, so more of them must be in flight: two buffers (5
-        # stages, as the block-table load takes two), K and V converted in two head_dim halves (fp8_d_halves: the
-        # whole converted key tile, transposed for q @ k^T, took 146 registers) and ptxas capped at 96 registers,
-        # which it meets with an 8-byte stack: five programs per SM, as bf16's tile. 75% of copy bandwidth on an H100,
-        # against 70% for whole rows at 128 registers and 58% uncapped (docs/benchmarks.md).
-        return KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=5, max_registers=96, fp8_d_halves=True)
+        return _FP8_DECODE_TILE
     # H200 sweep, bf16 D=128 B=256 ctx=1024: (128, 4 warps, 2 stages) ~96% of copy bw with block_size 256
     # but ~92% with block_size 16, where (64, 4, 3) gives ~96%. The big tile fits one program per SM,
     # so for split (small-batch) launches, where the wave tail matters, the smaller tile is used.
@@ -232,10 +239,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert out.shape == (batch, num_heads, head_dim)
     if batch == 0:
         return out
+    fp8 = k_scale is not None
+    # the split count needs the tile's warps before the tile is chosen (the unsplit tile's; the split tile has as many)
+    num_warps = (config or decode_config(q.dtype, head_dim, k_cache.shape[1], False, fp8=fp8)).num_warps
     splits = decode_split_plan(batch, k_cache.shape[2], block_tables.shape[1], k_cache.shape[1],
                                config.block_n if config is not None else SPLIT_PLAN_BLOCK_N, sm_count(q.device),
-                               num_splits)
-    cfg = config or decode_config(q.dtype, head_dim, k_cache.shape[1], splits > 1, fp8=k_scale is not None)
+                               num_splits, num_warps)
+    cfg = config or decode_config(q.dtype, head_dim, k_cache.shape[1], splits > 1, fp8=fp8)
     if row_order is None:
         row_order = torch.argsort(seq_lens, descending=True).to(torch.int32)
     _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, row_order, scale, out, splits, cfg, k_scale, v_scale)

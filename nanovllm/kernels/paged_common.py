@@ -117,13 +117,19 @@ def attend_tile(acc, m_i, l_i, q, k_head, v_head, ks_head, vs_head, bt_row_ptr, 
 
 
 @triton.jit
-def attend_tile_fp8_halves(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_head, v_head, ks_head, vs_head, bt_row_ptr, n_start,
-                           kv_end, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale,
+def attend_tile_fp8_halves(acc_lo, acc_hi, m_i, l_i, v_unit, q_lo, q_hi, k_head, v_head, ks_head, vs_head, bt_row_ptr,
+                           n_start, kv_end, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale,
                            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HALF_D: tl.constexpr):
     """attend_tile's decode step over an FP8 cache with q in fp16 (fp16_query), head_dim taken in two halves: the
     QK dot as two dots over half the channels, the output as two halves (acc_lo, acc_hi). The FP8 keys enter the dot
     transposed, which 8-bit values can only do as a whole converted tile in registers; half tiles halve what is live
-    at once, so more programs fit an SM and more bytes are in flight. Same math and masks as attend_tile (MASK on)."""
+    at once, so more programs fit an SM and more bytes are in flight. Same math and masks as attend_tile (MASK on).
+
+    The accumulators are kept in units of `v_unit`, the largest V scale of the last tile (a power of two, > 0): p
+    times each token's scale over the tile's largest is in [0, 1] for the fp16 dot, as in attend_tile, and moving the
+    accumulators to the new tile's unit is an exact power-of-two factor folded into the softmax rescale, so the dots
+    accumulate in place (one multiply per accumulator element, none where neither the row maxima nor the unit
+    changed). The caller multiplies the result by the final `v_unit`."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, HALF_D)
     pos = n_start + offs_n  # [BLOCK_N]
@@ -134,21 +140,23 @@ def attend_tile_fp8_halves(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, k_head, v_head,
     k_half = k_head + k_rows[:, None] + offs_h[None, :]  # [BLOCK_N, HALF_D] pointers of the first half
     qk = tl.dot(q_lo, tl.trans(tl.load(k_half, mask=n_mask[:, None], other=0.0).to(tl.float16)))
     qk = tl.dot(q_hi, tl.trans(tl.load(k_half + HALF_D, mask=n_mask[:, None], other=0.0).to(tl.float16)), qk)
-    k_scale = tl.load(ks_head + s_rows, mask=n_mask, other=0.0).to(tl.float32)  # [BLOCK_N]
-    qk = tl.where(n_mask[None, :], qk * qk_scale * k_scale[None, :], float("-inf"))  # [M, BLOCK_N], log2 domain
+    k_scale = tl.load(ks_head + s_rows, mask=n_mask, other=0.0).to(tl.float32) * qk_scale  # [BLOCK_N]
+    qk = tl.where(n_mask[None, :], qk * k_scale[None, :], float("-inf"))  # [M, BLOCK_N], log2 domain
     m_new = tl.maximum(m_i, tl.max(qk, 1))  # [M]
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v_scale = tl.load(vs_head + s_rows, mask=n_mask, other=0.0).to(tl.float32)  # [BLOCK_N]
-    v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)  # scales relative to the tile's largest: p * ratio fits fp16
+    v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)  # the tile's unit: p * v_scale / v_max fits fp16
     pv = (p * (v_scale / v_max)[None, :]).to(tl.float16)
+    rescale = alpha * (v_unit / v_max)  # [M], exact up to alpha's rounding
+    if (tl.min(rescale, 0) != 1.0) | (tl.max(rescale, 0) != 1.0):
+        acc_lo = acc_lo * rescale[:, None]
+        acc_hi = acc_hi * rescale[:, None]
     v_half = v_head + v_rows[:, None] + offs_h[None, :]
-    v_lo = tl.load(v_half, mask=n_mask[:, None], other=0.0).to(tl.float16)
-    acc_lo = acc_lo * alpha[:, None] + tl.dot(pv, v_lo) * v_max
-    v_hi = tl.load(v_half + HALF_D, mask=n_mask[:, None], other=0.0).to(tl.float16)
-    acc_hi = acc_hi * alpha[:, None] + tl.dot(pv, v_hi) * v_max
-    return acc_lo, acc_hi, m_new, l_i
+    acc_lo = tl.dot(pv, tl.load(v_half, mask=n_mask[:, None], other=0.0).to(tl.float16), acc_lo)
+    acc_hi = tl.dot(pv, tl.load(v_half + HALF_D, mask=n_mask[:, None], other=0.0).to(tl.float16), acc_hi)
+    return acc_lo, acc_hi, m_new, l_i, v_max
 
 
 @triton.jit
