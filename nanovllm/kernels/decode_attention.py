@@ -74,7 +74,7 @@ def _decode_kernel(
         q_lo, q_hi = tl.split(tl.permute(tl.reshape(q, (BLOCK_G, 2, HALF_D)), (0, 2, 1)))  # [BLOCK_G, HALF_D] each
         acc_lo = tl.zeros([BLOCK_G, HALF_D], tl.float32)
         acc_hi = tl.zeros([BLOCK_G, HALF_D], tl.float32)
-        v_unit = tl.full((), 1.0, tl.float32)  # the accumulators' unit (attend_tile_fp8_halves); any value while they are zero
+        v_unit = tl.full((), 1.0, tl.float32)  # the accumulators' unit (attend_tile_fp8_halves): any, while zero
         for n in range(start, end, BLOCK_N):
             acc_lo, acc_hi, m_i, l_i, v_unit = attend_tile_fp8_halves(
                 acc_lo, acc_hi, m_i, l_i, v_unit, q_lo, q_hi, k_head, v_head, ks_head, vs_head, bt_row, n, end,
@@ -167,8 +167,8 @@ _DECODE_TILE = tile_from_env("NANOVLLM_DECODE_TILE")
 # for the dot, whose reduction runs over tokens while a token's bytes are contiguous), so the tile is chosen for the
 # fewest instructions per token: one warp per program (no softmax reductions across warps through shared memory,
 # the query and accumulators of one program in one warp's registers), K and V in two head_dim halves (fewer live
-# registers), 32 keys a step and five buffers in flight. Against four warps of 64 keys (the previous default):
-# docs/benchmarks.md, FP8 decode tiles.
+# registers), 32 keys a step, 6 stages (Triton 3.6 still allocates two buffers; 6 measured better than 3 or 4).
+# Against four warps of 64 keys, the previous default: docs/benchmarks_archive.md, run CA.
 _FP8_DECODE_TILE = KernelConfig(block_m=16, block_n=32, num_warps=1, num_stages=6, fp8_d_halves=True)
 
 
