@@ -168,7 +168,7 @@ _DECODE_TILE = tile_from_env("NANOVLLM_DECODE_TILE")
 # fewest instructions per token: one warp per program (no softmax reductions across warps through shared memory,
 # the query and accumulators of one program in one warp's registers), K and V in two head_dim halves (fewer live
 # registers), 32 keys a step, 6 stages (Triton 3.6 still allocates two buffers; 6 measured better than 3 or 4).
-# Against four warps of 64 keys, the previous default: docs/benchmarks_archive.md, run CA.
+# Against four warps of 64 keys, the previous default: docs/benchmarks_archive.md, the one-warp FP8 decode kernel.
 _FP8_DECODE_TILE = KernelConfig(block_m=16, block_n=32, num_warps=1, num_stages=6, fp8_d_halves=True)
 
 
