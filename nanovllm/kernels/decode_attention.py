@@ -240,12 +240,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if batch == 0:
         return out
     fp8 = k_scale is not None
-    # the split count needs the tile's warps before the tile is chosen (the unsplit tile's; the split tile has as many)
-    num_warps = (config or decode_config(q.dtype, head_dim, k_cache.shape[1], False, fp8=fp8)).num_warps
+    # the split count needs the tile's warps before the tile is chosen: the unsplit tile's (a split tile has as many)
+    cfg = config or decode_config(q.dtype, head_dim, k_cache.shape[1], False, fp8=fp8)
     splits = decode_split_plan(batch, k_cache.shape[2], block_tables.shape[1], k_cache.shape[1],
                                config.block_n if config is not None else SPLIT_PLAN_BLOCK_N, sm_count(q.device),
-                               num_splits, num_warps)
-    cfg = config or decode_config(q.dtype, head_dim, k_cache.shape[1], splits > 1, fp8=fp8)
+                               num_splits, cfg.num_warps)
+    if config is None and splits > 1:
+        cfg = decode_config(q.dtype, head_dim, k_cache.shape[1], True, fp8=fp8)
     if row_order is None:
         row_order = torch.argsort(seq_lens, descending=True).to(torch.int32)
     _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, row_order, scale, out, splits, cfg, k_scale, v_scale)
