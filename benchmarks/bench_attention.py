@@ -473,7 +473,7 @@ def sustained_decode(batch: int = 1024, mean_ctx: int = 574, num_layers: int = 8
 
 def time_kv_cache_dtype(kv_cache_dtype: str, lens: list[int], num_layers: int, block_size: int = 64,
                         num_kv_heads: int = 8, num_heads: int = 32, head_dim: int = 128,
-                        config: KernelConfig | None = None) -> tuple[float, float]:
+                        config: KernelConfig | None = None, num_splits: int | None = None) -> tuple[float, float]:
     """(seconds a layer, KV bytes read per second) of decode attention over `num_layers` layer views of one
     block-major cache in `kv_cache_dtype` ("auto": bf16; "fp8": values + per-token scales), so each layer's K/V is a
     strided view as in the engine; timed in replays of a graph of one call per layer. FP8 bytes count the scales."""
@@ -507,7 +507,7 @@ def time_kv_cache_dtype(kv_cache_dtype: str, lens: list[int], num_layers: int, b
     def step():
         for v in views:
             paged_decode_attention(q, v.k, v.v, seq_lens, tables, head_dim ** -0.5, out=out, row_order=order,
-                                   k_scale=v.k_scale, v_scale=v.v_scale, config=config)
+                                   k_scale=v.k_scale, v_scale=v.v_scale, config=config, num_splits=num_splits)
     step()  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -532,17 +532,23 @@ def parse_fp8_tile(tile: str) -> KernelConfig:
 
 
 def bench_kv_cache_dtypes(kv_cache_dtypes: list[str], rows_list: list[int], num_layers: int, copy_bw: float,
-                          fp8_tiles: list[str]):
-    """--kv-cache-dtype: decode attention at the Qwen3-8B shape reading a cache in each dtype, ragged contexts as
-    in the 8B bench.py run's first decode step; with --fp8-tiles also the FP8 cache in other decode tiles."""
+                          fp8_tiles: list[str], context: tuple[int, int] = (100, 1048),
+                          heads: tuple[int, int] = (32, 8), splits_list: list[int] | None = None):
+    """--kv-cache-dtype: decode attention reading a cache in each dtype, by default at the Qwen3-8B shape with
+    ragged contexts as in the 8B bench.py run's first decode step; with --fp8-tiles also the FP8 cache in other
+    decode tiles, with --splits also each dtype at these split counts instead of the plan's."""
+    num_heads, num_kv_heads = heads
     for rows in rows_list:
         rng = random.Random(0)
-        lens = [rng.randint(100, 1048) for _ in range(rows)]
-        runs = [(dtype, None) for dtype in kv_cache_dtypes] + [("fp8", tile) for tile in fp8_tiles]
-        for dtype, tile in runs:
+        lens = [rng.randint(*context) for _ in range(rows)]
+        runs = [(dtype, None, None) for dtype in kv_cache_dtypes] + [("fp8", tile, None) for tile in fp8_tiles]
+        runs += [(dtype, None, n) for n in splits_list or [] for dtype in kv_cache_dtypes]
+        for dtype, tile, splits in runs:
             config = None if tile is None else parse_fp8_tile(tile)
-            per_layer, rate = time_kv_cache_dtype(dtype, lens, num_layers, config=config)
-            print(f"rows {rows} kv {dtype:5s}{f' tile {tile}' if tile else ''}: {per_layer * 1e6:7.1f} us/layer, "
+            per_layer, rate = time_kv_cache_dtype(dtype, lens, num_layers, num_kv_heads=num_kv_heads,
+                                                  num_heads=num_heads, config=config, num_splits=splits)
+            print(f"rows {rows} kv {dtype:5s}{f' tile {tile}' if tile else ''}"
+                  f"{f' splits {splits}' if splits else ''}: {per_layer * 1e6:7.1f} us/layer, "
                   f"KV read {rate / 1e12:.2f} TB/s = {rate / copy_bw:.0%} of copy bandwidth", flush=True)
 
 
@@ -560,12 +566,19 @@ def main():
     parser.add_argument("--layers", type=int, default=8, help="with --kv-cache-dtype: layer views timed per graph")
     parser.add_argument("--fp8-tiles", nargs="*", default=[], metavar="BLOCK_N,WARPS,STAGES[,MAXNREG][,halves]",
                         help="with --kv-cache-dtype: also time the FP8 cache with these decode tiles")
+    parser.add_argument("--context", type=int, nargs=2, default=[100, 1048], metavar=("MIN", "MAX"),
+                        help="with --kv-cache-dtype: each row's context, uniform in [MIN, MAX] tokens")
+    parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HEADS", "KV_HEADS"),
+                        help="with --kv-cache-dtype: query and kv heads (default Qwen3-8B's; Qwen3-1.7B: 16 8)")
+    parser.add_argument("--splits", type=int, nargs="*", default=[], metavar="N",
+                        help="with --kv-cache-dtype: also time each dtype at these split counts (not the plan's)")
     args = parser.parse_args()
     if args.kv_cache_dtype is not None:
         torch.manual_seed(0)
         copy_bw = copy_bandwidth()
         print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)", flush=True)
-        return bench_kv_cache_dtypes(args.kv_cache_dtype, args.rows, args.layers, copy_bw, args.fp8_tiles)
+        return bench_kv_cache_dtypes(args.kv_cache_dtype, args.rows, args.layers, copy_bw, args.fp8_tiles,
+                                     tuple(args.context), tuple(args.heads), args.splits)
     if args.sustained is not None:
         torch.manual_seed(0)
         for batch in args.sustained or [1024]:  # a full 8B batch at its first decode step; smaller ones later on

@@ -184,10 +184,9 @@ def test_split_plan_follows_the_batch_not_the_table_width():
     # no more slices than BLOCK_N-token pieces of the table; a full GPU takes no split
     assert decode_split_plan(1, 8, 2, 64, 64, 132) == 2
     assert decode_split_plan(256, 8, 64, 64, 64, 132) == 1
-    # one-warp programs (the FP8 tile): four times the programs for the same 16 warps per SM
-    assert decode_split_plan(256, 8, 64, 64, 32, 132, num_warps=1) == 2  # 2,048 programs < 2,112
-    assert decode_split_plan(32, 8, 64, 64, 32, 132, num_warps=1) == 9
-    assert decode_split_plan(1024, 8, 64, 64, 32, 132, num_warps=1) == 1
+    # the FP8 tile's 32-key slices: the same programs per SM, finer pieces of the table
+    assert decode_split_plan(32, 8, 64, 64, 32, 132) == 3
+    assert decode_split_plan(1, 8, 1, 64, 32, 132) == 2
     # a given count is only clamped to [1, 64]
     assert decode_split_plan(4, 8, 64, 64, 64, 132, num_splits=5) == 5
     assert decode_split_plan(4, 8, 64, 64, 64, 132, num_splits=500) == 64

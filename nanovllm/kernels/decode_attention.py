@@ -150,7 +150,9 @@ def _decode_reduce_kernel(
 
 
 # Split policy constants (see decode_split_plan).
-_TARGET_WARPS_PER_SM = 16  # enough resident warps to keep HBM busy: four programs of four warps, sixteen of one
+# enough resident programs to keep HBM busy, whatever their warps: counting one-warp FP8 programs as a quarter (four
+# times the slices) measured slower at 32 to 256 rows (docs/benchmarks_archive.md, the split plan and one-warp tiles)
+_TARGET_CTAS_PER_SM = 4
 _MAX_SPLITS = 64  # bounds the scratch buffers and the reduce tile
 # One reduce tile for every split count: the count follows the block-table width, which differs between graph
 # replays (max_model_len wide) and eager mixed steps (the step's own width), so a tile sized per count compiled a
@@ -185,19 +187,18 @@ def sm_count(device: torch.device) -> int:
 
 
 def decode_split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, block_n: int,
-                      num_sms: int, num_splits: int | None = None, num_warps: int = 4) -> int:
+                      num_sms: int, num_splits: int | None = None) -> int:
     """num_splits from shapes only, never from seq_lens values (graph capture).
 
-    Programs are (kv_heads x batch x splits) of `num_warps` warps. When batch x kv_heads alone fills the GPU there
-    is one split. Otherwise each row's context is cut (in the kernel) into enough slices to reach
-    ~_TARGET_WARPS_PER_SM warps per SM, at most _MAX_SPLITS and no more than the table width (max_blocks *
-    block_size tokens) has block_n-token pieces. A given `num_splits` (tests, benchmarks) is only clamped to
-    [1, _MAX_SPLITS].
+    Programs are (kv_heads x batch x splits). When batch x kv_heads alone fills the GPU there is one split.
+    Otherwise each row's context is cut (in the kernel) into enough slices to reach ~_TARGET_CTAS_PER_SM programs
+    per SM, at most _MAX_SPLITS and no more than the table width (max_blocks * block_size tokens) has block_n-token
+    pieces. A given `num_splits` (tests, benchmarks) is only clamped to [1, _MAX_SPLITS].
     """
     if num_splits is not None:
         return max(1, min(num_splits, _MAX_SPLITS))
     ctas = max(1, batch * num_kv_heads)
-    target = triton.cdiv(_TARGET_WARPS_PER_SM * num_sms, num_warps)
+    target = _TARGET_CTAS_PER_SM * num_sms
     if ctas >= target:
         return 1
     return min(triton.cdiv(target, ctas), _MAX_SPLITS, triton.cdiv(max(1, max_blocks * block_size), block_n))
@@ -240,13 +241,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if batch == 0:
         return out
     fp8 = k_scale is not None
-    # the split count needs the tile's warps before the tile is chosen: the unsplit tile's (a split tile has as many)
-    cfg = config or decode_config(q.dtype, head_dim, k_cache.shape[1], False, fp8=fp8)
     splits = decode_split_plan(batch, k_cache.shape[2], block_tables.shape[1], k_cache.shape[1],
                                config.block_n if config is not None else SPLIT_PLAN_BLOCK_N, sm_count(q.device),
-                               num_splits, cfg.num_warps)
-    if config is None and splits > 1:
-        cfg = decode_config(q.dtype, head_dim, k_cache.shape[1], True, fp8=fp8)
+                               num_splits)
+    cfg = config or decode_config(q.dtype, head_dim, k_cache.shape[1], splits > 1, fp8=fp8)
     if row_order is None:
         row_order = torch.argsort(seq_lens, descending=True).to(torch.int32)
     _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, row_order, scale, out, splits, cfg, k_scale, v_scale)
