@@ -473,7 +473,8 @@ def sustained_decode(batch: int = 1024, mean_ctx: int = 574, num_layers: int = 8
 
 def time_kv_cache_dtype(kv_cache_dtype: str, lens: list[int], num_layers: int, block_size: int = 64,
                         num_kv_heads: int = 8, num_heads: int = 32, head_dim: int = 128,
-                        config: KernelConfig | None = None, num_splits: int | None = None) -> tuple[float, float]:
+                        config: KernelConfig | None = None, num_splits: int | None = None,
+                        min_split_tokens: int | None = None) -> tuple[float, float]:
     """(seconds a layer, KV bytes read per second) of decode attention over `num_layers` layer views of one
     block-major cache in `kv_cache_dtype` ("auto": bf16; "fp8": values + per-token scales), so each layer's K/V is a
     strided view as in the engine; timed in replays of a graph of one call per layer. FP8 bytes count the scales."""
@@ -507,7 +508,8 @@ def time_kv_cache_dtype(kv_cache_dtype: str, lens: list[int], num_layers: int, b
     def step():
         for v in views:
             paged_decode_attention(q, v.k, v.v, seq_lens, tables, head_dim ** -0.5, out=out, row_order=order,
-                                   k_scale=v.k_scale, v_scale=v.v_scale, config=config, num_splits=num_splits)
+                                   k_scale=v.k_scale, v_scale=v.v_scale, config=config, num_splits=num_splits,
+                                   min_split_tokens=min_split_tokens)
     step()  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -533,22 +535,28 @@ def parse_fp8_tile(tile: str) -> KernelConfig:
 
 def bench_kv_cache_dtypes(kv_cache_dtypes: list[str], rows_list: list[int], num_layers: int, copy_bw: float,
                           fp8_tiles: list[str], context: tuple[int, int] = (100, 1048),
-                          heads: tuple[int, int] = (32, 8), splits_list: list[int] | None = None):
+                          heads: tuple[int, int] = (32, 8), splits_list: list[int] | None = None,
+                          min_split_tokens_list: list[int] | None = None):
     """--kv-cache-dtype: decode attention reading a cache in each dtype, by default at the Qwen3-8B shape with
     ragged contexts as in the 8B bench.py run's first decode step; with --fp8-tiles also the FP8 cache in other
-    decode tiles, with --splits also each dtype at these split counts instead of the plan's."""
+    decode tiles, with --splits also each dtype at these split counts instead of the plan's (and with
+    --min-split-tokens at each of these shortest slices too)."""
     num_heads, num_kv_heads = heads
     for rows in rows_list:
         rng = random.Random(0)
         lens = [rng.randint(*context) for _ in range(rows)]
-        runs = [(dtype, None, None) for dtype in kv_cache_dtypes] + [("fp8", tile, None) for tile in fp8_tiles]
-        runs += [(dtype, None, n) for n in splits_list or [] for dtype in kv_cache_dtypes]
-        for dtype, tile, splits in runs:
+        runs = [(dtype, None, None, None) for dtype in kv_cache_dtypes]
+        runs += [("fp8", tile, None, None) for tile in fp8_tiles]
+        runs += [(dtype, None, n, m) for n in splits_list or [] for m in [None] + (min_split_tokens_list or [])
+                 for dtype in kv_cache_dtypes]
+        for dtype, tile, splits, min_tokens in runs:
             config = None if tile is None else parse_fp8_tile(tile)
             per_layer, rate = time_kv_cache_dtype(dtype, lens, num_layers, num_kv_heads=num_kv_heads,
-                                                  num_heads=num_heads, config=config, num_splits=splits)
+                                                  num_heads=num_heads, config=config, num_splits=splits,
+                                                  min_split_tokens=min_tokens)
             print(f"rows {rows} kv {dtype:5s}{f' tile {tile}' if tile else ''}"
-                  f"{f' splits {splits}' if splits else ''}: {per_layer * 1e6:7.1f} us/layer, "
+                  f"{f' splits {splits}' if splits else ''}{f' min {min_tokens}' if min_tokens else ''}: "
+                  f"{per_layer * 1e6:7.1f} us/layer, "
                   f"KV read {rate / 1e12:.2f} TB/s = {rate / copy_bw:.0%} of copy bandwidth", flush=True)
 
 
@@ -561,7 +569,7 @@ def main():
     parser.add_argument("--sustained", type=int, nargs="*", default=None, metavar="ROWS",
                         help="only 8B decode layers held at the power limit, at these batch sizes (default 1024)")
     parser.add_argument("--kv-cache-dtype", nargs="+", choices=["auto", "fp8"], default=None,
-                        help="only decode attention at the 8B shape reading a cache of each dtype (auto: bf16)")
+                        help="only decode attention reading a cache of each dtype (auto: bf16), the 8B shape unless --heads")
     parser.add_argument("--rows", type=int, nargs="+", default=[1024, 256], help="with --kv-cache-dtype: batch sizes")
     parser.add_argument("--layers", type=int, default=8, help="with --kv-cache-dtype: layer views timed per graph")
     parser.add_argument("--fp8-tiles", nargs="*", default=[], metavar="BLOCK_N,WARPS,STAGES[,MAXNREG][,halves]",
@@ -572,13 +580,16 @@ def main():
                         help="with --kv-cache-dtype: query and kv heads (default Qwen3-8B's; Qwen3-1.7B: 16 8)")
     parser.add_argument("--splits", type=int, nargs="*", default=[], metavar="N",
                         help="with --kv-cache-dtype: also time each dtype at these split counts (not the plan's)")
+    parser.add_argument("--min-split-tokens", type=int, nargs="*", default=[], metavar="TOKENS",
+                        help="with --splits: also each split count with no slice shorter than these (a short row "
+                             "then takes fewer slices)")
     args = parser.parse_args()
     if args.kv_cache_dtype is not None:
         torch.manual_seed(0)
         copy_bw = copy_bandwidth()
         print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)", flush=True)
         return bench_kv_cache_dtypes(args.kv_cache_dtype, args.rows, args.layers, copy_bw, args.fp8_tiles,
-                                     tuple(args.context), tuple(args.heads), args.splits)
+                                     tuple(args.context), tuple(args.heads), args.splits, args.min_split_tokens)
     if args.sustained is not None:
         torch.manual_seed(0)
         for batch in args.sustained or [1024]:  # a full 8B batch at its first decode step; smaller ones later on

@@ -163,6 +163,10 @@ for splits in (1, 2, 3, 8):
     out = paged_decode_attention(q, k_cache, v_cache, lens, tables, D ** -0.5, num_splits=splits, config=cfg)
     res[f"{splits}"] = ((out.float() - ref).norm() / ref.norm()).item()
     res[f"{splits}/empty_row"] = out[3].abs().max().item()
+# slices of at least 20 tokens, rounded up to two tiles: the 40-token row in 2 slices of 8 asked, the 17-token one in 1
+out = paged_decode_attention(q, k_cache, v_cache, lens, tables, D ** -0.5, num_splits=8, config=cfg, min_split_tokens=20)
+res["8/min20"] = ((out.float() - ref).norm() / ref.norm()).item()
+res["8/min20/empty_row"] = out[3].abs().max().item()
 print(json.dumps(res))
 """
 
@@ -171,9 +175,10 @@ def test_decode_row_splits_match_a_reference():
     """Each row cuts its own context into the splits, in a table wider than any row (as under a CUDA graph,
     max_model_len wide): the 40-token row in 2, 3 and 8 slices of >= 16 tokens, the 5-token row in one, and an
     empty row gives zeros. With one split (a full GPU) the kernel reads the row's whole context: a plan that gave
-    it no tokens to read made the outputs zeros (bench.py "2x faster")."""
+    it no tokens to read made the outputs zeros (bench.py "2x faster"). A minimum slice length leaves long rows
+    fewer, longer slices, which the reduce must count as the kernel cut them."""
     res = interpret(DECODE_ROW_SPLITS)
-    assert len(res) == 8 and all(err == 0.0 for key, err in res.items() if key.endswith("empty_row")), res
+    assert len(res) == 10 and all(err == 0.0 for key, err in res.items() if key.endswith("empty_row")), res
     assert all(err < 1e-2 for key, err in res.items() if not key.endswith("empty_row")), res
 
 

@@ -40,14 +40,14 @@ def _decode_kernel(
     stride_btb,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
-    D_HALVES: tl.constexpr,
+    D_HALVES: tl.constexpr, MIN_SLICE: tl.constexpr,
 ):
     kvh = tl.program_id(0)  # a row's kv heads side by side in the grid
     b = tl.load(row_order_ptr + tl.program_id(1))  # the grid's row index -> batch row (longest context first)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     if SPLIT:  # this row's own context in num_splits slices
-        tokens_per_split = _row_split_tokens(seq_len, num_splits, BLOCK_N)
+        tokens_per_split = _row_split_tokens(seq_len, num_splits, BLOCK_N, MIN_SLICE)
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, seq_len)
         if start >= end:  # slice past the end of this sequence: the reduce ignores it
@@ -115,9 +115,10 @@ def _store_output(o, offs_d, b, head, split, mask, out_ptr, part_o_ptr, num_head
 
 
 @triton.jit
-def _row_split_tokens(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    """Slice length when each row cuts its own context into num_splits slices: a multiple of BLOCK_N, >= BLOCK_N."""
-    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N), 1) * BLOCK_N
+def _row_split_tokens(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SLICE: tl.constexpr):
+    """Slice length when each row cuts its own context into at most num_splits slices: a multiple of BLOCK_N, at
+    least MIN_SLICE (a multiple of BLOCK_N), so a short row takes fewer slices than a long one."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SLICE)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -126,11 +127,12 @@ def _decode_reduce_kernel(
     num_heads, num_splits,
     stride_ob, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_SLICE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
-    tokens_per_split = _row_split_tokens(seq_len, num_splits, BLOCK_N)
+    tokens_per_split = _row_split_tokens(seq_len, num_splits, BLOCK_N, MIN_SLICE)
     num_valid = (seq_len + tokens_per_split - 1) // tokens_per_split
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -224,13 +226,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                            num_splits: int | None = None, config: KernelConfig | None = None,
                            row_order: torch.Tensor | None = None,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           min_split_tokens: int | None = None) -> torch.Tensor:
     """One query per sequence (at its last position) over its paged context. Returns [B, H, D] (`out` when given).
 
     CUDA-graph safe: no host sync, scratch sized from shapes only. ``num_splits``/``config`` override the
     heuristics (tests and benchmarks). ``row_order`` [B] int32, the rows longest context first (the engine sorts
     them once per forward); None sorts them here. With FP8 caches, `k_scale`/`v_scale` [num_blocks, block_size,
-    num_kv_heads] hold each token's scales.
+    num_kv_heads] hold each token's scales. ``min_split_tokens``: no row's slice is shorter (rounded up to the
+    tile's keys; default one tile), so rows shorter than num_splits slices of it take fewer (benchmarks).
     """
     batch, num_heads, head_dim = q.shape  # [B, H, D]
     check_cache(k_cache, v_cache, k_cache.shape[2], head_dim)
@@ -247,12 +251,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cfg = config or decode_config(q.dtype, head_dim, k_cache.shape[1], splits > 1, fp8=fp8)
     if row_order is None:
         row_order = torch.argsort(seq_lens, descending=True).to(torch.int32)
-    _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, row_order, scale, out, splits, cfg, k_scale, v_scale)
+    min_slice = max(1, triton.cdiv(min_split_tokens or 1, cfg.block_n)) * cfg.block_n
+    _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, row_order, scale, out, splits, cfg, k_scale, v_scale,
+                   min_slice)
     return out
 
 
 def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, row_order, scale: float, out, splits: int,
-                   cfg: KernelConfig, k_scale, v_scale) -> None:
+                   cfg: KernelConfig, k_scale, v_scale, min_slice: int) -> None:
     """The decode kernel on a (kv_heads, batch, splits) grid, then, with splits, the reduce into `out`."""
     batch, num_heads, head_dim = q.shape  # [B, H, D]
     num_kv_heads = k_cache.shape[2]
@@ -275,7 +281,7 @@ def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, row_order, scale
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1], SPLIT=splits > 1,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         FP8=fp8, D_HALVES=fp8 and cfg.fp8_d_halves and q.dtype != torch.float32 and block_d == head_dim,
-        **cfg.launch_options(),
+        MIN_SLICE=min_slice, **cfg.launch_options(),
     )
     if splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -283,5 +289,5 @@ def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, row_order, scale
             num_heads, splits,
             *out.stride(),
             HEAD_DIM=head_dim, BLOCK_S=_REDUCE_BLOCK_S, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
-            num_warps=4,
+            MIN_SLICE=min_slice, num_warps=4,
         )
