@@ -569,7 +569,8 @@ def main():
     parser.add_argument("--sustained", type=int, nargs="*", default=None, metavar="ROWS",
                         help="only 8B decode layers held at the power limit, at these batch sizes (default 1024)")
     parser.add_argument("--kv-cache-dtype", nargs="+", choices=["auto", "fp8"], default=None,
-                        help="only decode attention reading a cache of each dtype (auto: bf16), the 8B shape unless --heads")
+                        help="only decode attention reading a cache of each dtype (auto: bf16), at the 8B shape "
+                             "unless --heads")
     parser.add_argument("--rows", type=int, nargs="+", default=[1024, 256], help="with --kv-cache-dtype: batch sizes")
     parser.add_argument("--layers", type=int, default=8, help="with --kv-cache-dtype: layer views timed per graph")
     parser.add_argument("--fp8-tiles", nargs="*", default=[], metavar="BLOCK_N,WARPS,STAGES[,MAXNREG][,halves]",

@@ -164,7 +164,8 @@ for splits in (1, 2, 3, 8):
     res[f"{splits}"] = ((out.float() - ref).norm() / ref.norm()).item()
     res[f"{splits}/empty_row"] = out[3].abs().max().item()
 # slices of at least 20 tokens, rounded up to two tiles: the 40-token row in 2 slices of 8 asked, the 17-token one in 1
-out = paged_decode_attention(q, k_cache, v_cache, lens, tables, D ** -0.5, num_splits=8, config=cfg, min_split_tokens=20)
+out = paged_decode_attention(q, k_cache, v_cache, lens, tables, D ** -0.5, num_splits=8, config=cfg,
+                             min_split_tokens=20)
 res["8/min20"] = ((out.float() - ref).norm() / ref.norm()).item()
 res["8/min20/empty_row"] = out[3].abs().max().item()
 print(json.dumps(res))
