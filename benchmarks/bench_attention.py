@@ -539,16 +539,18 @@ def bench_kv_cache_dtypes(kv_cache_dtypes: list[str], rows_list: list[int], num_
                           min_split_tokens_list: list[int] | None = None):
     """--kv-cache-dtype: decode attention reading a cache in each dtype, by default at the Qwen3-8B shape with
     ragged contexts as in the 8B bench.py run's first decode step; with --fp8-tiles also the FP8 cache in other
-    decode tiles, with --splits also each dtype at these split counts instead of the plan's (and with
+    decode tiles, with --splits each of them also at these split counts instead of the plan's (and with
     --min-split-tokens at each of these shortest slices too)."""
     num_heads, num_kv_heads = heads
     for rows in rows_list:
         rng = random.Random(0)
         lens = [rng.randint(*context) for _ in range(rows)]
-        runs = [(dtype, None, None, None) for dtype in kv_cache_dtypes]
-        runs += [("fp8", tile, None, None) for tile in fp8_tiles]
-        runs += [(dtype, None, n, m) for n in splits_list or [] for m in [None] + (min_split_tokens_list or [])
-                 for dtype in kv_cache_dtypes]
+        # each dtype in its default tile and FP8 in each given tile, each at the plan's split count and at each
+        # given one, that with each given shortest slice
+        mins = [None] + (min_split_tokens_list or [])
+        split_runs = [(None, None)] + [(n, m) for n in splits_list or [] for m in mins]
+        runs = [(dtype, tile, n, m) for n, m in split_runs
+                for dtype, tile in [(d, None) for d in kv_cache_dtypes] + [("fp8", t) for t in fp8_tiles]]
         for dtype, tile, splits, min_tokens in runs:
             config = None if tile is None else parse_fp8_tile(tile)
             per_layer, rate = time_kv_cache_dtype(dtype, lens, num_layers, num_kv_heads=num_kv_heads,
