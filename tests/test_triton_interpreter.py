@@ -62,7 +62,8 @@ def interpreter_loops_over_loaded_bounds() -> bool:
     an index with int() on a one-element array, which NumPy 2.4 refuses; later Triton interpreters do not."""
     proc = subprocess.run([sys.executable, "-c", LOOP_OVER_A_LOADED_BOUND], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
-    return proc.returncode == 0
+    # only that failure skips: any other makes the tests run, and fail with their own error
+    return "only 0-dimensional arrays can be converted to Python scalars" not in proc.stderr
 
 
 def interpret(script: str) -> dict:

@@ -153,7 +153,7 @@ def _decode_reduce_kernel(
 
 # Split policy constants (see decode_split_plan).
 # enough resident programs to keep HBM busy, whatever their warps: counting one-warp FP8 programs as a quarter (four
-# times the slices) measured slower at 32 to 256 rows (docs/benchmarks_archive.md, the split plan and one-warp tiles)
+# times the slices) measured slower at 32 to 256 rows (docs/benchmarks.md, FP8 decode attention)
 _TARGET_CTAS_PER_SM = 4
 _MAX_SPLITS = 64  # bounds the scratch buffers and the reduce tile
 # One reduce tile for every split count: the count follows the block-table width, which differs between graph
