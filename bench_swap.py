@@ -209,8 +209,9 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
         from bench import seed_workload
         prompts, params = seed_workload(num_seqs)
         run(prompts, [p.max_tokens for p in params])
-    return dict(mode=mode, block_size=block_size, num_gpu_blocks=scheduler.block_manager.num_blocks, **counts,
-                **scheduler.stats.as_dict())
+    # the simulation's own step count (every schedule() call) over the scheduler's (steps that computed tokens)
+    return dict(mode=mode, block_size=block_size, num_gpu_blocks=scheduler.block_manager.num_blocks,
+                **{**scheduler.stats.as_dict(), **counts})
 
 
 def _check_progress(counts: dict, is_empty: bool, what: str):

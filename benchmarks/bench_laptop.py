@@ -209,15 +209,16 @@ def print_laptop_table(scenario: str, results: list[dict]):
         if r.get("memory"):
             m = {k: v / GiB for k, v in r["memory"].items() if k != "num_blocks"}
             print("memory GiB: " + ", ".join(f"{k} {v:.2f}" for k, v in m.items()))
-    head = ("mode", "GPU blocks", "out tok", "seconds", "tok/s", "preempt swap/recomp", "recomputed",
-            "prompt tok computed", "host hits", "TTFT p50/p99 s", "ITL p50/p99 ms", "exposed copy s",
+    head = ("mode", "GPU blocks", "out tok", "seconds", "tok/s", "steps", "decode rows/step", "preempt swap/recomp",
+            "recomputed", "prompt tok computed", "host hits", "TTFT p50/p99 s", "ITL p50/p99 ms", "exposed copy s",
             "sched->1st tok p50 s (turns 2-8)")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in results:
         s, lat = r["stats"], r["latency"]
         wait = f"{statistics.median(r['agent_waits']):.3f}" if r["agent_waits"] else "-"
         print(f"| {r['mode']} | {s['num_gpu_blocks']} | {r['output_tokens']} | {r['seconds']:.1f} | "
-              f"{r['output_tokens'] / r['seconds']:.0f} | {s['preemptions_swap']}/{s['preemptions_recompute']} | "
+              f"{r['output_tokens'] / r['seconds']:.0f} | {s['steps']} | "
+              f"{s['decode_tokens'] / max(s['steps'], 1):.1f} | {s['preemptions_swap']}/{s['preemptions_recompute']} | "
               f"{s['recomputed_tokens']} | {s['prefill_tokens']} | {s['host_prefix_hit_tokens']} | "
               f"{lat['ttft_p50']:.2f}/{lat['ttft_p99']:.2f} | {lat['itl_p50'] * 1e3:.1f}/{lat['itl_p99'] * 1e3:.1f} | "
               f"{s['swap_exposed_seconds']:.2f} of {s['swap_seconds']:.2f} | {wait} |")

@@ -22,7 +22,7 @@ def test_prefill_then_decode_with_exact_blocks():
     assert a.block_table == [0, 1] and b.block_table == [2]
     out, _ = run_step(s)  # b now needs a second block
     assert b.block_table == [2, 3]
-    assert s.stats.prefill_tokens == 9 and s.stats.decode_tokens == 4
+    assert s.stats.prefill_tokens == 9 and s.stats.decode_tokens == 4 and s.stats.steps == 3
 
 
 def test_chunked_prefill_respects_the_token_budget():

@@ -321,6 +321,7 @@ class Scheduler:
         or None for a row whose sequence finished in the meantime (its token will be dropped)."""
         rows = []
         stats = self.stats
+        stats.steps += bool(out.seqs)
         for seq, num_new, samples in zip(out.seqs, out.num_new_tokens, out.samples):
             if seq.is_finished:  # finished by the resolve of the step before (asynchronous scheduling)
                 if samples:

@@ -34,6 +34,7 @@ class SchedulerOutput:
 class SchedulerStats:
     prefill_tokens: int = 0  # tokens computed for prompts (and for recomputed outputs)
     decode_tokens: int = 0
+    steps: int = 0  # steps launched that compute tokens (decode_tokens / steps: the mean decode batch)
     prefix_cache_hit_tokens: int = 0
     preemptions: int = 0
     preemptions_swap: int = 0
