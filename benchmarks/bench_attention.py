@@ -3,6 +3,8 @@
     python benchmarks/bench_attention.py [--sweep [decode] [prefill]] [--overlap] [--prefill]
     python benchmarks/bench_attention.py --sustained [ROWS ...]
     python benchmarks/bench_attention.py --kv-cache-dtype auto fp8 [--rows 1024 256] [--layers 8]
+    python benchmarks/bench_attention.py --kv-cache-dtype auto fp8 --heads 16 8 --context 1000 7000 --rows 20 40 \
+        --splits 1 4 16 32 --min-split-tokens 256     # the laptop's regime (Qwen3-1.7B heads, long rows)
 
 Prints, for decode at batch 256 / context 1024 (Qwen3-0.6B and Qwen3-8B head shapes, bf16,
 block_size 256): kernel time, GB/s of KV read, the device-to-device copy bandwidth measured in the
@@ -19,7 +21,9 @@ the two interleaved, a plain streaming read of the same cache) with board power 
 ``--overlap`` times only whether decode attention (memory-bound) and a layer's GEMMs (compute-bound) run faster
 side by side on two CUDA streams than one after the other (Qwen3-8B shapes): the premise of nano-batches.
 ``--kv-cache-dtype auto fp8`` times only decode attention at the 8B shape reading a bf16 cache against an FP8 cache
-(values + per-token scales), KV bytes read (scales counted) against the copy bandwidth.
+(values + per-token scales), KV bytes read (scales counted) against the copy bandwidth; ``--heads`` and ``--context``
+change the shape and the rows' lengths, ``--fp8-tiles``, ``--splits`` and ``--min-split-tokens`` add runs at other
+tiles, split counts and shortest slices.
 """
 
 import argparse
