@@ -167,12 +167,12 @@ SPLIT_PLAN_BLOCK_N = 64  # the default plan's slices are multiples of this (ever
 _DECODE_TILE = tile_from_env("NANOVLLM_DECODE_TILE")
 
 
-# The FP8 tile. Reading FP8 costs instructions bf16 does not (each value converted to fp16, V gathered byte by byte
-# for the dot, whose reduction runs over tokens while a token's bytes are contiguous), so the tile is chosen for the
-# fewest instructions per token: one warp per program (no softmax reductions across warps through shared memory,
-# the query and accumulators of one program in one warp's registers), K and V in two head_dim halves (fewer live
-# registers), 32 keys a step, 6 stages (Triton 3.6 still allocates two buffers; 6 measured better than 3 or 4).
-# Against four warps of 64 keys, the previous default: docs/benchmarks_archive.md, the one-warp FP8 decode kernel.
+# The FP8 tile. Reading FP8 costs work bf16 does not (each value converted to fp16, V gathered byte by byte for the
+# dot, whose reduction runs over tokens while a token's bytes are contiguous): one warp per program (no softmax
+# reductions across warps through shared memory), K and V in two head_dim halves (fewer live registers), 32 keys a
+# step, 6 stages (Triton 3.6 still allocates two buffers; 6 measured better than 3 or 4). It measured fastest against
+# four warps of 64 keys, the previous default, and against variants with fewer instructions but more registers:
+# these tiles rank by registers per program (resident warps per SM), not by instructions (docs/benchmarks.md).
 _FP8_DECODE_TILE = KernelConfig(block_m=16, block_n=32, num_warps=1, num_stages=6, fp8_d_halves=True)
 
 
@@ -244,11 +244,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert out.shape == (batch, num_heads, head_dim)
     if batch == 0:
         return out
-    fp8 = k_scale is not None
     splits = decode_split_plan(batch, k_cache.shape[2], block_tables.shape[1], k_cache.shape[1],
                                config.block_n if config is not None else SPLIT_PLAN_BLOCK_N, sm_count(q.device),
                                num_splits)
-    cfg = config or decode_config(q.dtype, head_dim, k_cache.shape[1], splits > 1, fp8=fp8)
+    cfg = config or decode_config(q.dtype, head_dim, k_cache.shape[1], splits > 1, fp8=k_scale is not None)
     if row_order is None:
         row_order = torch.argsort(seq_lens, descending=True).to(torch.int32)
     min_slice = max(1, triton.cdiv(min_split_tokens or 1, cfg.block_n)) * cfg.block_n
