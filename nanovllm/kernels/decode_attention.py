@@ -1,6 +1,7 @@
 """Decode attention over the paged KV cache (split-K / flash-decoding): one query per sequence.
 
-Program ``(kv_head, b, split)`` runs the ``GROUP`` query heads of one kv head (padded to 16 rows for ``tl.dot``) over
+Program ``(kv_head, b, split)`` runs the ``GROUP`` query heads of one kv head (padded to 16 rows for ``tl.dot``; the
+FP8 step takes them transposed, padded to a power of two) over
 one slice of row ``row_order[b]``'s context and writes a partial output and its log-sum-exp; the reduce kernel merges
 the slices. The number of splits depends only on shapes (batch, kv heads, block-table width), never on ``seq_lens``
 values, so the launch is CUDA-graph capturable. Each row cuts its own length into that many slices in the kernel (a
@@ -69,16 +70,18 @@ def _decode_kernel(
                                                      stride_kh, stride_vh)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    if D_HALVES:  # FP8 with an fp16 q: head_dim in two halves (attend_tile_fp8_halves)
+    if D_HALVES:  # FP8 with an fp16 q: transposed, head_dim in two halves (attend_tile_fp8_halves)
         HALF_D: tl.constexpr = BLOCK_D // 2
         q_lo, q_hi = tl.split(tl.permute(tl.reshape(q, (BLOCK_G, 2, HALF_D)), (0, 2, 1)))  # [BLOCK_G, HALF_D] each
-        acc_lo = tl.zeros([BLOCK_G, HALF_D], tl.float32)
-        acc_hi = tl.zeros([BLOCK_G, HALF_D], tl.float32)
+        qT_lo, qT_hi = tl.trans(q_lo), tl.trans(q_hi)  # [HALF_D, BLOCK_G]
+        accT_lo = tl.zeros([HALF_D, BLOCK_G], tl.float32)
+        accT_hi = tl.zeros([HALF_D, BLOCK_G], tl.float32)
         v_unit = tl.full((), 1.0, tl.float32)  # the accumulators' unit (attend_tile_fp8_halves): any, while zero
         for n in range(start, end, BLOCK_N):
-            acc_lo, acc_hi, m_i, l_i, v_unit = attend_tile_fp8_halves(
-                acc_lo, acc_hi, m_i, l_i, v_unit, q_lo, q_hi, k_head, v_head, ks_head, vs_head, bt_row, n, end,
+            accT_lo, accT_hi, m_i, l_i, v_unit = attend_tile_fp8_halves(
+                accT_lo, accT_hi, m_i, l_i, v_unit, qT_lo, qT_hi, k_head, v_head, ks_head, vs_head, bt_row, n, end,
                 stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale, BLOCK_SIZE, BLOCK_N, HALF_D)
+        acc_lo, acc_hi = tl.trans(accT_lo), tl.trans(accT_hi)  # [BLOCK_G, HALF_D]
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         norm = v_unit / l_safe[:, None]  # [BLOCK_G, 1]
         offs_h = tl.arange(0, HALF_D)
@@ -167,13 +170,14 @@ SPLIT_PLAN_BLOCK_N = 64  # the default plan's slices are multiples of this (ever
 _DECODE_TILE = tile_from_env("NANOVLLM_DECODE_TILE")
 
 
-# The FP8 tile. Reading FP8 costs work bf16 does not (each value converted to fp16, V gathered byte by byte for the
-# dot, whose reduction runs over tokens while a token's bytes are contiguous): one warp per program (no softmax
-# reductions across warps through shared memory), K and V in two head_dim halves (fewer live registers), 32 keys a
-# step, 6 stages (Triton 3.6 still allocates two buffers; 6 measured better than 3 or 4). It measured fastest against
-# four warps of 64 keys, the previous default, and against variants with fewer instructions but more registers:
-# these tiles rank by registers per program (resident warps per SM), not by instructions (docs/benchmarks.md).
-_FP8_DECODE_TILE = KernelConfig(block_m=16, block_n=32, num_warps=1, num_stages=6, fp8_d_halves=True)
+# The FP8 tile. Reading FP8 costs work bf16 does not (each value converted to fp16, V read as byte pairs and
+# converted in registers): one warp per program (no softmax reductions across warps through shared memory), the step
+# transposed so the GQA group is the dots' narrow dimension (attend_tile_fp8_halves), K and V in two head_dim halves,
+# 32 keys a step, 6 stages, registers capped at 128 (16 resident programs per SM). These tiles rank by registers per
+# program (resident warps per SM), not by instructions. Against the untransposed step it measured faster at every
+# batch timed, 20 to 1,024 rows (docs/benchmarks.md); 16 keys a step (90 registers) is faster still at 1,024 rows
+# (95% of copy bandwidth against 84%) but slower at 256 and fewer, so it is not the default.
+_FP8_DECODE_TILE = KernelConfig(block_m=16, block_n=32, num_warps=1, num_stages=6, max_registers=128, fp8_d_halves=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -269,6 +273,8 @@ def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, row_order, scale
     else:
         part_o = part_lse = out  # unused
     fp8 = k_scale is not None
+    # the transposed FP8 step takes the group's heads as the dots' narrow dimension, which needs no padding to 16
+    d_halves = fp8 and cfg.fp8_d_halves and q.dtype != torch.float32 and block_d == head_dim
     k_scale, v_scale, scale_strides = scale_args(k_cache, k_scale, v_scale)
     _decode_kernel[(num_kv_heads, batch, splits)](
         q, k_cache, v_cache, k_scale, v_scale, seq_lens, block_tables, row_order,
@@ -278,8 +284,8 @@ def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, row_order, scale
         *k_cache.stride()[:3], *v_cache.stride()[:3], *scale_strides,
         block_tables.stride(0),
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1], SPLIT=splits > 1,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        FP8=fp8, D_HALVES=fp8 and cfg.fp8_d_halves and q.dtype != torch.float32 and block_d == head_dim,
+        BLOCK_G=triton.next_power_of_2(group) if d_halves else max(16, triton.next_power_of_2(group)),
+        BLOCK_N=cfg.block_n, BLOCK_D=block_d, FP8=fp8, D_HALVES=d_halves,
         MIN_SLICE=min_slice, **cfg.launch_options(),
     )
     if splits > 1:

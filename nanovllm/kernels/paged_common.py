@@ -15,6 +15,7 @@ tensors (only ``head_dim`` must have stride 1). Token ``t`` of a sequence lives 
 All softmax math is fp32 in the log2 domain (``exp2`` with ``scale * log2(e)``).
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -117,46 +118,78 @@ def attend_tile(acc, m_i, l_i, q, k_head, v_head, ks_head, vs_head, bt_row_ptr, 
 
 
 @triton.jit
-def attend_tile_fp8_halves(acc_lo, acc_hi, m_i, l_i, v_unit, q_lo, q_hi, k_head, v_head, ks_head, vs_head, bt_row_ptr,
-                           n_start, kv_end, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale,
+def attend_tile_fp8_halves(accT_lo, accT_hi, m_i, l_i, v_unit, qT_lo, qT_hi, k_head, v_head, ks_head, vs_head,
+                           bt_row_ptr, n_start, kv_end, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb,
+                           stride_st, qk_scale,
                            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HALF_D: tl.constexpr):
-    """attend_tile's decode step over an FP8 cache with q in fp16 (fp16_query), head_dim taken in two halves: the
-    QK dot as two dots over half the channels, the output as two halves (acc_lo, acc_hi). The FP8 keys enter the dot
-    transposed, which 8-bit values can only do as a whole converted tile in registers; half tiles halve what is live
-    at once, so more programs fit an SM and more bytes are in flight. Same math and masks as attend_tile (MASK on).
+    """attend_tile's decode step over an FP8 cache with q in fp16 (fp16_query), transposed and in head_dim halves:
+    scores^T = K q^T [BLOCK_N, G] and out^T += V^T p^T [HALF_D, G], where G is the group's query heads. Transposed,
+    the query heads are the dots' narrow dimension, which the tensor cores pad to 8 rather than to 16 as rows, so
+    the accumulators, q and the scores take half the registers, and a program needs fewer of them: more programs
+    fit an SM. Same math and masks as attend_tile (MASK on).
+
+    V is read as int16 byte pairs (two channels of one token) and converted in registers (_fp8_pairs_to_fp16):
+    the tile then reaches the dot as fp16, which Triton stages in shared memory and reads with ldmatrix, where an
+    8-bit tile for a dot that reduces over tokens is gathered byte by byte.
 
     The accumulators are kept in units of `v_unit`, the largest V scale of the last tile (a power of two, > 0): p
-    times each token's scale over the tile's largest is in [0, 1] for the fp16 dot, as in attend_tile, and moving the
-    accumulators to the new tile's unit is an exact power-of-two factor folded into the softmax rescale, so the dots
-    accumulate in place (one multiply per accumulator element, none where neither the row maxima nor the unit
-    changed). The caller multiplies the result by the final `v_unit`."""
+    times each token's scale over the tile's largest is in [0, 1] for the fp16 dot, and moving the accumulators to
+    the new tile's unit is an exact power-of-two factor folded into the softmax rescale, so the dots accumulate in
+    place (one multiply per accumulator element, none where neither the row maxima nor the unit changed). The
+    caller multiplies the result by the final `v_unit`."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, HALF_D)
+    offs_pair = tl.arange(0, HALF_D // 2)
     pos = n_start + offs_n  # [BLOCK_N]
     n_mask = pos < kv_end
     k_rows = cache_rows(bt_row_ptr, n_start, pos, n_mask, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
     v_rows = cache_rows(bt_row_ptr, n_start, pos, n_mask, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N)
     s_rows = cache_rows(bt_row_ptr, n_start, pos, n_mask, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N)
     k_half = k_head + k_rows[:, None] + offs_h[None, :]  # [BLOCK_N, HALF_D] pointers of the first half
-    qk = tl.dot(q_lo, tl.trans(tl.load(k_half, mask=n_mask[:, None], other=0.0).to(tl.float16)))
-    qk = tl.dot(q_hi, tl.trans(tl.load(k_half + HALF_D, mask=n_mask[:, None], other=0.0).to(tl.float16)), qk)
+    sT = tl.dot(tl.load(k_half, mask=n_mask[:, None], other=0.0).to(tl.float16), qT_lo)  # [BLOCK_N, G]
+    sT = tl.dot(tl.load(k_half + HALF_D, mask=n_mask[:, None], other=0.0).to(tl.float16), qT_hi, sT)
     k_scale = tl.load(ks_head + s_rows, mask=n_mask, other=0.0).to(tl.float32) * qk_scale  # [BLOCK_N]
-    qk = tl.where(n_mask[None, :], qk * k_scale[None, :], float("-inf"))  # [M, BLOCK_N], log2 domain
-    m_new = tl.maximum(m_i, tl.max(qk, 1))  # [M]
+    sT = tl.where(n_mask[:, None], sT * k_scale[:, None], float("-inf"))  # log2 domain
+    m_new = tl.maximum(m_i, tl.max(sT, 0))  # [G]
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    pT = tl.exp2(sT - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(pT, 0)
     v_scale = tl.load(vs_head + s_rows, mask=n_mask, other=0.0).to(tl.float32)  # [BLOCK_N]
     v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)  # the tile's unit: p * v_scale / v_max fits fp16
-    pv = (p * (v_scale / v_max)[None, :]).to(tl.float16)
-    rescale = alpha * (v_unit / v_max)  # [M], exact up to alpha's rounding
+    pvT = (pT * (v_scale / v_max)[:, None]).to(tl.float16)  # [BLOCK_N, G]
+    rescale = alpha * (v_unit / v_max)  # [G], exact up to alpha's rounding
     if (tl.min(rescale, 0) != 1.0) | (tl.max(rescale, 0) != 1.0):
-        acc_lo = acc_lo * rescale[:, None]
-        acc_hi = acc_hi * rescale[:, None]
-    v_half = v_head + v_rows[:, None] + offs_h[None, :]
-    acc_lo = tl.dot(pv, tl.load(v_half, mask=n_mask[:, None], other=0.0).to(tl.float16), acc_lo)
-    acc_hi = tl.dot(pv, tl.load(v_half + HALF_D, mask=n_mask[:, None], other=0.0).to(tl.float16), acc_hi)
-    return acc_lo, acc_hi, m_new, l_i, v_max
+        accT_lo = accT_lo * rescale[None, :]
+        accT_hi = accT_hi * rescale[None, :]
+    e5m2: tl.constexpr = v_head.dtype.element_ty == tl.float8e5
+    v_pairs = v_head.to(tl.pointer_type(tl.int16)) + ((v_rows // 2)[:, None] + offs_pair[None, :])
+    v_lo = _fp8_pairs_to_fp16(tl.load(v_pairs, mask=n_mask[:, None], other=0), e5m2, BLOCK_N, HALF_D)
+    v_hi = _fp8_pairs_to_fp16(tl.load(v_pairs + HALF_D // 2, mask=n_mask[:, None], other=0), e5m2, BLOCK_N, HALF_D)
+    accT_lo = tl.dot(tl.trans(v_lo), pvT, accT_lo)
+    accT_hi = tl.dot(tl.trans(v_hi), pvT, accT_hi)
+    return accT_lo, accT_hi, m_new, l_i, v_max
+
+
+# e4m3 byte pairs become fp16 pairs in one PTX instruction on a GPU; Triton's interpreter runs no PTX, so there the
+# same values are converted a byte at a time
+_E4M3_PAIRS_BY_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
+@triton.jit
+def _fp8_pairs_to_fp16(pairs, E5M2: tl.constexpr, BLOCK_N: tl.constexpr, HALF_D: tl.constexpr):
+    """int16 [BLOCK_N, HALF_D // 2] of FP8 byte pairs (little-endian: the lower channel in the low byte) ->
+    fp16 [BLOCK_N, HALF_D], exact (every e4m3 and e5m2 value is an fp16)."""
+    if E5M2:  # an e5m2 value is the high byte of the same fp16
+        lo = (pairs << 8).to(tl.float16, bitcast=True)
+        hi = (pairs & -256).to(tl.float16, bitcast=True)
+    elif _E4M3_PAIRS_BY_PTX:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+            "=h,=h,h", [pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        lo = (pairs & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        hi = ((pairs >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return tl.reshape(tl.join(lo, hi), (BLOCK_N, HALF_D))
 
 
 @triton.jit
@@ -208,7 +241,7 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     max_registers: int | None = None  # ptxas's per-thread cap (Triton's maxnreg): more programs per SM
-    fp8_d_halves: bool = False  # FP8 decode: K and V in two head_dim halves (attend_tile_fp8_halves)
+    fp8_d_halves: bool = False  # FP8 decode: transposed, K and V in two head_dim halves (attend_tile_fp8_halves)
 
     def launch_options(self) -> dict:
         """The kernel launch's compile options."""
