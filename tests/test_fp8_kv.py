@@ -134,7 +134,7 @@ device = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
 res = {}
 for kvd in ("fp8_e4m3", "fp8_e5m2"):
-    L, BS, KVH, D, H, NB = 2, 16, 2, 64, 4, 10
+    L, BS, KVH, D, NB = 2, 16, 2, 64, 10
     layout = KVLayout(L, BS, KVH, D, torch.float16, kvd)
     kv_triton = torch.zeros((NB, layout.block_bytes), dtype=torch.uint8, device=device)
     kv_torch = kv_triton.clone()
@@ -155,18 +155,24 @@ for kvd in ("fp8_e4m3", "fp8_e5m2"):
     TorchBackend().store_kv(x, x.flip(0), ref, md)
     md.seq_lens = torch.tensor([5, 40, 17], dtype=torch.int32, device=device)
     md.block_tables = torch.tensor([[3, -1, -1], [7, 0, 9], [1, 2, -1]], dtype=torch.int32, device=device)
-    q = torch.randn(3, H, D, device=device).half()
-    want = TorchBackend().decode(q, ref, md, D ** -0.5).float()
-    for splits, halves in ((1, False), (2, False), (1, True), (2, True)):
-        cfg = KernelConfig(16, 16, 4, 3, fp8_d_halves=True) if halves else None  # 16 keys: tiles span blocks
-        got = paged_decode_attention(q, ref.k, ref.v, md.seq_lens, md.block_tables, D ** -0.5, num_splits=splits,
-                                     k_scale=ref.k_scale, v_scale=ref.v_scale, config=cfg).float()
-        res[f"{kvd}/decode/{splits}{'/halves' if halves else ''}"] = ((got - want).norm() / want.norm()).item()
+    # GQA groups of 2 (every tile), then 1, 5 and 8 (the transposed FP8 step pads the group to a power of two)
+    for group, runs in ((2, ((1, "four"), (2, "four"), (1, None), (2, None), (1, "16"), (2, "16"))),
+                        (1, ((2, None),)), (5, ((1, None),)), (8, ((2, "16"),))):
+        q = torch.randn(3, KVH * group, D, device=device).half()
+        want = TorchBackend().decode(q, ref, md, D ** -0.5).float()
+        for splits, tile in runs:
+            cfg = {"four": KernelConfig(16, 32, 4, 3),  # four warps, untransposed (fp8_d_halves off)
+                   "16": KernelConfig(16, 16, 1, 4, fp8_d_halves=True),  # 16 keys: tiles span blocks
+                   None: None}[tile]
+            got = paged_decode_attention(q, ref.k, ref.v, md.seq_lens, md.block_tables, D ** -0.5,
+                                         num_splits=splits, k_scale=ref.k_scale, v_scale=ref.v_scale,
+                                         config=cfg).float()
+            res[f"{kvd}/decode/group{group}/{splits}/{tile}"] = ((got - want).norm() / want.norm()).item()
     batch = [(0, 20), (10, 7), (39, 1)]  # (cached prefix, new tokens)
     seq_lens = torch.tensor([p + n for p, n in batch], dtype=torch.int32, device=device)
     qlens = [n for _, n in batch]
     cu = torch.tensor([0] + qlens, device=device).cumsum(0).to(torch.int32)
-    qp = torch.randn(sum(qlens), H, D, device=device).half()
+    qp = torch.randn(sum(qlens), KVH * 2, D, device=device).half()
     md = AttentionMetadata(False, cu, None, None, max_seq_len=40)
     md.query_lens_cpu, md.seq_lens_cpu = qlens, seq_lens.tolist()
     md.block_tables = torch.tensor([[3, 8, -1], [7, 0, -1], [1, 2, 5]], dtype=torch.int32, device=device)
