@@ -15,12 +15,12 @@ tensors (only ``head_dim`` must have stride 1). Token ``t`` of a sequence lives 
 All softmax math is fp32 in the log2 domain (``exp2`` with ``scale * log2(e)``).
 """
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 from nanovllm.utils.switches import SWITCHES
 
@@ -172,7 +172,7 @@ def attend_tile_fp8_halves(accT_lo, accT_hi, m_i, l_i, v_unit, qT_lo, qT_hi, k_h
 
 # e4m3 byte pairs become fp16 pairs in one PTX instruction on a GPU; Triton's interpreter runs no PTX, so there the
 # same values are converted a byte at a time
-_E4M3_PAIRS_BY_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+_E4M3_PAIRS_BY_PTX = tl.constexpr(not knobs.runtime.interpret)
 
 
 @triton.jit
