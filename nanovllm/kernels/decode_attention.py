@@ -254,7 +254,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cfg = config or decode_config(q.dtype, head_dim, k_cache.shape[1], splits > 1, fp8=k_scale is not None)
     if row_order is None:
         row_order = torch.argsort(seq_lens, descending=True).to(torch.int32)
-    min_slice = max(1, triton.cdiv(min_split_tokens or 1, cfg.block_n)) * cfg.block_n
+    min_slice = triton.cdiv(min_split_tokens or 1, cfg.block_n) * cfg.block_n  # at least one tile
     _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, row_order, scale, out, splits, cfg, k_scale, v_scale,
                    min_slice)
     return out
