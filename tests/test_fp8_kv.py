@@ -166,7 +166,7 @@ for kvd in ("fp8_e4m3", "fp8_e5m2"):
                    None: None}[tile]
             got = paged_decode_attention(q, ref.k, ref.v, md.seq_lens, md.block_tables, D ** -0.5,
                                          num_splits=splits, k_scale=ref.k_scale, v_scale=ref.v_scale,
-                                         config=cfg).float()
+                                         config=cfg, min_split_tokens=1).float()  # slices of one tile
             res[f"{kvd}/decode/group{group}/{splits}/{tile}"] = ((got - want).norm() / want.norm()).item()
     batch = [(0, 20), (10, 7), (39, 1)]  # (cached prefix, new tokens)
     seq_lens = torch.tensor([p + n for p, n in batch], dtype=torch.int32, device=device)

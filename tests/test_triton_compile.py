@@ -95,8 +95,8 @@ for dtype, head_dim, block_size, (num_heads, num_kv_heads) in CASES:
                                           slots, weight, weight)
 from nanovllm.kernels.paged_common import KernelConfig
 from nanovllm.layers.kv_layout import KVLayout
-HALVES = [KernelConfig(16, 16, 1, 4, fp8_d_halves=True), KernelConfig(16, 32, 2, 4, fp8_d_halves=True),
-          KernelConfig(16, 16, 1, 4, 80, fp8_d_halves=True)]  # decode tiles bench_attention --fp8-tiles times
+HALVES = [decode_attention._FP8_FULL_GRID_TILE, KernelConfig(16, 32, 2, 4, fp8_d_halves=True),
+          KernelConfig(16, 16, 1, 4, 80, fp8_d_halves=True)]  # the full-grid tile and others bench_attention times
 for kv_cache_dtype in ("fp8_e4m3", "fp8_e5m2"):  # FP8 caches: uint8 blocks viewed as FP8 values and bf16 scales
     layout = KVLayout(2, 64, 8, 128, torch.bfloat16, kv_cache_dtype)
     views = layout.layer_views(torch.zeros(4, layout.block_bytes, dtype=torch.uint8), 1)

@@ -226,6 +226,28 @@ def test_split_plan_follows_the_batch_not_the_table_width():
     assert decode_split_plan(4, 8, 64, 64, 64, 132, num_splits=500) == 64
 
 
+def test_fp8_split_plan_fills_the_one_warp_slots_only_where_the_batch_does_not():
+    from nanovllm.kernels.decode_attention import decode_split_plan
+    # the laptop's 20 rows x 8 kv heads: 14 slices reach 16 one-warp programs per SM (bf16: 4 reach 4)
+    assert decode_split_plan(20, 8, 128, 64, 64, 132, fp8=True) == 14
+    assert decode_split_plan(20, 8, 128, 64, 64, 132) == 4
+    # 64 rows: just under 4 programs per SM, so FP8 cuts to 16 (5 slices); 66 rows reach 4: no split either way
+    assert decode_split_plan(64, 8, 128, 64, 64, 132, fp8=True) == 5
+    assert decode_split_plan(66, 8, 128, 64, 64, 132, fp8=True) == 1
+    assert decode_split_plan(1, 8, 2, 64, 64, 132, fp8=True) == 2  # still no more slices than the table has
+
+
+def test_fp8_tile_follows_the_programs_per_sm():
+    import torch
+    from nanovllm.kernels.decode_attention import _FP8_DECODE_TILE, _FP8_FULL_GRID_TILE, decode_config
+    assert decode_config(torch.bfloat16, 128, 64, False, fp8=True, programs_per_sm=8192 / 132) == _FP8_FULL_GRID_TILE
+    assert decode_config(torch.bfloat16, 128, 64, False, fp8=True, programs_per_sm=4096 / 132) == _FP8_FULL_GRID_TILE
+    assert decode_config(torch.bfloat16, 128, 64, False, fp8=True, programs_per_sm=3072 / 132) == _FP8_DECODE_TILE
+    assert decode_config(torch.bfloat16, 128, 64, False, fp8=True, programs_per_sm=2048 / 132) == _FP8_DECODE_TILE
+    assert decode_config(torch.bfloat16, 128, 64, True, fp8=True, programs_per_sm=64.0) == _FP8_DECODE_TILE
+    assert _FP8_FULL_GRID_TILE.block_n == 16 and _FP8_DECODE_TILE.block_n == 32
+
+
 PREFILL = """
 import json, os
 import torch

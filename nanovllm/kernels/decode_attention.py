@@ -158,6 +158,13 @@ def _decode_reduce_kernel(
 # enough resident programs to keep HBM busy, whatever their warps: counting one-warp FP8 programs as a quarter (four
 # times the slices) measured slower at 32 to 256 rows (docs/benchmarks.md, FP8 decode attention)
 _TARGET_CTAS_PER_SM = 4
+# Where the batch alone leaves an SM under _TARGET_CTAS_PER_SM programs, FP8 rows are cut until the one-warp programs
+# fill the slots the FP8 tile leaves an SM (16 at 128 registers), each slice at least _FP8_MIN_SLICE_TOKENS long so
+# that short rows stay whole. Against four programs per SM in one-tile slices it read the laptop's 20 / 40 rows of
+# 1,000-7,000 tokens at 63% / 72% of copy bandwidth against 48% / 49%, and 32 short rows at 39% against 35%
+# (docs/benchmarks.md, FP8 decode attention)
+_FP8_PROGRAMS_PER_SM = 16
+_FP8_MIN_SLICE_TOKENS = 256
 _MAX_SPLITS = 64  # bounds the scratch buffers and the reduce tile
 # One reduce tile for every split count: the count follows the block-table width, which differs between graph
 # replays (max_model_len wide) and eager mixed steps (the step's own width), so a tile sized per count compiled a
@@ -175,9 +182,14 @@ _DECODE_TILE = tile_from_env("NANOVLLM_DECODE_TILE")
 # transposed so the GQA group is the dots' narrow dimension (attend_tile_fp8_halves), K and V in two head_dim halves,
 # 32 keys a step, 6 stages, registers capped at 128 (16 resident programs per SM). These tiles rank by registers per
 # program (resident warps per SM), not by instructions. Against the untransposed step it measured faster at every
-# batch timed, 20 to 1,024 rows (docs/benchmarks.md); 16 keys a step (90 registers) is faster still at 1,024 rows
-# (95% of copy bandwidth against 84%) but slower at 256 and fewer, so it is not the default.
+# batch timed, 20 to 1,024 rows (docs/benchmarks.md).
 _FP8_DECODE_TILE = KernelConfig(block_m=16, block_n=32, num_warps=1, num_stages=6, max_registers=128, fp8_d_halves=True)
+# Full grids (at least this many programs per SM waiting, half again the default tile's 16 resident) take 16 keys a
+# step: 90 registers, 22 programs per SM. With the 8B's heads it read 1,024 / 768 / 512 rows (62 / 47 / 31 programs
+# per SM) at 91% / 90% / 89% of copy bandwidth against the default tile's 82% / 83% / 82%, 384 rows (23) at 80%
+# against 79%, and 256 rows (16) at 68% against 77%.
+_FP8_FULL_GRID_TILE = KernelConfig(block_m=16, block_n=16, num_warps=1, num_stages=4, fp8_d_halves=True)
+_FP8_FULL_GRID_PROGRAMS_PER_SM = 24
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,29 +205,33 @@ def sm_count(device: torch.device) -> int:
 
 
 def decode_split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, block_n: int,
-                      num_sms: int, num_splits: int | None = None) -> int:
+                      num_sms: int, num_splits: int | None = None, fp8: bool = False) -> int:
     """num_splits from shapes only, never from seq_lens values (graph capture).
 
-    Programs are (kv_heads x batch x splits). When batch x kv_heads alone fills the GPU there is one split.
-    Otherwise each row's context is cut (in the kernel) into enough slices to reach ~_TARGET_CTAS_PER_SM programs
-    per SM, at most _MAX_SPLITS and no more than the table width (max_blocks * block_size tokens) has block_n-token
-    pieces. A given `num_splits` (tests, benchmarks) is only clamped to [1, _MAX_SPLITS].
+    Programs are (kv_heads x batch x splits). When batch x kv_heads alone reaches _TARGET_CTAS_PER_SM programs per
+    SM there is one split. Otherwise each row's context is cut (in the kernel) into enough slices to reach that many
+    programs per SM (_FP8_PROGRAMS_PER_SM with an FP8 cache, whose slices the launch keeps at least
+    _FP8_MIN_SLICE_TOKENS long), at most _MAX_SPLITS and no more than the table width (max_blocks * block_size
+    tokens) has block_n-token pieces. A given `num_splits` (tests, benchmarks) is only clamped to [1, _MAX_SPLITS].
     """
     if num_splits is not None:
         return max(1, min(num_splits, _MAX_SPLITS))
     ctas = max(1, batch * num_kv_heads)
-    target = _TARGET_CTAS_PER_SM * num_sms
-    if ctas >= target:
+    if ctas >= _TARGET_CTAS_PER_SM * num_sms:
         return 1
+    target = (_FP8_PROGRAMS_PER_SM if fp8 else _TARGET_CTAS_PER_SM) * num_sms
     return min(triton.cdiv(target, ctas), _MAX_SPLITS, triton.cdiv(max(1, max_blocks * block_size), block_n))
 
 
-def decode_config(dtype: torch.dtype, head_dim: int, block_size: int, split: bool, fp8: bool = False) -> KernelConfig:
-    """The decode kernel's default tile for this query dtype, head size, cache block size, launch kind and cache."""
+def decode_config(dtype: torch.dtype, head_dim: int, block_size: int, split: bool, fp8: bool = False,
+                  programs_per_sm: float = 0.0) -> KernelConfig:
+    """The decode kernel's default tile for this query dtype, head size, cache block size, launch kind, cache and
+    programs per SM of an unsplit launch."""
     if dtype == torch.float32 or head_dim > 128:
         return KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
     if fp8:
-        return _FP8_DECODE_TILE
+        full_grid = not split and programs_per_sm >= _FP8_FULL_GRID_PROGRAMS_PER_SM
+        return _FP8_FULL_GRID_TILE if full_grid else _FP8_DECODE_TILE
     # H200 sweep, bf16 D=128 B=256 ctx=1024: (128, 4 warps, 2 stages) ~96% of copy bw with block_size 256
     # but ~92% with block_size 16, where (64, 4, 3) gives ~96%. The big tile fits one program per SM,
     # so for split (small-batch) launches, where the wave tail matters, the smaller tile is used.
@@ -238,7 +254,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     heuristics (tests and benchmarks). ``row_order`` [B] int32, the rows longest context first (the engine sorts
     them once per forward); None sorts them here. With FP8 caches, `k_scale`/`v_scale` [num_blocks, block_size,
     num_kv_heads] hold each token's scales. ``min_split_tokens``: no row's slice is shorter (rounded up to the
-    tile's keys; default one tile), so rows shorter than num_splits slices of it take fewer (benchmarks).
+    tile's keys; default one tile, _FP8_MIN_SLICE_TOKENS with an FP8 cache), so rows shorter than num_splits slices
+    of it take fewer.
     """
     batch, num_heads, head_dim = q.shape  # [B, H, D]
     check_cache(k_cache, v_cache, k_cache.shape[2], head_dim)
@@ -248,10 +265,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert out.shape == (batch, num_heads, head_dim)
     if batch == 0:
         return out
-    splits = decode_split_plan(batch, k_cache.shape[2], block_tables.shape[1], k_cache.shape[1],
-                               config.block_n if config is not None else SPLIT_PLAN_BLOCK_N, sm_count(q.device),
-                               num_splits)
-    cfg = config or decode_config(q.dtype, head_dim, k_cache.shape[1], splits > 1, fp8=k_scale is not None)
+    fp8 = k_scale is not None
+    num_kv_heads, num_sms = k_cache.shape[2], sm_count(q.device)
+    splits = decode_split_plan(batch, num_kv_heads, block_tables.shape[1], k_cache.shape[1],
+                               config.block_n if config is not None else SPLIT_PLAN_BLOCK_N, num_sms, num_splits, fp8)
+    cfg = config or decode_config(q.dtype, head_dim, k_cache.shape[1], splits > 1, fp8,
+                                  batch * num_kv_heads / num_sms)
+    if fp8 and min_split_tokens is None:
+        min_split_tokens = _FP8_MIN_SLICE_TOKENS
     if row_order is None:
         row_order = torch.argsort(seq_lens, descending=True).to(torch.int32)
     min_slice = triton.cdiv(min_split_tokens or 1, cfg.block_n) * cfg.block_n  # at least one tile
