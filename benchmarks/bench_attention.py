@@ -586,10 +586,11 @@ def main():
     parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HEADS", "KV_HEADS"),
                         help="with --kv-cache-dtype: query and kv heads (default Qwen3-8B's; Qwen3-1.7B: 16 8)")
     parser.add_argument("--splits", type=int, nargs="*", default=[], metavar="N",
-                        help="with --kv-cache-dtype: also time each dtype at these split counts (not the plan's)")
+                        help="with --kv-cache-dtype: also time each dtype at these split counts (not the plan's; "
+                             "the plan's shortest slice: one tile, 256 tokens for the one-warp FP8 tile)")
     parser.add_argument("--min-split-tokens", type=int, nargs="*", default=[], metavar="TOKENS",
                         help="with --splits: also each split count with no slice shorter than these (a short row "
-                             "then takes fewer slices)")
+                             "then takes fewer slices; 1: slices of one tile)")
     args = parser.parse_args()
     if args.kv_cache_dtype is not None:
         torch.manual_seed(0)

@@ -168,6 +168,21 @@ for kvd in ("fp8_e4m3", "fp8_e5m2"):
                                          num_splits=splits, k_scale=ref.k_scale, v_scale=ref.v_scale,
                                          config=cfg, min_split_tokens=1).float()  # slices of one tile
             res[f"{kvd}/decode/group{group}/{splits}/{tile}"] = ((got - want).norm() / want.norm()).item()
+    # the engine's path, nothing overridden: 3 slices of at least 256 tokens, so rows of 1, 300 and 600 tokens
+    # take 1, 2 and 3 of them (the reduce merges slices of different counts per row)
+    wide = layout.layer_views(torch.zeros((64, layout.block_bytes), dtype=torch.uint8, device=device), 1)
+    md.slot_mapping = torch.arange(64 * BS, device=device)
+    y = torch.randn(64 * BS, KVH, D, device=device) * 2
+    TorchBackend().store_kv(y, y.flip(0), wide, md)
+    perm = torch.randperm(64, device=device).to(torch.int32)
+    md.seq_lens = torch.tensor([1, 300, 600], dtype=torch.int32, device=device)
+    md.block_tables = torch.full((3, 38), -1, dtype=torch.int32, device=device)
+    md.block_tables[0, :1], md.block_tables[1, :19], md.block_tables[2] = perm[57:58], perm[38:57], perm[:38]
+    q = torch.randn(3, KVH * 4, D, device=device).half()
+    want = TorchBackend().decode(q, wide, md, D ** -0.5).float()
+    got = paged_decode_attention(q, wide.k, wide.v, md.seq_lens, md.block_tables, D ** -0.5,
+                                 k_scale=wide.k_scale, v_scale=wide.v_scale).float()
+    res[f"{kvd}/decode/default_plan"] = ((got - want).norm() / want.norm()).item()
     batch = [(0, 20), (10, 7), (39, 1)]  # (cached prefix, new tokens)
     seq_lens = torch.tensor([p + n for p, n in batch], dtype=torch.int32, device=device)
     qlens = [n for _, n in batch]
@@ -203,6 +218,7 @@ def test_triton_fp8_kernels_match_the_torch_backend():
     for kvd in ("fp8_e4m3", "fp8_e5m2"):
         differ = res.pop(kvd + "/store_bytes_differ")
         assert differ == 0.0 if exact else differ < 0.01, (kvd, differ)
+    assert len(res) == 2 * 11, sorted(res)  # per dtype: 9 decode tiles/splits, the default plan, prefill
     assert all(err < 2e-3 for err in res.values()), res
 
 

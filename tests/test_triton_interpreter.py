@@ -215,37 +215,49 @@ def test_split_plan_follows_the_batch_not_the_table_width():
     from nanovllm.kernels.decode_attention import decode_split_plan
     # 32 rows x 8 kv heads on 132 SMs: 3 splits reach 4 programs per SM (the kernel cuts each row itself)
     assert decode_split_plan(32, 8, 64, 64, 64, 132) == 3
-    # no more slices than BLOCK_N-token pieces of the table; a full GPU takes no split
+    # no more slices than slice_tokens-long pieces of the table; a full GPU takes no split
     assert decode_split_plan(1, 8, 2, 64, 64, 132) == 2
+    assert decode_split_plan(1, 8, 2, 64, 256, 132) == 1
     assert decode_split_plan(256, 8, 64, 64, 64, 132) == 1
-    # the FP8 tile's 32-key slices: the same programs per SM, finer pieces of the table
-    assert decode_split_plan(32, 8, 64, 64, 32, 132) == 3
-    assert decode_split_plan(1, 8, 1, 64, 32, 132) == 2
+    # a target of 16 programs per SM where the batch leaves an SM under 4: 20 rows take 14 slices; 66 rows reach 4
+    assert decode_split_plan(20, 8, 128, 64, 64, 132, programs_per_sm=16) == 14
+    assert decode_split_plan(64, 8, 128, 64, 64, 132, programs_per_sm=16) == 5
+    assert decode_split_plan(66, 8, 128, 64, 64, 132, programs_per_sm=16) == 1
     # a given count is only clamped to [1, 64]
     assert decode_split_plan(4, 8, 64, 64, 64, 132, num_splits=5) == 5
     assert decode_split_plan(4, 8, 64, 64, 64, 132, num_splits=500) == 64
 
 
-def test_fp8_split_plan_fills_the_one_warp_slots_only_where_the_batch_does_not():
-    from nanovllm.kernels.decode_attention import decode_split_plan
-    # the laptop's 20 rows x 8 kv heads: 14 slices reach 16 one-warp programs per SM (bf16: 4 reach 4)
-    assert decode_split_plan(20, 8, 128, 64, 64, 132, fp8=True) == 14
-    assert decode_split_plan(20, 8, 128, 64, 64, 132) == 4
-    # 64 rows: just under 4 programs per SM, so FP8 cuts to 16 (5 slices); 66 rows reach 4: no split either way
-    assert decode_split_plan(64, 8, 128, 64, 64, 132, fp8=True) == 5
-    assert decode_split_plan(66, 8, 128, 64, 64, 132, fp8=True) == 1
-    assert decode_split_plan(1, 8, 2, 64, 64, 132, fp8=True) == 2  # still no more slices than the table has
-
-
-def test_fp8_tile_follows_the_programs_per_sm():
+def test_decode_launch_plan_by_cache_dtype_and_batch():
+    """(splits, tile, shortest slice) for 8 kv heads on 132 SMs, block 64, a table 8,192 tokens wide."""
     import torch
-    from nanovllm.kernels.decode_attention import _FP8_DECODE_TILE, _FP8_FULL_GRID_TILE, decode_config
-    assert decode_config(torch.bfloat16, 128, 64, False, fp8=True, programs_per_sm=8192 / 132) == _FP8_FULL_GRID_TILE
-    assert decode_config(torch.bfloat16, 128, 64, False, fp8=True, programs_per_sm=4096 / 132) == _FP8_FULL_GRID_TILE
-    assert decode_config(torch.bfloat16, 128, 64, False, fp8=True, programs_per_sm=3072 / 132) == _FP8_DECODE_TILE
-    assert decode_config(torch.bfloat16, 128, 64, False, fp8=True, programs_per_sm=2048 / 132) == _FP8_DECODE_TILE
-    assert decode_config(torch.bfloat16, 128, 64, True, fp8=True, programs_per_sm=64.0) == _FP8_DECODE_TILE
-    assert _FP8_FULL_GRID_TILE.block_n == 16 and _FP8_DECODE_TILE.block_n == 32
+    from nanovllm.kernels.decode_attention import (_FP8_DECODE_TILE, _FP8_FULL_GRID_TILE, KernelConfig,
+                                                   decode_config, plan_decode_launch)
+
+    def plan(batch, fp8=True, dtype=torch.bfloat16, width_blocks=128, **kw):
+        launch = plan_decode_launch(dtype, 128, batch, 8, width_blocks, 64, 132, fp8, **kw)
+        return launch.splits, launch.config, launch.min_slice_tokens
+
+    # FP8, few rows: the one-warp tile's 16 slots per SM filled, slices of at least 256 tokens
+    assert plan(20) == (14, _FP8_DECODE_TILE, 256)
+    assert plan(20, min_split_tokens=1) == (14, _FP8_DECODE_TILE, 32)  # one tile
+    assert plan(20, width_blocks=6) == (2, _FP8_DECODE_TILE, 256)  # a 384-token table: two 256-token pieces
+    assert plan(64) == (5, _FP8_DECODE_TILE, 256)
+    # FP8, unsplit: 16 keys a step from 24 programs per SM waiting (396 rows x 8 heads = 3,168 = 24 x 132)
+    assert plan(66) == (1, _FP8_DECODE_TILE, 256)
+    assert plan(395) == (1, _FP8_DECODE_TILE, 256)
+    assert plan(396) == (1, _FP8_FULL_GRID_TILE, 256)
+    assert plan(1024) == (1, _FP8_FULL_GRID_TILE, 256)
+    # the FP8 cache read by a 4-warp tile (fp32 queries; or a caller's tile) plans as bf16 does: 4 per SM
+    fp32_tile = decode_config(torch.float32, 128, 64, True, fp8=True)
+    assert plan(20, dtype=torch.float32) == (4, fp32_tile, 32)
+    assert plan(20, config=KernelConfig(16, 32, 4, 3)) == (4, KernelConfig(16, 32, 4, 3), 32)
+    # bf16: 4 programs per SM in one-tile slices; never the FP8 tiles
+    bf16_split = decode_config(torch.bfloat16, 128, 64, True)
+    assert plan(20, fp8=False) == (4, bf16_split, bf16_split.block_n)
+    assert plan(1024, fp8=False)[:2] == (1, decode_config(torch.bfloat16, 128, 64, False))
+    # forced counts are kept; the shortest slice is still the plan's
+    assert plan(1024, num_splits=3) == (3, _FP8_DECODE_TILE, 256)
 
 
 PREFILL = """

@@ -154,15 +154,12 @@ def _decode_reduce_kernel(
 
 
 
-# Split policy constants (see decode_split_plan).
-# enough resident programs to keep HBM busy, whatever their warps: counting one-warp FP8 programs as a quarter (four
-# times the slices) measured slower at 32 to 256 rows (docs/benchmarks.md, FP8 decode attention)
-_TARGET_CTAS_PER_SM = 4
-# Where the batch alone leaves an SM under _TARGET_CTAS_PER_SM programs, FP8 rows are cut until the one-warp programs
-# fill the slots the FP8 tile leaves an SM (16 at 128 registers), each slice at least _FP8_MIN_SLICE_TOKENS long so
-# that short rows stay whole. Against four programs per SM in one-tile slices it read the laptop's 20 / 40 rows of
-# 1,000-7,000 tokens at 63% / 72% of copy bandwidth against 48% / 49%, and 32 short rows at 39% against 35%
-# (docs/benchmarks.md, FP8 decode attention)
+# Split policy constants (see plan_decode_launch). Programs per SM are what keep HBM busy: where the batch alone
+# gives an SM fewer than _PROGRAMS_PER_SM, rows are cut into slices until it has that many. The one-warp FP8 tile
+# leaves an SM 16 slots (128 registers a thread), which its rows fill instead, in slices of at least
+# _FP8_MIN_SLICE_TOKENS so that short rows stay whole: filling them with one-tile slices measured slower at 32-256
+# short rows, slices of >= 256 tokens faster at the laptop's 10-40 long rows (docs/benchmarks.md, runs EA and FA).
+_PROGRAMS_PER_SM = 4
 _FP8_PROGRAMS_PER_SM = 16
 _FP8_MIN_SLICE_TOKENS = 256
 _MAX_SPLITS = 64  # bounds the scratch buffers and the reduce tile
@@ -181,15 +178,21 @@ _DECODE_TILE = tile_from_env("NANOVLLM_DECODE_TILE")
 # converted in registers): one warp per program (no softmax reductions across warps through shared memory), the step
 # transposed so the GQA group is the dots' narrow dimension (attend_tile_fp8_halves), K and V in two head_dim halves,
 # 32 keys a step, 6 stages, registers capped at 128 (16 resident programs per SM). These tiles rank by registers per
-# program (resident warps per SM), not by instructions. Against the untransposed step it measured faster at every
-# batch timed, 20 to 1,024 rows (docs/benchmarks.md).
+# program (resident warps per SM), not by instructions (docs/benchmarks.md, runs CA, DA, EA).
 _FP8_DECODE_TILE = KernelConfig(block_m=16, block_n=32, num_warps=1, num_stages=6, max_registers=128, fp8_d_halves=True)
-# Full grids (at least this many programs per SM waiting, half again the default tile's 16 resident) take 16 keys a
-# step: 90 registers, 22 programs per SM. With the 8B's heads it read 1,024 / 768 / 512 rows (62 / 47 / 31 programs
-# per SM) at 91% / 90% / 89% of copy bandwidth against the default tile's 82% / 83% / 82%, 384 rows (23) at 80%
-# against 79%, and 256 rows (16) at 68% against 77%.
+# Full grids take 16 keys a step (90 registers, 21 resident programs per SM): from 24 programs per SM waiting, half
+# again the default tile's slots, its extra residents pay; with a thinner second wave they do not (run FA).
 _FP8_FULL_GRID_TILE = KernelConfig(block_m=16, block_n=16, num_warps=1, num_stages=4, fp8_d_halves=True)
 _FP8_FULL_GRID_PROGRAMS_PER_SM = 24
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunch:
+    """How one decode call runs: slices per row, the tile, and the shortest slice (a multiple of the tile's keys;
+    a row shorter than `splits` slices of it takes fewer)."""
+    splits: int
+    config: KernelConfig
+    min_slice_tokens: int
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,23 +207,22 @@ def sm_count(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def decode_split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, block_n: int,
-                      num_sms: int, num_splits: int | None = None, fp8: bool = False) -> int:
+def decode_split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, slice_tokens: int,
+                      num_sms: int, num_splits: int | None = None, programs_per_sm: int = _PROGRAMS_PER_SM) -> int:
     """num_splits from shapes only, never from seq_lens values (graph capture).
 
-    Programs are (kv_heads x batch x splits). When batch x kv_heads alone reaches _TARGET_CTAS_PER_SM programs per
-    SM there is one split. Otherwise each row's context is cut (in the kernel) into enough slices to reach that many
-    programs per SM (_FP8_PROGRAMS_PER_SM with an FP8 cache, whose slices the launch keeps at least
-    _FP8_MIN_SLICE_TOKENS long), at most _MAX_SPLITS and no more than the table width (max_blocks * block_size
-    tokens) has block_n-token pieces. A given `num_splits` (tests, benchmarks) is only clamped to [1, _MAX_SPLITS].
+    Programs are (kv_heads x batch x splits). When batch x kv_heads alone reaches _PROGRAMS_PER_SM programs per SM
+    there is one split. Otherwise each row's context is cut (in the kernel) into enough slices to reach
+    `programs_per_sm`, at most _MAX_SPLITS and no more than the table width (max_blocks * block_size tokens) has
+    `slice_tokens`-token pieces. A given `num_splits` (tests, benchmarks) is only clamped to [1, _MAX_SPLITS].
     """
     if num_splits is not None:
         return max(1, min(num_splits, _MAX_SPLITS))
     ctas = max(1, batch * num_kv_heads)
-    if ctas >= _TARGET_CTAS_PER_SM * num_sms:
+    if ctas >= _PROGRAMS_PER_SM * num_sms:
         return 1
-    target = (_FP8_PROGRAMS_PER_SM if fp8 else _TARGET_CTAS_PER_SM) * num_sms
-    return min(triton.cdiv(target, ctas), _MAX_SPLITS, triton.cdiv(max(1, max_blocks * block_size), block_n))
+    return min(triton.cdiv(programs_per_sm * num_sms, ctas), _MAX_SPLITS,
+               triton.cdiv(max(1, max_blocks * block_size), slice_tokens))
 
 
 def decode_config(dtype: torch.dtype, head_dim: int, block_size: int, split: bool, fp8: bool = False,
@@ -242,6 +244,23 @@ def decode_config(dtype: torch.dtype, head_dim: int, block_size: int, split: boo
     return KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=2)
 
 
+def plan_decode_launch(dtype: torch.dtype, head_dim: int, batch: int, num_kv_heads: int, max_blocks: int,
+                       block_size: int, num_sms: int, fp8: bool, num_splits: int | None = None,
+                       config: KernelConfig | None = None, min_split_tokens: int | None = None) -> DecodeLaunch:
+    """The decode launch from shapes only (graph capture). `num_splits`, `config` and `min_split_tokens` override
+    the plan's choices (tests and benchmarks); the shortest slice defaults to one tile, and to
+    _FP8_MIN_SLICE_TOKENS for the one-warp FP8 tile, whose rows fill _FP8_PROGRAMS_PER_SM slots."""
+    split_tile = config or decode_config(dtype, head_dim, block_size, True, fp8)
+    one_warp_fp8 = fp8 and split_tile.num_warps == 1
+    if min_split_tokens is None:
+        min_split_tokens = _FP8_MIN_SLICE_TOKENS if one_warp_fp8 else 1
+    plan_block_n = config.block_n if config is not None else SPLIT_PLAN_BLOCK_N
+    splits = decode_split_plan(batch, num_kv_heads, max_blocks, block_size, max(plan_block_n, min_split_tokens),
+                               num_sms, num_splits, _FP8_PROGRAMS_PER_SM if one_warp_fp8 else _PROGRAMS_PER_SM)
+    cfg = config or decode_config(dtype, head_dim, block_size, splits > 1, fp8, batch * num_kv_heads / num_sms)
+    return DecodeLaunch(splits, cfg, triton.cdiv(max(1, min_split_tokens), cfg.block_n) * cfg.block_n)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                            num_splits: int | None = None, config: KernelConfig | None = None,
@@ -250,12 +269,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            min_split_tokens: int | None = None) -> torch.Tensor:
     """One query per sequence (at its last position) over its paged context. Returns [B, H, D] (`out` when given).
 
-    CUDA-graph safe: no host sync, scratch sized from shapes only. ``num_splits``/``config`` override the
-    heuristics (tests and benchmarks). ``row_order`` [B] int32, the rows longest context first (the engine sorts
-    them once per forward); None sorts them here. With FP8 caches, `k_scale`/`v_scale` [num_blocks, block_size,
-    num_kv_heads] hold each token's scales. ``min_split_tokens``: no row's slice is shorter (rounded up to the
-    tile's keys; default one tile, _FP8_MIN_SLICE_TOKENS with an FP8 cache), so rows shorter than num_splits slices
-    of it take fewer.
+    CUDA-graph safe: no host sync, scratch sized from shapes only. ``num_splits``/``config``/``min_split_tokens``
+    override the plan (plan_decode_launch; tests and benchmarks). ``row_order`` [B] int32, the rows longest context
+    first (the engine sorts them once per forward); None sorts them here. With FP8 caches, `k_scale`/`v_scale`
+    [num_blocks, block_size, num_kv_heads] hold each token's scales.
     """
     batch, num_heads, head_dim = q.shape  # [B, H, D]
     check_cache(k_cache, v_cache, k_cache.shape[2], head_dim)
@@ -265,25 +282,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert out.shape == (batch, num_heads, head_dim)
     if batch == 0:
         return out
-    fp8 = k_scale is not None
-    num_kv_heads, num_sms = k_cache.shape[2], sm_count(q.device)
-    splits = decode_split_plan(batch, num_kv_heads, block_tables.shape[1], k_cache.shape[1],
-                               config.block_n if config is not None else SPLIT_PLAN_BLOCK_N, num_sms, num_splits, fp8)
-    cfg = config or decode_config(q.dtype, head_dim, k_cache.shape[1], splits > 1, fp8,
-                                  batch * num_kv_heads / num_sms)
-    if fp8 and min_split_tokens is None:
-        min_split_tokens = _FP8_MIN_SLICE_TOKENS
+    launch = plan_decode_launch(q.dtype, head_dim, batch, k_cache.shape[2], block_tables.shape[1], k_cache.shape[1],
+                                sm_count(q.device), k_scale is not None, num_splits, config, min_split_tokens)
     if row_order is None:
         row_order = torch.argsort(seq_lens, descending=True).to(torch.int32)
-    min_slice = triton.cdiv(min_split_tokens or 1, cfg.block_n) * cfg.block_n  # at least one tile
-    _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, row_order, scale, out, splits, cfg, k_scale, v_scale,
-                   min_slice)
+    _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, row_order, scale, out, launch, k_scale, v_scale)
     return out
 
 
-def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, row_order, scale: float, out, splits: int,
-                   cfg: KernelConfig, k_scale, v_scale, min_slice: int) -> None:
+def _launch_decode(q, k_cache, v_cache, seq_lens, block_tables, row_order, scale: float, out, launch: DecodeLaunch,
+                   k_scale, v_scale) -> None:
     """The decode kernel on a (kv_heads, batch, splits) grid, then, with splits, the reduce into `out`."""
+    splits, cfg, min_slice = launch.splits, launch.config, launch.min_slice_tokens
     batch, num_heads, head_dim = q.shape  # [B, H, D]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
