@@ -135,7 +135,7 @@ def remove_if_same_file(path: str, inode: int) -> bool:
             return False
         os.unlink(path)
         return True
-    except FileNotFoundError:
+    except OSError:  # gone already, or not ours to remove (another user's cache directory)
         return False
 
 
@@ -164,7 +164,8 @@ def _read_all(fd: int, view: memoryview, offset: int) -> int:
 
 
 def unlink_quietly(path: str):
+    """Removes a file if it can: one already gone, or not ours to remove, is left to whoever owns it."""
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except OSError:
         pass

@@ -56,8 +56,8 @@ def _scan_leaf(fingerprint_hex: str, path: str, now_ns: int, stale_tmp_s: float)
     for entry in _scandir(path):
         try:
             st = entry.stat()
-        except FileNotFoundError:
-            continue  # evicted or renamed by another engine while we looked
+        except OSError:
+            continue  # evicted or renamed by another engine while we looked, or not ours to read
         if entry.name.endswith(TMP_SUFFIX):
             if now_ns - st.st_mtime_ns > stale_tmp_s * 1e9:
                 unlink_quietly(entry.path)
@@ -145,6 +145,6 @@ def _scandir(path: str) -> list[os.DirEntry]:
     try:
         with os.scandir(path) as it:
             return list(it)
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:  # gone, not a directory, or not ours to read: nothing of it is indexed
         return []
 

@@ -203,13 +203,22 @@ class DiskStore:
 
     # --- the I/O threads
     def _write(self, handle: DiskWrite, view: memoryview):
+        """The handle comes back from poll() whatever happens here: its host block is held until then."""
+        try:
+            self._write_file(handle, view)
+        finally:
+            with self._lock:
+                self._writing.discard(handle.block_hash)  # a later write of this block is not refused as in flight
+            self._finish(handle)
+
+    def _write_file(self, handle: DiskWrite, view: memoryview):
         key = self._key(handle.block_hash)
         path = block_path(self.path, key)
         if self._found_on_disk(key):  # another engine stored it since our last look
             handle.is_ok = True
             with self._lock:
                 self._writing.discard(handle.block_hash)
-            return self._finish(handle)
+            return
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             num_bytes = write_block_file(path, self.fingerprint.digest, handle.block_hash, view,
@@ -228,21 +237,18 @@ class DiskStore:
             victims = self._index.pop_victims()
         self._delete(victims)
         self._maybe_rescan()
-        self._finish(handle)
 
     def _read(self, handle: DiskRead, i: int, view: memoryview):
+        """Block i of a read. Its last block to finish hands the read back to poll() whatever happened: the host
+        blocks it fills are held until then."""
         key = self._key(handle.block_hashes[i])
-        path = block_path(self.path, key)
         start_s = time.perf_counter()
         try:
-            status, inode = read_block_file(path, self.fingerprint.digest, key[1], view)
-        except OSError:
-            status, inode = ReadStatus.MISSING, 0
+            status = self._read_file(key, view, touch=not handle.is_probe)
+        except Exception:  # a bug, not a disk error (those are MISSING): the block is lost, the read still returns
+            logger.exception("disk tier: reading block %d of a load failed", i)
+            status = ReadStatus.MISSING
         end_s = time.perf_counter()
-        if status is ReadStatus.OK and not handle.is_probe:
-            _touch_file(path)
-        elif status is ReadStatus.CORRUPT:
-            remove_if_same_file(path, inode)
         with self._lock:
             handle.statuses[i] = status
             handle.first_start_s = min(handle.first_start_s, start_s)
@@ -260,6 +266,18 @@ class DiskStore:
             if handle.is_probe:  # finished, even with nothing read: no new probe before the interval
                 self._is_probing, self._last_timed_s = False, time.monotonic()
         self._finish(handle)
+
+    def _read_file(self, key: BlockKey, view: memoryview, touch: bool) -> ReadStatus:
+        path = block_path(self.path, key)
+        try:
+            status, inode = read_block_file(path, self.fingerprint.digest, key[1], view)
+        except OSError:
+            status, inode = ReadStatus.MISSING, 0
+        if status is ReadStatus.OK and touch:
+            _touch_file(path)
+        elif status is ReadStatus.CORRUPT:
+            remove_if_same_file(path, inode)
+        return status
 
     def _observe_read(self, num_bytes: int, seconds: float):
         """Read speed from the first block's start to the last block's end: the device's throughput at the queue
@@ -299,7 +317,12 @@ class DiskStore:
                 return
             self._is_rescanning = True
         started_ns = time.time_ns()
-        scanned = scan(self.path, self.stale_tmp_s)
+        try:
+            scanned = scan(self.path, self.stale_tmp_s)
+        except BaseException:
+            with self._lock:
+                self._last_scan_s, self._is_rescanning = time.monotonic(), False  # the next interval tries again
+            raise
         with self._lock:
             self._index.replace_with_scan(scanned, started_ns)
             victims = self._index.pop_victims()

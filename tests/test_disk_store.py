@@ -332,6 +332,38 @@ def test_a_failed_write_is_counted_and_leaves_nothing(tmp_path, monkeypatch):
     assert os.listdir(os.path.dirname(file_of(store, 4))) == [] and not store.contains(4)
 
 
+def test_a_failure_on_an_io_thread_still_hands_the_transfer_back(tmp_path, monkeypatch, caplog):
+    """A host block stays held until its transfer comes back from poll(); a transfer that never came back would
+    hold it forever and hang close(). An unexpected error (not a disk error) is logged, and the transfer returns."""
+    store = open_store(tmp_path)
+    write_blocks(store, [1])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(store, "_delete", broken)  # runs after the file is written
+    assert store.write_async(2, block_bytes_for(2)) is not None
+    assert store.wait_idle(10)
+    (write,) = store.poll()
+    assert write.is_ok and store.contains(2)
+    assert store.write_async(2, block_bytes_for(2)) is None  # stored: not written again, and not "in flight"
+    monkeypatch.setattr(store, "_read_file", broken)
+    handle, buffers = read_blocks(store, [1, 2])
+    assert handle.num_ok == 0 and handle.statuses == [ReadStatus.MISSING, ReadStatus.MISSING]
+    assert "injected" in caplog.text and store.wait_idle(1)
+
+
+def test_files_we_may_not_remove_are_left_quietly(tmp_path, monkeypatch):
+    """Another user's files in a shared cache directory: removing one is refused (EACCES/EPERM), not an error."""
+    def refused(path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(os, "unlink", refused)
+    disk_format.unlink_quietly(str(tmp_path / "someone-elses"))
+    (tmp_path / "f").write_bytes(b"x")
+    assert not remove_if_same_file(str(tmp_path / "f"), os.stat(tmp_path / "f").st_ino)
+
+
 # --- sharing a directory
 def test_two_stores_in_one_process_see_each_others_blocks(tmp_path):
     first, second = open_store(tmp_path), open_store(tmp_path)
