@@ -13,8 +13,11 @@ Ordering rules (each enforced by an event wait, never by a device-wide sync):
    `kv_ready`), so the copy overlaps forwards instead of stalling one.
 4. The two directions are ordered against each other: a host block released by a swap-in can be the next
    swap-out's destination, and a GPU block released by a swap-out can be the next swap-in's destination.
+5. The disk tier's threads write host blocks outside both streams, so a disk load reads into its host blocks only
+   once the copies issued up to the step that took them are done (`fence`; nanovllm_offload/disk_tier.py).
 On a CPU-only machine the copies are plain synchronous memcpys and all of their time counts as exposed.
 """
+import dataclasses
 import itertools
 import time
 
@@ -58,6 +61,17 @@ def events_to_wait(new_gpu_block_ids: list[int], block_tables: list[list[int]], 
             if block_id in used:
                 events[id(event)] = event
     return [e for e in events.values() if not e.query()]
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyFence:
+    """The last copy issued in each direction at some point (None: none; always on the CPU, where copies are
+    synchronous)."""
+    last_out: "torch.cuda.Event | None"
+    last_in: "torch.cuda.Event | None"
+
+    def done(self) -> bool:
+        return all(event is None or event.query() for event in (self.last_out, self.last_in))
 
 
 class CopyEngine:
@@ -225,6 +239,10 @@ class CopyEngine:
     def take_recent_copies(self) -> list[tuple[int, float]]:
         recent, self.recent_copies = self.recent_copies, []
         return recent
+
+    def fence(self) -> "CopyFence":
+        """The copies issued so far, both directions (each stream runs its copies in issue order)."""
+        return CopyFence(self.last_out_event, self.last_in_event)
 
     def out_copies_done(self) -> bool:
         """Every swap-out issued so far has landed on the host (the out stream runs them in order); the disk tier

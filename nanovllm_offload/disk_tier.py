@@ -7,13 +7,17 @@ Life of a block (docs/disk_tier.md):
    cannot overwrite it) before the write has read it.
 2. On admission, past the GPU and host hits, the disk is asked for the next blocks; a hit is loaded only where
    reading it beats prefilling it (`PreemptionPolicy.should_load_from_disk`). The sequence then waits out of every
-   queue while the store's threads read the blocks into free host blocks it holds.
+   queue while the store's threads read the blocks into free host blocks it holds. The reads start only once the
+   host<->GPU copies issued up to the step that took those blocks have finished (`submit_loads`): a block just
+   freed may still be a swap-in's source or a swap-out's destination, and nothing orders the store's threads
+   after the copy streams.
 3. Once read, the blocks are hashed into the host prefix cache and the sequence goes back to the front of the
    waiting queue, where the next admission finds them as host hits and copies them to the GPU like any other.
 """
+import dataclasses
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from nanovllm.core.hashing import content_hash
 from nanovllm.core.sequence import Sequence
@@ -35,6 +39,20 @@ DISK_STAT_KEYS = ("disk_hit_tokens", "disk_loaded_tokens", "disk_skipped_tokens"
                   "disk_read_bytes", "disk_write_bytes", "disk_corrupt_blocks")
 logger = logging.getLogger(__name__)
 NO_OWNER = -1  # the owner id a write's or a load's hold on a host block is released under
+
+
+class CopyFence(Protocol):
+    """The host<->GPU copies issued up to some point (nanovllm_offload/copy_engine.py: CopyEngine.fence)."""
+    def done(self) -> bool: ...
+
+
+@dataclasses.dataclass(slots=True)
+class PendingLoad:
+    """A load whose host blocks are held but not yet read into: it waits for `fence` (None: not yet fenced)."""
+    seq_id: int
+    block_hashes: list[int]
+    cpu_block_ids: list[int]
+    fence: CopyFence | None = None
 
 
 def open_disk_store(config: "Config", runner, tp_rank: int = 0) -> DiskStore:
@@ -87,6 +105,7 @@ class DiskTier:
         self.transfers = DiskTransfers(store, host_blocks)
         self.pool, self.policy, self.block_size = pool, policy, block_size
         self.pending_writes: list[tuple[int, int]] = []  # (cpu_block_id, block_hash), host copy maybe in flight
+        self.pending_loads: list[PendingLoad] = []  # blocks held, reads not started (submit_loads)
         self.loading: dict[int, tuple[Sequence, list[int]]] = {}  # seq_id -> (seq, the block hashes it loads)
         self.decided_seq_ids: set[int] = set()  # asked the disk once; not again until they finish
         self.counters = dict.fromkeys(("disk_hit_tokens", "disk_loaded_tokens", "disk_skipped_tokens"), 0)
@@ -106,10 +125,10 @@ class DiskTier:
                 self.pool.release(cpu_block_id, NO_OWNER)
 
     # --- loads
-    def start_load(self, seq: Sequence, num_hit_blocks: int) -> bool:
-        """Ask the disk for seq's full blocks after its first num_hit_blocks (GPU and host hits; never the block
-        of the last prompt token) and load them if the rule says so. True: a load started and seq must wait for
-        it out of the queues."""
+    def start_load(self, seq: Sequence, num_hit_blocks: int, host_hit_ids: list[int] = ()) -> bool:
+        """Ask the disk for seq's full blocks after its first num_hit_blocks (GPU and host hits, `host_hit_ids`
+        among them; never the block of the last prompt token) and load them if the rule says so. True: a load
+        started and seq must wait for it out of the queues (its reads start with submit_loads)."""
         num_candidates = (seq.num_tokens - 1) // self.block_size - num_hit_blocks
         if num_candidates <= 0 or seq.seq_id in self.decided_seq_ids:
             return False
@@ -120,7 +139,8 @@ class DiskTier:
             return False
         num_tokens = num_found * self.block_size
         self.counters["disk_hit_tokens"] += num_tokens
-        num_blocks = min(num_found, self.pool.num_free_blocks)  # blocks of swapped sequences are not free
+        # blocks of swapped sequences are not free, and seq's own host hits must not be evicted for its load
+        num_blocks = max(0, min(num_found, self.pool.num_free_blocks - self.pool.num_revived(host_hit_ids)))
         if not num_blocks:
             self.counters["disk_skipped_tokens"] += num_tokens
             return False
@@ -130,10 +150,23 @@ class DiskTier:
             self.store.reprobe_if_stale()  # a skipped hit measures nothing; the disk may have become faster
             return False
         self.counters["disk_skipped_tokens"] += (num_found - num_blocks) * self.block_size
-        cpu_block_ids = [self.pool.pop_free() for _ in range(num_blocks)]
-        self.transfers.load(seq.seq_id, block_hashes[:num_blocks], cpu_block_ids)
+        cpu_block_ids = [self.pool.pop_free() for _ in range(num_blocks)]  # the hits are used last: never reached
+        self.pending_loads.append(PendingLoad(seq.seq_id, block_hashes[:num_blocks], cpu_block_ids))
         self.loading[seq.seq_id] = (seq, block_hashes[:num_blocks])
         return True
+
+    def submit_loads(self, fence: CopyFence):
+        """Start the reads whose host blocks no copy touches any more. `fence`: the copies issued so far; call after
+        the copies of every step scheduled so far are issued. A load not fenced yet takes this fence (its blocks
+        were taken by a step whose copies it covers); one whose fence is done starts."""
+        waiting = []
+        for load in self.pending_loads:
+            load.fence = load.fence or fence
+            if load.fence.done():
+                self.transfers.load(load.seq_id, load.block_hashes, load.cpu_block_ids)
+            else:
+                waiting.append(load)
+        self.pending_loads = waiting
 
     def poll(self) -> list[Sequence]:
         """Release the host blocks of finished writes; hash the blocks of finished loads into the host prefix cache
@@ -168,7 +201,13 @@ class DiskTier:
 
     # --- lifetime and counters
     def flush(self):
-        """Submit what is held, wait for every write and load, release their blocks (engine close)."""
+        """Submit what is held, wait for every write and load, release their blocks (engine close: a load whose reads
+        have not started reads nothing)."""
+        for load in self.pending_loads:
+            self.loading.pop(load.seq_id)
+            for cpu_block_id in load.cpu_block_ids:
+                self.pool.release(cpu_block_id, NO_OWNER)
+        self.pending_loads = []
         self.submit_writes()
         self.store.wait_idle()
         self.poll()

@@ -34,7 +34,8 @@ class HostTier:
     """The host pool (`pool`), the swap-or-recompute policy (`policy`) and the host prefix cache's switch.
 
     NOTE: a SWAPPED sequence's computed KV is in the host blocks of its cpu_block_table and nowhere else; the tier
-          releases them once the swap-in copies are issued (the copy engine orders later writes after them).
+          releases them once the swap-in copies are issued (the copy engine orders later copies after them, and a
+          disk load into them waits for them: CopyEngine.fence).
     """
 
     def __init__(self, num_blocks: int, block_size: int, policy: PreemptionPolicy | None, prefix_cache: bool):
@@ -146,14 +147,22 @@ class HostTier:
             self.policy.prefill_tokens_per_s = CPU_PREFILL_PRIOR  # would skip a disk that beats a CPU's prefill
         self.disk = DiskTier(store, host_blocks, self.pool, self.policy, self.block_size)
 
-    def start_disk_load(self, seq: Sequence, num_hit_blocks: int) -> bool:
-        """True when seq's next blocks are being loaded from disk: it waits out of the queues (poll_disk)."""
-        return self.prefix_cache and self.disk is not None and self.disk.start_load(seq, num_hit_blocks)
+    def start_disk_load(self, seq: Sequence, num_hit_blocks: int, host_hit_ids: list[int]) -> bool:
+        """True when seq's next blocks are being loaded from disk: it waits out of the queues (poll_disk).
+        num_hit_blocks: its GPU and host hits; host_hit_ids: the host ones, which the load leaves in place."""
+        return self.prefix_cache and self.disk is not None and self.disk.start_load(seq, num_hit_blocks,
+                                                                                    host_hit_ids)
 
-    def submit_disk_writes(self):
-        """Hand the blocks held for disk writes to the store; call once the copies into them have landed."""
-        if self.disk is not None and self.disk.pending_writes:
+    def submit_disk_transfers(self, copy_engine):
+        """Call after a step's copies are issued. Hands the blocks held for disk writes to the store once every
+        swap-out has landed (the copies into them are done), and starts the disk reads whose host blocks no
+        host<->GPU copy touches any more (CopyEngine.fence: the copies issued so far)."""
+        if self.disk is None:
+            return
+        if self.disk.pending_writes and copy_engine.out_copies_done():
             self.disk.submit_writes()
+        if self.disk.pending_loads:
+            self.disk.submit_loads(copy_engine.fence())
 
     def poll_disk(self) -> list[Sequence]:
         """Sequences whose disk loads came back (their blocks are host hits now); never blocks."""

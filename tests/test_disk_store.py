@@ -597,3 +597,108 @@ def test_transfers_take_a_bfloat16_pool_as_bytes(tmp_path):
     assert transfers.poll()[1][0].num_loaded == 1 and torch.equal(host_kv[3], host_kv[1])
     with pytest.raises(ValueError, match="uint8 view of the host pool"):
         DiskTransfers(store, np.zeros((4, block_bytes), np.float32))
+
+
+# --- the disk tier's host blocks (DiskTier, under a HostTier)
+class Fence:
+    """A stand-in for the copy engine's fence: done when the test says so."""
+    def __init__(self, is_done: bool = False):
+        self.is_done = is_done
+
+    def done(self) -> bool:
+        return self.is_done
+
+
+class Copies:
+    """A stand-in for the copy engine, as HostTier.submit_disk_transfers asks it: every swap-out landed, and the
+    copies issued so far (`fence`)."""
+    def __init__(self, fence: Fence):
+        self._fence = fence
+
+    def out_copies_done(self) -> bool:
+        return True
+
+    def fence(self) -> Fence:
+        return self._fence
+
+
+def tier_with_disk(tmp_path, num_host_blocks: int = 8, block_size: int = 4):
+    from nanovllm_offload.host_tier import HostTier
+    from nanovllm_offload.policy import PreemptionPolicy
+    store = DiskStore(str(tmp_path / "kv"), FP_A, 1 << 30)
+    tier = HostTier(num_host_blocks, block_size, PreemptionPolicy("swap", BLOCK_BYTES), prefix_cache=True)
+    tier.attach_disk(store, np.zeros((num_host_blocks, BLOCK_BYTES), np.uint8), on_cpu=True)
+    return tier, store
+
+
+def store_prompt_blocks(store: DiskStore, seq, block_indices):
+    from nanovllm.core.hashing import content_hash
+    for i in block_indices:
+        assert store.write_async(content_hash(seq, i), block_bytes_for(i)) is not None
+    assert store.wait_idle(10)
+    store.poll()
+
+
+def test_a_load_reads_into_its_host_blocks_only_after_the_copies_that_touched_them(tmp_path):
+    """A swap-in releases its host blocks once its copy is issued, before the copy has run; the disk tier's threads
+    are ordered after no copy stream, so a load that takes such a block reads into it only once the copies issued
+    up to then (the fence of the step that took it) are done."""
+    from nanovllm.core.block_manager import BlockManager
+    from nanovllm.core.sequence import Sequence
+    from nanovllm.sampling_params import SamplingParams
+    tier, store = tier_with_disk(tmp_path)
+    gpu = BlockManager(16, 4)
+    swapped = Sequence(list(range(10)), SamplingParams(), 4)  # 2 full blocks and a partial one
+    gpu.allocate(swapped, 10)
+    swapped.num_computed_tokens = 10
+    gpu.cache_full_blocks(swapped)
+    assert tier.swap_out(swapped, gpu, []) == [(2, 2), (1, 1), (0, 0)]
+    gpu.free(swapped)
+    assert tier.swap_in(swapped, gpu, 0) == [(2, 2)]  # the partial block: host block 2 is read by the copy
+    seq = Sequence(list(range(500, 517)), SamplingParams(), 4)  # 4 full blocks before the last token
+    store_prompt_blocks(store, seq, range(4))
+    assert tier.start_disk_load(seq, 0, [])
+    (load,) = tier.disk.pending_loads
+    assert load.cpu_block_ids == [2, 3, 4, 5] and tier.disk.transfers.num_in_flight == 0
+    first = Fence()
+    tier.submit_disk_transfers(Copies(first))  # the step's copies (the swap-in from host block 2) are still running
+    tier.submit_disk_transfers(Copies(Fence(is_done=True)))  # a later fence changes nothing: the load waits for its own
+    assert tier.disk.transfers.num_in_flight == 0 and load.fence is first and tier.num_disk_waiting == 1
+    first.is_done = True
+    tier.submit_disk_transfers(Copies(Fence()))
+    assert tier.disk.pending_loads == [] and tier.disk.transfers.num_in_flight == 1
+    assert store.wait_idle(10) and tier.poll_disk() == [seq]
+    assert tier.find_prefix(seq, 0) == [2, 3, 4, 5]
+
+
+def test_a_load_leaves_the_sequences_own_host_hits_in_place(tmp_path):
+    """Host hits are free (cached) blocks: a load that counted them as free would evict them for its own blocks,
+    and the sequence would come back to a prefix broken at its first block."""
+    from nanovllm.core.sequence import Sequence
+    from nanovllm.core.hashing import content_hash
+    from nanovllm.sampling_params import SamplingParams
+    tier, store = tier_with_disk(tmp_path)
+    seq = Sequence(list(range(100, 141)), SamplingParams(), 4)  # 10 full blocks before the last token
+    store_prompt_blocks(store, seq, range(2, 10))
+    for i in range(2):  # blocks 0 and 1 are host prefix-cache entries
+        tier.pool.store(content_hash(seq, i))
+    hits = tier.find_prefix(seq, 0)
+    assert len(hits) == 2
+    assert tier.start_disk_load(seq, len(hits), hits)
+    (load,) = tier.disk.pending_loads
+    assert len(load.cpu_block_ids) == 6 and not set(load.cpu_block_ids) & set(hits)  # 8 free less the 2 hits
+    tier.submit_disk_transfers(Copies(Fence(is_done=True)))
+    assert store.wait_idle(10) and tier.poll_disk() == [seq]
+    assert tier.find_prefix(seq, 0) == hits + load.cpu_block_ids
+    assert tier.disk.counters["disk_loaded_tokens"] == 6 * 4 and tier.disk.counters["disk_skipped_tokens"] == 2 * 4
+
+
+def test_close_releases_the_host_blocks_of_loads_that_never_started(tmp_path):
+    from nanovllm.core.sequence import Sequence
+    from nanovllm.sampling_params import SamplingParams
+    tier, store = tier_with_disk(tmp_path)
+    seq = Sequence(list(range(500, 517)), SamplingParams(), 4)
+    store_prompt_blocks(store, seq, range(4))
+    assert tier.start_disk_load(seq, 0, []) and tier.pool.num_free_blocks == 4
+    tier.disk.close()
+    assert tier.pool.num_free_blocks == 8 and tier.num_disk_waiting == 0 and tier.disk.transfers.num_in_flight == 0

@@ -199,8 +199,8 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.send("run", plan)
         sampled = self.runner.launch(plan, sample_seqs)
-        if self.host_tier is not None and self.runner.copy_engine.out_copies_done():
-            self.host_tier.submit_disk_writes()  # the host blocks they read are filled now
+        if self.host_tier is not None:  # after the step's copies: the disk's threads wait for the ones they touch
+            self.host_tier.submit_disk_transfers(self.runner.copy_engine)
         finished = self._read_back()  # the previous step, while this one runs
         self._unsynced_prefill_tokens += sum(n for n in out.num_new_tokens if n > 1)
         self._unsynced_rows += len(out.seqs)

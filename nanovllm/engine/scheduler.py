@@ -142,7 +142,8 @@ class Scheduler:
             seq = self.waiting[0]
             cached_block_ids, host_block_ids, tail = self._find_prefix_hits(seq)
             num_hits = len(cached_block_ids) + len(host_block_ids)
-            if self.host_tier and not seq.needs_prompt_logprobs and self.host_tier.start_disk_load(seq, num_hits):
+            if self.host_tier and not seq.needs_prompt_logprobs and self.host_tier.start_disk_load(seq, num_hits,
+                                                                                             host_block_ids):
                 self.waiting.popleft()  # out of the queue until its blocks are read into the host pool
                 continue
             num_cached = len(cached_block_ids) * self.block_manager.block_size + (tail[1] if tail else 0)
