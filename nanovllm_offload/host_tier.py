@@ -8,7 +8,7 @@ from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.sequence import Sequence
 from nanovllm_offload.disk_tier import DiskTier, no_disk_stats
 from nanovllm_offload.host_block_pool import HostBlockPool
-from nanovllm_offload.host_memory import check_host_memory, num_host_blocks
+from nanovllm_offload.host_memory import GiB, check_host_memory, num_host_blocks
 from nanovllm_offload.policy import PreemptionPolicy
 
 if TYPE_CHECKING:
@@ -53,6 +53,9 @@ class HostTier:
         num_blocks = num_host_blocks_for(config, block_bytes)
         if num_blocks is None:
             return None
+        if not num_blocks and config.kv_disk_path is not None:  # without it, swaps recompute (said once)
+            raise ValueError(f"kv_disk_path needs host blocks to load into, but swap_space={config.swap_space:g} GiB "
+                             f"buys none of {block_bytes / GiB:.4g} GiB; raise swap_space")
         check_host_memory(num_blocks * block_bytes, config.tensor_parallel_size, config.swap_space, pinned)
         return cls(num_blocks, config.kvcache_block_size, PreemptionPolicy(config.preemption_mode, block_bytes),
                    config.host_prefix_cache)

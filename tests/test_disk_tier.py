@@ -174,3 +174,11 @@ def test_a_file_is_not_a_disk_path(smollm2_dir, tmp_path):
     (tmp_path / "f").write_text("")
     with pytest.raises(ValueError, match="is not a directory"):
         Config(smollm2_dir, **smollm2_llm_kwargs(kv_disk_path=str(tmp_path / "f"), **DISK_KWARGS))
+
+
+def test_a_swap_space_of_no_host_block_is_refused_with_a_disk_tier(smollm2_dir, tmp_path):
+    """Without a disk tier such a pool makes every swap recompute (said once); a disk tier has nowhere to load."""
+    from nanovllm import LLM
+    with pytest.raises(ValueError, match=r"kv_disk_path needs host blocks to load into, but swap_space=1e-09 GiB "
+                                         r"buys none of [0-9.e-]+ GiB; raise swap_space"):
+        LLM(smollm2_dir, **smollm2_llm_kwargs(kv_disk_path=str(tmp_path / "kv"), **dict(DISK_KWARGS, swap_space=1e-9)))
