@@ -138,6 +138,10 @@ class HostTier:
                     self.disk.hold_for_write(cpu_block_id, block_hash)
         return copies
 
+    def can_reset_cache(self) -> bool:
+        """False while any host block is held: by a swapped sequence, or by a disk write or load."""
+        return self.pool.can_reset_cache()
+
     def reset_cache(self) -> bool:
         return self.pool.reset_cache()
 

@@ -339,3 +339,19 @@ def test_running_stays_in_arrival_order_through_preemptions(mode):
                 break
         assert s.is_finished()
     assert num_steps_with_two_victims > 0
+
+
+def test_reset_prefix_cache_forgets_both_tiers_or_neither():
+    """A host block held (here as a disk write holds one) refuses the reset, and the GPU cache is kept too."""
+    s = make_scheduler(prefix_caching=True)
+    seq = make_seq(9)
+    assert s.block_manager.allocate(seq, 9, [], 0, None)
+    seq.num_computed_tokens = 9
+    s.block_manager.cache_full_blocks(seq)
+    s.block_manager.free(seq)
+    cached = dict(s.block_manager.hash_to_block_id)
+    assert len(cached) == 2
+    s.host_tier.pool.take(s.host_tier.pool.store(12345))
+    assert not s.reset_prefix_cache() and s.block_manager.hash_to_block_id == cached
+    s.host_tier.pool.release(s.host_tier.pool.hash_to_block_id[12345], -1)
+    assert s.reset_prefix_cache() and not s.block_manager.hash_to_block_id and not s.host_tier.pool.hash_to_block_id

@@ -61,9 +61,12 @@ class BlockPool:
             self.free_block_ids.move_to_end(block_id, last=False)
         return True
 
+    def can_reset_cache(self) -> bool:
+        return self.num_free_blocks == self.num_blocks
+
     def reset_cache(self) -> bool:
         """Forget every cached hash. Refused (False, nothing forgotten) while any block is referenced."""
-        if self.num_free_blocks != self.num_blocks:
+        if not self.can_reset_cache():
             return False
         self.hash_to_block_id.clear()
         self.block_hash = [None] * self.num_blocks

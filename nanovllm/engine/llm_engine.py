@@ -166,11 +166,8 @@ class LLMEngine:
 
     # --- the loop
     def reset_prefix_cache(self) -> bool:
-        """Forget the GPU and host prefix caches (vLLM's name). Refused (False) while a sequence holds blocks."""
-        scheduler = self.scheduler
-        if scheduler.running or scheduler.swapped:
-            return False
-        return scheduler.block_manager.reset_cache() and (self.host_tier is None or self.host_tier.reset_cache())
+        """Forget the GPU and host prefix caches (vLLM's name); see Scheduler.reset_prefix_cache."""
+        return self.scheduler.reset_prefix_cache()
 
     def step(self) -> list[Sequence]:
         """Schedule and launch one step, read back the previous one (asynchronous scheduling) or this one, and

@@ -75,6 +75,14 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not (self.waiting or self.running or self.swapped or self.num_disk_waiting)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the GPU and host prefix caches, both or neither: refused (False) while a sequence holds blocks,
+        or a disk write or load holds host blocks."""
+        tiers = [self.block_manager] + ([self.host_tier] if self.host_tier is not None else [])
+        if self.running or self.swapped or not all(tier.can_reset_cache() for tier in tiers):
+            return False
+        return all([tier.reset_cache() for tier in tiers])
+
     @property
     def num_disk_waiting(self) -> int:
         """Waiting sequences that are out of the queue while their prefix is read from disk."""
