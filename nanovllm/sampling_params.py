@@ -15,7 +15,7 @@ class SamplingParams:
     top_p: float = 1.0  # in (0, 1]; 1 disables
     top_k: int = -1  # -1 (or 0) disables
     min_p: float = 0.0  # in [0, 1]; 0 disables
-    max_tokens: int = 64
+    max_tokens: int = 16  # vLLM's default
     min_tokens: int = 0  # until this many tokens are generated, EOS and stop_token_ids are not sampled
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None  # end with finish_reason "stop"; the token stays in token_ids
