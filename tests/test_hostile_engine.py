@@ -206,3 +206,21 @@ def test_recompute_by_choice_is_no_fallback(qwen3_dir):
         llm.generate(prompts, greedy(24), use_tqdm=False)
         stats = llm.stats()
     assert stats["preemptions_recompute"] > 0 and stats["swap_fallback_recomputes"] == 0, stats
+
+
+def test_resuming_a_sequence_whose_blocks_are_all_cached_is_progress(qwen3_dir):
+    """A swap whose blocks are cached on the GPU and the host needs no copy either way: the step that resumes it
+    launches nothing, but it is not a stall (two such steps used to raise "no progress")."""
+    kwargs = tiny_llm_kwargs(kvcache_block_size=4, num_kvcache_blocks=32, swap_space=0.001,
+                             host_cache_policy="write_through", preemption_mode="swap", async_scheduling=False)
+    with LLM(qwen3_dir, **kwargs) as llm:
+        seq_id = llm.add_request(list(range(10, 18)), greedy(4))
+        seq = llm.requests[seq_id]
+        llm.step()  # the prompt: 2 full blocks, cached on the GPU and (write-through) on the host
+        for _ in range(3):
+            llm.scheduler.preempt(seq, mode="swap")
+            assert llm.step() == [] and seq.status.name == "RUNNING"
+        assert llm.stats()["blocks_swapped_in"] == 0 and llm.stats()["preemptions_swap"] == 3
+        while not llm.is_finished():
+            llm.step()
+        assert len(seq.completion_token_ids) == 4

@@ -247,7 +247,7 @@ class LLMEngine:
                                        for ids, row_values, rank in itertools.islice(rows, num_rows))
 
     def _check_progress(self, out: SchedulerOutput):
-        progress = not out.is_empty or self._in_flight is not None or self.scheduler.is_finished()  # idle is fine
+        progress = not out.is_empty or out.num_resumed or self._in_flight is not None or self.scheduler.is_finished()
         if out.is_empty and self.scheduler.num_disk_waiting:  # only disk loads in flight: wait, do not spin
             time.sleep(0.001)
             progress = True

@@ -183,6 +183,7 @@ class Scheduler:
                 break
             self.swapped.popleft()
             out.swap_in.extend(copies)
+            out.num_resumed += 1
             if copies:
                 self.kv_arriving[seq.seq_id] = seq
             self.stats.blocks_swapped_in += len(copies)

@@ -20,9 +20,11 @@ class SchedulerOutput:
     # gpu blocks handed out this step: of the blocks this step's forward and swap-ins write, the only ones a
     # swap-out still in flight may be reading (the others were handed out in earlier steps, which waited for theirs)
     new_gpu_block_ids: list[int] = field(default_factory=list)
+    num_resumed: int = 0  # swapped sequences made RUNNING (with copies or, all their blocks cached, without)
 
     @property
     def is_empty(self) -> bool:
+        """Nothing to launch. A step that only resumed sequences is empty, but it was progress (num_resumed)."""
         return not (self.seqs or self.swap_out or self.swap_in)
 
     @property
