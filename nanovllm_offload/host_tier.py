@@ -171,6 +171,15 @@ class HostTier:
         if self.disk.pending_loads:
             self.disk.submit_loads(copy_engine.fence())
 
+    def settle_disk(self, copy_engine):
+        """With nothing running: finish the copies, start the held writes and loads, and wait for every disk transfer
+        (the next poll_disk releases their host blocks)."""
+        if self.disk is None:
+            return
+        copy_engine.synchronize()
+        self.submit_disk_transfers(copy_engine)
+        self.disk.store.wait_idle()
+
     def poll_disk(self) -> list[Sequence]:
         """Sequences whose disk loads came back (their blocks are host hits now); never blocks."""
         return self.disk.poll() if self.disk is not None else []

@@ -182,3 +182,22 @@ def test_a_swap_space_of_no_host_block_is_refused_with_a_disk_tier(smollm2_dir, 
     with pytest.raises(ValueError, match=r"kv_disk_path needs host blocks to load into, but swap_space=1e-09 GiB "
                                          r"buys none of [0-9.e-]+ GiB; raise swap_space"):
         LLM(smollm2_dir, **smollm2_llm_kwargs(kv_disk_path=str(tmp_path / "kv"), **dict(DISK_KWARGS, swap_space=1e-9)))
+
+
+def test_an_idle_engine_resets_its_prefix_caches_right_after_its_disk_writes(qwen3_dir, tmp_path):
+    """The blocks a write holds are released when the reset asks, not at the next step (which an idle engine never
+    takes): the reset is not refused, and every full block is on disk."""
+    from conftest import tiny_llm_kwargs
+    from nanovllm import LLM, SamplingParams
+    prompts = random_prompts((13, 30, 7), seed=5)
+    for policy in ("write_back", "write_through"):
+        kwargs = tiny_llm_kwargs(kvcache_block_size=4, num_kvcache_blocks=64, swap_space=0.001,
+                                 host_cache_policy=policy, kv_disk_path=str(tmp_path / policy))
+        with LLM(qwen3_dir, **kwargs) as llm:
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+            assert llm.reset_prefix_cache(), policy
+            assert llm.host_tier.pool.num_free_blocks == llm.host_tier.num_blocks
+            # write-through: each full block of the three sequences (15, 32 and 9 tokens) as soon as it was cached;
+            # write-back: none yet (the last step's blocks reach the host at the next step, which an idle engine
+            # does not take)
+            assert llm.stats()["blocks_written_to_disk"] == {"write_back": 0, "write_through": 3 + 8 + 2}[policy]

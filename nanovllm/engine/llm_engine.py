@@ -166,7 +166,10 @@ class LLMEngine:
 
     # --- the loop
     def reset_prefix_cache(self) -> bool:
-        """Forget the GPU and host prefix caches (vLLM's name); see Scheduler.reset_prefix_cache."""
+        """Forget the GPU and host prefix caches (vLLM's name); see Scheduler.reset_prefix_cache. With nothing
+        running, the disk tier's transfers are finished first (they hold host blocks until then)."""
+        if self.host_tier is not None and not (self.scheduler.running or self.scheduler.swapped):
+            self.host_tier.settle_disk(self.runner.copy_engine)
         return self.scheduler.reset_prefix_cache()
 
     def step(self) -> list[Sequence]:

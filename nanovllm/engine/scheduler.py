@@ -76,8 +76,8 @@ class Scheduler:
         return not (self.waiting or self.running or self.swapped or self.num_disk_waiting)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget the GPU and host prefix caches, both or neither: refused (False) while a sequence holds blocks,
-        or a disk write or load holds host blocks."""
+        """Forget the GPU and host prefix caches, both or neither; refused (False) while any of their blocks is held."""
+        self.waiting.extendleft(reversed(self.host_tier.poll_disk() if self.host_tier else []))  # finished transfers
         tiers = [self.block_manager] + ([self.host_tier] if self.host_tier is not None else [])
         if self.running or self.swapped or not all(tier.can_reset_cache() for tier in tiers):
             return False
