@@ -286,6 +286,10 @@ LONG_PROMPT = "hello " * 600  # > max_model_len=512 tokens
     (dict(logprobs=21), "logprobs=21 must be in [0, 20]"),
     (dict(logprobs=-1), "logprobs=-1"),
     (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty"),
+    (dict(extra_body={"guided_choice": ["a", "b"]}), "guided_choice"),
+    (dict(extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
+    (dict(extra_body={"skip_special_tokens": False}), "skip_special_tokens"),
+    (dict(max_tokens=512), "and max_tokens=512 make 513, more than max_model_len=512"),  # "Hi": 1 token
     (dict(extra_body={"min_tokens": 8}), "min_tokens=8 must be an int in [0, max_tokens=4]"),
     (dict(temperature=1e39), "temperature"),  # inf in float32: it once crashed the step of every request
     (dict(stream=True, temperature=-1), "temperature"),  # a bad stream is refused before it starts
@@ -352,6 +356,11 @@ def test_bad_chat_requests_get_400(client):
     with pytest.raises(openai.BadRequestError, match="max_tokens=0"):  # 0 is not "unset"
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                        max_completion_tokens=0, max_tokens=3)
+    for option, value in (("chat_template_kwargs", {"enable_thinking": False}), ("add_generation_prompt", False),
+                          ("continue_final_message", True)):  # they would change the prompt: refused, not ignored
+        with pytest.raises(openai.BadRequestError, match=option):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           extra_body={option: value})
 
 
 def test_server_keeps_serving_after_bad_requests(base_url, client, reference):

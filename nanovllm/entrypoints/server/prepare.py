@@ -34,6 +34,10 @@ def prepare(llm: LLM, prompt: str | list[int] | None = None, messages: list[dict
     options = dict(sampling or {})
     if options.get("max_tokens") is None:
         options["max_tokens"] = room_left(llm, token_ids)
+    elif len(token_ids) + options["max_tokens"] > max_len:  # OpenAI and vLLM refuse it rather than cut it short
+        raise ValueError(f"the prompt's {len(token_ids)} tokens and max_tokens={options['max_tokens']} make "
+                         f"{len(token_ids) + options['max_tokens']}, more than max_model_len={max_len}; lower "
+                         f"max_tokens or shorten the prompt")
     return GenerateRequest(token_ids, SamplingParams(**options))
 
 

@@ -45,6 +45,20 @@ UNSUPPORTED_OPTIONS = {
     "tools": lambda v: v == [],
     "functions": lambda v: v == [],
     "response_format": lambda v: v == {"type": "text"},
+    # vLLM's extensions
+    "add_generation_prompt": lambda v: v is True,
+    "continue_final_message": lambda v: v is False,
+    "chat_template_kwargs": lambda v: v == {},
+    "prompt_logprobs": lambda v: False,
+    "guided_json": lambda v: False,
+    "guided_regex": lambda v: False,
+    "guided_choice": lambda v: False,
+    "guided_grammar": lambda v: False,
+    "structured_outputs": lambda v: False,
+    "allowed_token_ids": lambda v: False,
+    "bad_words": lambda v: v == [],
+    "skip_special_tokens": lambda v: v is True,
+    "truncate_prompt_tokens": lambda v: False,
 }
 
 
