@@ -1,7 +1,8 @@
 """What generate / add_request accept as prompts, checked before the engine is touched (torch-free).
 
-A prompt is a string or a sequence of token ids (a list or tuple of ints, or an integer numpy / torch vector).
-`generate` takes one prompt or a list of them. Anything else (bytes, floats, None, dicts, generators) is a
+A prompt is a string or a sequence of token ids (a list or tuple of ints, or an integer numpy / torch vector), or
+vLLM's dict forms of either: {"prompt": str} (TextPrompt) and {"prompt_token_ids": [...]} (TokensPrompt).
+`generate` takes one prompt or a list of them. Anything else (bytes, floats, None, other dicts, generators) is a
 ValueError that names the value, not a TypeError from deep inside the engine or, worse, a prompt made of a
 bytes object's byte values.
 """
@@ -12,13 +13,15 @@ from nanovllm.sampling_params import SamplingParams
 
 _short = reprlib.Repr()  # bounded reprs: a 10 MB prompt must not become a 10 MB error message
 _short.maxstring = _short.maxother = 60
-PROMPT_FORMS = "a string, a list of token ids (ints), or a list of those"
+PROMPT_FORMS = ("a string, a list of token ids (ints), a {'prompt': ...} or {'prompt_token_ids': ...} dict, or a "
+                "list of those")
+DICT_PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt
 
 
 def as_prompt_list(prompts) -> list:
     """generate's `prompts` as a list of single prompts (not yet checked one by one: see check_prompt)."""
     prompts = _as_array_list(prompts, "prompts")
-    if isinstance(prompts, str):
+    if isinstance(prompts, str) or _is_dict_prompt(prompts):
         return [prompts]
     if isinstance(prompts, (bytes, bytearray)):
         raise ValueError(_bytes_message("prompts", prompts))
@@ -29,8 +32,17 @@ def as_prompt_list(prompts) -> list:
     return list(prompts)
 
 
+def _is_dict_prompt(prompt) -> bool:
+    return isinstance(prompt, dict) and len(prompt) == 1 and next(iter(prompt)) in DICT_PROMPT_KEYS
+
+
 def check_prompt(prompt) -> str | list[int]:
     """One prompt: the string itself, or its token ids as Python ints (their range is the engine's to check)."""
+    if _is_dict_prompt(prompt):
+        (key, prompt), = prompt.items()
+        if (key == "prompt") != isinstance(prompt, str):
+            raise ValueError(f"prompt {{{key!r}: {_short.repr(prompt)}}}: 'prompt' holds a string, "
+                             f"'prompt_token_ids' a list of token ids")
     prompt = _as_array_list(prompt, "prompt")
     if isinstance(prompt, str):
         _check_encodable(prompt)

@@ -63,14 +63,28 @@ def _generator():
     ([[5, 6], None], r"prompt None \(NoneType\) must be a string or a list of token ids"),
     ([[5, 6], {"a": 1}], r"prompt \{'a': 1\} \(dict\) must be"),
     ([True, False], r"token id True is not an integer"),
+    ({"prompt": [5, 6]}, r"prompt \{'prompt': \[5, 6\]\}: 'prompt' holds a string, 'prompt_token_ids' a list"),
+    ([{"prompt_token_ids": "x"}], r"prompt \{'prompt_token_ids': 'x'\}: 'prompt' holds a string"),
+    ({"prompt_token_ids": [5], "multi_modal_data": {}}, r"\(dict\) must be"),
     ("x\ud800y", r"prompt has a lone surrogate '\\ud800' at character 1"),
 ], ids=["bytes", "bytearray", "bytes-in-list", "None", "int", "floats", "np-floats", "np-floats-2d", "np-scalar",
-        "generator", "dict", "None-in-list", "dict-in-list", "bools", "lone-surrogate"])
+        "generator", "dict", "None-in-list", "dict-in-list", "bools", "text-prompt-of-ids", "tokens-prompt-of-text",
+        "dict-prompt-with-more-keys", "lone-surrogate"])
 def test_bad_prompts_are_value_errors(llm, serves_the_same, prompts, pattern):
     with pytest.raises(ValueError, match=pattern):
         llm.generate(prompts, greedy(4), use_tqdm=False)
     with pytest.raises(ValueError, match=pattern):
         list(llm.generate_stream(prompts, greedy(4)))
+
+
+def test_vllm_dict_prompts_are_the_plain_ones(llm, serves_the_same, reference):
+    """vLLM's TokensPrompt ({"prompt_token_ids": ...}) alone or in a list, and its TextPrompt ({"prompt": ...})."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in GOOD], greedy(8), use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == reference
+    assert llm.generate({"prompt_token_ids": GOOD[0]}, greedy(8), use_tqdm=False)[0]["token_ids"] == reference[0]
+    with pytest.raises(ValueError, match="has no tokenizer files"):  # the tiny model has none: text is refused
+        llm.generate({"prompt": "hello"}, greedy(2), use_tqdm=False)
+    assert llm.get_tokenizer() is None
 
 
 def test_add_request_refuses_bytes(llm, serves_the_same):
