@@ -107,12 +107,16 @@ class Config:
     # --- disk tier (nanovllm_offload/disk_*.py, docs/disk_tier.md): prefix blocks kept across restarts
     kv_disk_path: str | None = None  # a directory (created when missing); None: no disk tier
     kv_disk_gib: float = 64  # cap on the directory's files (every model's blocks share it)
+    # sampling defaults for options a request leaves unset: "auto" from the model's generation_config.json, "vllm"
+    # none (SamplingParams' own), or a directory holding a generation_config.json (nanovllm/engine/generation_config.py)
+    generation_config: str = "auto"
     # --- filled in by __post_init__
     hf_config: Any = field(default=None, repr=False)
     architecture: str = ""
 
     def __post_init__(self):
         self._check_model_dir()
+        self._check_generation_config()
         for name, choices in OPTION_CHOICES.items():
             _check_choice(name, getattr(self, name), choices)
         if self.kvcache_block_size is None:
@@ -187,6 +191,12 @@ class Config:
         if self.attention_backend == "flash":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported by attention_backend='flash'; "
                              f"use attention_backend='auto' (the Triton kernels read FP8 KV)")
+
+    def _check_generation_config(self):
+        value = self.generation_config
+        if not isinstance(value, str) or value not in ("auto", "vllm") and not os.path.isdir(value):
+            raise ValueError(f"generation_config={value!r} must be 'auto', 'vllm' or a directory holding a "
+                             f"generation_config.json")
 
     def _check_model_dir(self):
         if not isinstance(self.model, (str, os.PathLike)):

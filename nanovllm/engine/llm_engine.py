@@ -16,6 +16,7 @@ from nanovllm.engine.progress import update_bar
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.core.sequence import Sequence
 from nanovllm.engine.step_plan import LogprobRows, add_logprob_rows, make_plan
+from nanovllm.engine.generation_config import default_sampling_options
 from nanovllm.engine.tokenizer import eos_token_ids, load_tokenizer
 from nanovllm.engine.workers import WorkerPool, free_init_method
 from nanovllm.inputs import as_prompt_list, check_prompt, checked_params
@@ -31,10 +32,10 @@ class LLMEngine:
     def __init__(self, model: str, **kwargs):
         self.config = config = Config(model, **with_card_batch_limits(kwargs))
         self.runner = self.workers = self.host_tier = None
-        # where the GPU memory went, in bytes (weights, activation_peak, graph_pools, non_torch, kv, left_free, ...;
-        # nanovllm/core/memory_plan.py); None on CPU or with kv_cache_memory_bytes
+        # where the GPU memory went, in bytes (nanovllm/core/memory_plan.py); None on CPU or with kv_cache_memory_bytes
         self.memory_breakdown: dict | None = None
         self.tokenizer = load_tokenizer(model)
+        self.default_sampling_options = default_sampling_options(config.model, config.generation_config)
         self.text_output = TextOutput(self.tokenizer)
         try:
             self.host_tier = self._start_runners()
@@ -166,8 +167,7 @@ class LLMEngine:
 
     # --- the loop
     def reset_prefix_cache(self) -> bool:
-        """Forget the GPU and host prefix caches (vLLM's name); see Scheduler.reset_prefix_cache. With nothing
-        running, the disk tier's transfers are finished first (they hold host blocks until then)."""
+        """Forget the GPU and host prefix caches (Scheduler.reset_prefix_cache), the disk's transfers finished first."""
         if self.host_tier is not None and not (self.scheduler.running or self.scheduler.swapped):
             self.host_tier.settle_disk(self.runner.copy_engine)
         return self.scheduler.reset_prefix_cache()
@@ -278,7 +278,7 @@ class LLMEngine:
         """Validate every request first, then queue them all: a bad one leaves the engine untouched."""
         prompts = as_prompt_list(prompts)  # one prompt (a string or token ids) or a list of them
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = SamplingParams(**self.default_sampling_options)
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

@@ -34,6 +34,8 @@ HELP = {
     "max_num_seqs": "sequences per batch; 256 on a GPU (or budget) under 70 GiB",
     "kv_disk_path": "a directory for a disk tier below the host pool: prefix KV kept across restarts",
     "kv_disk_gib": "cap on the disk tier directory's files in GiB",
+    "generation_config": "sampling defaults for unset options: 'auto' from the model's generation_config.json, "
+                         "'vllm' none, or a directory holding one",
 }
 
 
