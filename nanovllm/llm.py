@@ -1,4 +1,5 @@
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.tokenizer import chat_token_ids
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -12,6 +13,18 @@ class LLM(LLMEngine):
         """What a request without sampling params gets (vLLM's name): the model's generation_config.json defaults
         for temperature, top_p, top_k and min_p (see Config.generation_config), SamplingParams' own for the rest."""
         return SamplingParams(**self.default_sampling_options)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[dict]:
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them, each rendered
+        by the tokenizer's chat template (`chat_template_kwargs` go to it, e.g. {"enable_thinking": False} for
+        Qwen3), then generated as `generate` does. ValueError for a model without a chat template."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f"messages={messages!r} must be a non-empty list of messages, or a list of those")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts = [chat_token_ids(self.tokenizer, conversation, self.config.model, add_generation_prompt,
+                                  chat_template_kwargs) for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def get_tokenizer(self):
         """The model's Hugging Face tokenizer (vLLM's name); None when the model directory has no tokenizer files."""

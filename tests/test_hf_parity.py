@@ -320,3 +320,12 @@ def test_smollm2_chat_answers_paris(smollm2_dir, smol_tokenizer):
     assert eos in ref, ref
     n = len(out["token_ids"])
     assert out["token_ids"] == ref[:n] and ref.index(eos) in (n - 1, n), (out["token_ids"], ref)
+    with LLM(smollm2_dir, **smollm2_llm_kwargs()) as llm:  # vLLM's LLM.chat renders the same prompt
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        [alone] = llm.chat(question, SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+        both = llm.chat([question, question + [{"role": "assistant", "content": "Paris."}]],
+                        SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+        with pytest.raises(ValueError, match="must be a non-empty list"):
+            llm.chat([], use_tqdm=False)
+    assert alone["token_ids"] == out["token_ids"] and len(both) == 2
+    assert both[0]["token_ids"] == out["token_ids"][:4] and both[1]["token_ids"] != both[0]["token_ids"]

@@ -85,6 +85,8 @@ def test_vllm_dict_prompts_are_the_plain_ones(llm, serves_the_same, reference):
     with pytest.raises(ValueError, match="has no tokenizer files"):  # the tiny model has none: text is refused
         llm.generate({"prompt": "hello"}, greedy(2), use_tqdm=False)
     assert llm.get_tokenizer() is None
+    with pytest.raises(ValueError, match="has no tokenizer files, so no chat template"):
+        llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
 
 
 def test_add_request_refuses_bytes(llm, serves_the_same):

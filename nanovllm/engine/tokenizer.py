@@ -1,4 +1,4 @@
-"""A model directory's tokenizer (None without tokenizer files) and its EOS token ids."""
+"""A model directory's tokenizer (None without tokenizer files), its chat prompts and its EOS token ids."""
 import json
 import os
 
@@ -10,6 +10,23 @@ def load_tokenizer(model: str):
         return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(model)
+
+
+def chat_token_ids(tokenizer, messages: list[dict], model: str, add_generation_prompt: bool = True,
+                   chat_template_kwargs: dict | None = None) -> list[int]:
+    """One conversation rendered by the tokenizer's chat template, as token ids. ValueError naming the model when it
+    has no tokenizer or template, or quoting the template when it refuses the messages (roles out of order, ...)."""
+    if tokenizer is None:
+        raise ValueError(f"model {model!r} has no tokenizer files, so no chat template; pass token ids")
+    if not tokenizer.chat_template:
+        raise ValueError(f"model {model!r} has no chat template; pass the prompt as text or token ids")
+    from jinja2 import TemplateError
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **(chat_template_kwargs or {}))
+    except TemplateError as e:
+        raise ValueError(f"the chat template refused these messages: {e}") from None
+    return tokenizer.encode(text, add_special_tokens=False)  # the template already has its special tokens
 
 
 def eos_token_ids(model: str, hf_config, tokenizer) -> set[int]:

@@ -66,13 +66,12 @@ def tokenize_prompts(model: str, config, prompts: list, chat: bool) -> list[list
     """Every prompt as token ids (text through the chat template when `chat` and the model has one), checked
     against the vocabulary and max_model_len: the engine would refuse the same, but only after loading the
     weights."""
+    from nanovllm.engine.tokenizer import chat_token_ids
     tokenizer = _load_tokenizer(model) if any(isinstance(p, str) for p in prompts) else None
     token_ids = []
     for prompt in prompts:
         if isinstance(prompt, str) and chat and tokenizer.chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                 add_generation_prompt=True)
-            ids = tokenizer.encode(text, add_special_tokens=False)  # the template already has its BOS
+            ids = chat_token_ids(tokenizer, [{"role": "user", "content": prompt}], model)
         else:
             ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         token_ids.append(ids)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from nanovllm.engine.tokenizer import chat_token_ids
 from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -50,14 +51,7 @@ def prompt_token_ids(llm: LLM, prompt: str | list[int] | None, messages: list[di
                          f"to /v1/completions")
     if messages is None:
         return tokenizer.encode(prompt)
-    if not tokenizer.chat_template:
-        raise ValueError(f"model {llm.config.model!r} has no chat template; use /v1/completions")
-    from jinja2 import TemplateError
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except TemplateError as e:  # templates raise on messages they refuse, e.g. roles out of order
-        raise ValueError(f"the chat template refused these messages: {e}") from None
-    return tokenizer.encode(text, add_special_tokens=False)  # the template already has its special tokens
+    return chat_token_ids(tokenizer, messages, llm.config.model)
 
 
 def room_left(llm: LLM, token_ids: list[int]) -> int:
