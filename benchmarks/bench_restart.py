@@ -53,7 +53,7 @@ class DiskDecisions:
             self.disk.start_load = self._recorded(self.disk, self.disk.start_load)
 
     def _recorded(self, disk, start_load):
-        def recorded_start_load(seq, num_hit_blocks: int, host_hit_ids: list[int] = ()) -> bool:
+        def recorded_start_load(seq, num_hit_blocks: int, host_hit_ids: list[int]) -> bool:
             read_bytes_per_s, prefill_tokens_per_s = disk.store.read_bytes_per_s, disk.policy.prefill_tokens_per_s
             num_hit_tokens = disk.counters["disk_hit_tokens"]
             is_loading = start_load(seq, num_hit_blocks, host_hit_ids)

@@ -125,7 +125,7 @@ class DiskTier:
                 self.pool.release(cpu_block_id, NO_OWNER)
 
     # --- loads
-    def start_load(self, seq: Sequence, num_hit_blocks: int, host_hit_ids: list[int] = ()) -> bool:
+    def start_load(self, seq: Sequence, num_hit_blocks: int, host_hit_ids: list[int]) -> bool:
         """Ask the disk for seq's full blocks after its first num_hit_blocks (GPU and host hits, `host_hit_ids`
         among them; never the block of the last prompt token) and load them if the rule says so. True: a load
         started and seq must wait for it out of the queues (its reads start with submit_loads)."""

@@ -158,7 +158,7 @@ def _decode_reduce_kernel(
 # gives an SM fewer than _PROGRAMS_PER_SM, rows are cut into slices until it has that many. The one-warp FP8 tile
 # leaves an SM 16 slots (128 registers a thread), which its rows fill instead, in slices of at least
 # _FP8_MIN_SLICE_TOKENS so that short rows stay whole: filling them with one-tile slices measured slower at 32-256
-# short rows, slices of >= 256 tokens faster at the laptop's 10-40 long rows (docs/benchmarks.md, runs EA and FA).
+# short rows, slices of >= 256 tokens faster at the laptop's 10-40 long rows (docs/benchmarks.md, FP8 decode attention).
 _PROGRAMS_PER_SM = 4
 _FP8_PROGRAMS_PER_SM = 16
 _FP8_MIN_SLICE_TOKENS = 256
@@ -178,10 +178,10 @@ _DECODE_TILE = tile_from_env("NANOVLLM_DECODE_TILE")
 # converted in registers): one warp per program (no softmax reductions across warps through shared memory), the step
 # transposed so the GQA group is the dots' narrow dimension (attend_tile_fp8_halves), K and V in two head_dim halves,
 # 32 keys a step, 6 stages, registers capped at 128 (16 resident programs per SM). These tiles rank by registers per
-# program (resident warps per SM), not by instructions (docs/benchmarks.md, runs CA, DA, EA).
+# program (resident warps per SM), not by instructions (docs/benchmarks.md).
 _FP8_DECODE_TILE = KernelConfig(block_m=16, block_n=32, num_warps=1, num_stages=6, max_registers=128, fp8_d_halves=True)
 # Full grids take 16 keys a step (90 registers, 21 resident programs per SM): from 24 programs per SM waiting, half
-# again the default tile's slots, its extra residents pay; with a thinner second wave they do not (run FA).
+# again the default tile's slots, its extra residents pay; with a thinner second wave they do not (docs/benchmarks.md).
 _FP8_FULL_GRID_TILE = KernelConfig(block_m=16, block_n=16, num_warps=1, num_stages=4, fp8_d_halves=True)
 _FP8_FULL_GRID_PROGRAMS_PER_SM = 24
 
