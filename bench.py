@@ -235,6 +235,9 @@ def run(llm, args):
         print(f"allocator: {mem.get('num_alloc_retries', 0)} retries, {mem.get('num_device_alloc', 0)} device "
               f"allocations, peak {mem.get('allocated_bytes.all.peak', 0) / 2**30:.1f} GiB allocated, "
               f"{mem.get('reserved_bytes.all.peak', 0) / 2**30:.1f} GiB reserved")
+        from nanovllm.engine.memory_profile import non_torch_bytes, stack_limit_bytes
+        print(f"CUDA's own memory after the run: {non_torch_bytes(llm.runner.device) / 2**30:.2f} GiB "
+              f"(per-thread stack limit {stack_limit_bytes(llm.runner.device)} B)")
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(timer.trace, f)

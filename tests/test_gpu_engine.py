@@ -214,3 +214,32 @@ def test_fp8_swap_on_cuda_streams_matches_the_unpressured_run(gpu_models):
     assert swap["token_ids"] == base
     s = swap["stats"]
     assert s["preemptions_swap"] > 0 and s["blocks_swapped_in"] > 0 and s["recomputed_tokens"] == 0
+
+
+STACK = """
+import json, sys
+import torch
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.memory_profile import stack_limit_bytes
+with LLM(sys.argv[1], device="cuda", dtype="float32", max_model_len=1024, max_num_seqs=8) as llm:
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    print(json.dumps({"token_ids": out[0]["token_ids"], "non_torch": llm.memory_breakdown["non_torch"],
+                      "stack_limit": stack_limit_bytes(llm.runner.device)}))
+"""
+
+
+def test_released_stack_reservation_goes_to_the_kv_cache(gpu_models):
+    """The engine sets CUDA's per-thread stack limit to 0 at start-up (the driver raises it for a kernel that needs
+    one): CUDA's own memory at sizing drops by most of stack limit x resident threads, and the tokens stay."""
+    def start(env):
+        proc = subprocess.run([sys.executable, "-c", STACK, gpu_models["qwen3"]], capture_output=True, text=True,
+                              timeout=600, env={**os.environ, **env})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    kept, released = start({"NANOVLLM_CUDA_STACK": "0"}), start({})
+    assert released["token_ids"] == kept["token_ids"]
+    assert released["stack_limit"] < kept["stack_limit"], (released, kept)
+    props = torch.cuda.get_device_properties(0)
+    threads = props.multi_processor_count * props.max_threads_per_multi_processor
+    freed = (kept["stack_limit"] - released["stack_limit"]) * threads
+    assert kept["non_torch"] - released["non_torch"] >= freed // 2, (kept, released, freed)

@@ -134,3 +134,32 @@ def test_the_engine_takes_the_cards_batch_limits_unless_passed(qwen3_dir, monkey
         assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == expected
     finally:
         close_llm(llm)
+
+
+class FakeDriver:
+    """libcuda's two limit calls, recording what the engine asks."""
+    def __init__(self, rc=0):
+        self.rc, self.calls = rc, []
+
+    def cuCtxSetLimit(self, limit, value):
+        self.calls.append((limit, value.value))
+        return self.rc
+
+
+@pytest.mark.parametrize("device, switch_on, rc, expected_calls, released", [
+    ("cuda", True, 0, [(0, 0)], True),     # CU_LIMIT_STACK_SIZE (0) set to 0 bytes
+    ("cuda", True, 1, [(0, 0)], False),    # the driver refused: the default stays, no error
+    ("cuda", False, 0, [], False),         # NANOVLLM_CUDA_STACK=0
+    ("cpu", True, 0, [], False),
+])
+def test_the_stack_reservation_is_released_once_on_cuda(monkeypatch, switches, device, switch_on, rc,
+                                                       expected_calls, released):
+    import torch
+
+    from nanovllm.engine import memory_profile
+    driver = FakeDriver(rc)
+    monkeypatch.setattr(memory_profile, "_driver", lambda: driver)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 0))
+    switches(release_cuda_stack=switch_on)
+    assert memory_profile.release_stack_reservation(torch.device(device)) is released
+    assert driver.calls == expected_calls

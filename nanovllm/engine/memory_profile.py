@@ -7,6 +7,7 @@ measured before sizing. It is reserved as the activation peak of an eager forwar
 graph's pool holds that step's intermediates, shared by all graphs, which never run at once); after capture the
 runner measures the real pool (graph_pool_bytes_measured) and the start-up log prints both.
 """
+import ctypes
 import logging
 
 import torch
@@ -28,6 +29,47 @@ def non_torch_bytes(device: torch.device) -> int:
     (and any other process's memory on the same GPU, which a budget counts as taken)."""
     free, total = torch.cuda.mem_get_info(device)
     return total - free - torch.cuda.memory_reserved(device)
+
+
+CU_LIMIT_STACK_SIZE = 0  # the driver API's CUlimit
+
+
+def release_stack_reservation(device: torch.device) -> bool:
+    """Give back the memory CUDA reserves for per-thread stacks; True where it did.
+
+    The driver keeps stack_limit x (threads an SM can hold) x SMs of local memory whether a kernel uses it or not:
+    1 KiB x 2,048 x 132 = 264 MiB on an H100, 54 MiB on a 36-SM laptop part, all of it taken from the KV cache.
+    The engine's kernels keep their values in registers. A limit of 0 frees it: the driver raises the limit at the
+    launch of any kernel that needs more (a spill, a printf) and keeps it raised, so no kernel fails for it, and
+    the profiling run's kernels have raised it to what they need before the sizing measures CUDA's own memory.
+    NANOVLLM_CUDA_STACK=0 leaves the driver's default."""
+    if not SWITCHES.release_cuda_stack or device.type != "cuda":
+        return False
+    torch.cuda.mem_get_info(device)  # the primary context exists and is current on this thread
+    driver = _driver()
+    if driver is None:
+        return False
+    rc = driver.cuCtxSetLimit(CU_LIMIT_STACK_SIZE, ctypes.c_size_t(0))
+    if rc != 0:
+        logger.debug("cuCtxSetLimit(stack size, 0) returned %d; the per-thread stack reservation stays", rc)
+    return rc == 0
+
+
+def stack_limit_bytes(device: torch.device) -> int | None:
+    """CUDA's per-thread stack limit now (what the kernels launched so far raised it to); None where unknown."""
+    driver = _driver() if device.type == "cuda" else None
+    value = ctypes.c_size_t()
+    if driver is None or driver.cuCtxGetLimit(ctypes.byref(value), CU_LIMIT_STACK_SIZE) != 0:
+        return None
+    return value.value
+
+
+def _driver():
+    try:
+        return ctypes.CDLL("libcuda.so.1")  # already loaded by the CUDA runtime: the same library and context
+    except OSError:  # a CUDA without the driver library under its usual name: keep the default
+        logger.debug("libcuda.so.1 not found; the per-thread stack limit stays the driver's")
+        return None
 
 
 def card_bytes(config, device: torch.device) -> int:

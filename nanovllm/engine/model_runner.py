@@ -10,7 +10,7 @@ import torch.distributed as dist
 from nanovllm.config import SUPPORTED_ARCHITECTURES, Config
 from nanovllm.core.sequence import Sequence
 from nanovllm.engine.kv_cache import num_blocks_for_budget
-from nanovllm.engine.memory_profile import apply_budget, profile_memory
+from nanovllm.engine.memory_profile import apply_budget, profile_memory, release_stack_reservation
 from nanovllm.engine.prefill_probe import measure_prefill_tokens_per_s
 from nanovllm.engine.device import resolve_device, resolve_dtype
 from nanovllm.engine.step_inputs import SampledTokens, prepare_step_inputs
@@ -38,6 +38,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.device = torch.device("cuda", rank)
             torch.cuda.set_device(self.device)
+            release_stack_reservation(self.device)
             apply_budget(config, self.device)
         if config.tensor_parallel_size > 1:
             if self.device.type == "cpu":  # share the cores instead of oversubscribing them

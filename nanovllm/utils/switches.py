@@ -24,6 +24,9 @@ class Switches:
     # NANOVLLM_PIECEWISE_GRAPHS: "0" turns the piecewise prefill/mixed-step CUDA graphs off; "1" builds them eagerly
     # on CPU (tests); "" (default): captured on CUDA only
     piecewise_graphs: str = ""
+    # NANOVLLM_CUDA_STACK (default on): set CUDA's per-thread stack limit to 0 at start-up, which gives the KV cache
+    # the driver's stack reservation (memory_profile.py: release_stack_reservation); 0 keeps the driver's default
+    release_cuda_stack: bool = True
     # NANOVLLM_CACHE: where converted checkpoints are kept ("": $XDG_CACHE_HOME/nanovllm, else ~/.cache/nanovllm)
     cache_dir: str = ""
 
@@ -48,6 +51,7 @@ ENV_NAMES = {
     "NANOVLLM_TRITON_SAMPLER": "triton_sampler",
     "NANOVLLM_DECODE_GRAPHS": "decode_graphs_on_cpu",
     "NANOVLLM_PIECEWISE_GRAPHS": "piecewise_graphs",
+    "NANOVLLM_CUDA_STACK": "release_cuda_stack",
     "NANOVLLM_CACHE": "cache_dir",
 }
 assert set(ENV_NAMES.values()) == {f.name for f in fields(Switches)}, "every switch has one environment variable"
