@@ -311,10 +311,18 @@ def test_an_unknown_model_gets_404(client):
     assert "not served here" in error["message"] and error["code"] == "model_not_found" and error["param"] == "model"
 
 
+def test_a_request_without_model_goes_to_the_served_model(base_url, reference):
+    """vLLM's default: `model` may be left out; the answer names the served model."""
+    r = httpx.post(f"{base_url}/v1/completions", timeout=60, headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"prompt": PROMPTS[2], "max_tokens": NUM_TOKENS, "temperature": 0, **IGNORE_EOS})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == MODEL and r.json()["choices"][0]["text"] == reference[PROMPTS[2]]
+
+
 @pytest.mark.parametrize("body, message, param", [
     (b'{"model": "smollm2", "prompt": ', "not valid JSON", None),
     (b'{"model": "smollm2", "prompt": "Hi", "temperature": "hot"}', "valid number", "temperature"),
-    (b'{"prompt": "Hi"}', "Field required", "model"),
+    (b'{"model": "smollm2"}', "Field required", "prompt"),
     (b'[1, 2]', "valid dictionary", "body"),
 ])
 def test_malformed_bodies_get_400(base_url, body, message, param):

@@ -100,7 +100,7 @@ class _SamplingRequest(_Strict):
     client's `extra_body`)."""
     model_config = ConfigDict(strict=True, extra="allow")  # other OpenAI options are accepted and ignored, see `check`
 
-    model: str
+    model: str | None = None  # None: the served model (vLLM's default)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -126,7 +126,7 @@ class _SamplingRequest(_Strict):
         return data
 
     def check(self, served_model_name: str):
-        if self.model != served_model_name:
+        if self.model is not None and self.model != served_model_name:
             raise APIError(404, f"model {self.model!r} is not served here; this server serves {served_model_name!r}",
                            type="not_found_error", param="model", code="model_not_found")
         if self.stream_options is not None and not self.stream:
