@@ -227,6 +227,10 @@ def run(llm, args):
     gpu = timer.gpu_seconds()
     if gpu is not None:
         print(f"GPU time in decode steps {gpu[0]:.2f} s, in prefill/mixed steps {gpu[1]:.2f} s")
+    if llm.runner.device.type == "cuda":
+        from nanovllm.engine.memory_profile import non_torch_bytes, stack_limit_bytes
+        print(f"CUDA's own memory after the run: {non_torch_bytes(llm.runner.device) / 2**30:.2f} GiB "
+              f"(per-thread stack limit {stack_limit_bytes(llm.runner.device)} B)")
     print(decode_traffic_bound(llm, timer))
     if llm.runner.device.type == "cuda":
         import torch
@@ -235,9 +239,6 @@ def run(llm, args):
         print(f"allocator: {mem.get('num_alloc_retries', 0)} retries, {mem.get('num_device_alloc', 0)} device "
               f"allocations, peak {mem.get('allocated_bytes.all.peak', 0) / 2**30:.1f} GiB allocated, "
               f"{mem.get('reserved_bytes.all.peak', 0) / 2**30:.1f} GiB reserved")
-        from nanovllm.engine.memory_profile import non_torch_bytes, stack_limit_bytes
-        print(f"CUDA's own memory after the run: {non_torch_bytes(llm.runner.device) / 2**30:.2f} GiB "
-              f"(per-thread stack limit {stack_limit_bytes(llm.runner.device)} B)")
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(timer.trace, f)
@@ -278,7 +279,8 @@ def decode_traffic_bound(llm, timer) -> str:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if not model.tie_word_embeddings:
         weight_bytes -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
-    bandwidth = copy_bandwidth(runner.device)
+    # inside a --gpu-memory-gib budget the KV leaves no room for 2 GiB of buffers; 256 MiB is still 5x the L2
+    bandwidth = copy_bandwidth(runner.device, (1 << 28) if runner.config.gpu_memory_budget_gib else (1 << 30))
     least_seconds = (kv_bytes + timer.num_steps * weight_bytes) / bandwidth
     share = least_seconds / max(timer.decode_wall_seconds, 1e-9)
     line = (f"decode steps read {kv_bytes / 1e12:.2f} TB of KV and {timer.num_steps} x {weight_bytes / 1e9:.2f} GB "

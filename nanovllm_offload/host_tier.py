@@ -86,12 +86,14 @@ class HostTier:
         copies.sort(key=lambda c: rank[c[0]])
         return copies
 
-    def swap_in(self, seq: Sequence, gpu_blocks: BlockManager,
-                num_reserved_blocks: int) -> list[tuple[int, int]] | None:
-        """GPU blocks for a SWAPPED seq: the (cpu_block_id, gpu_block_id) copies to make (blocks still cached on the
-        GPU need none), or None when the GPU is short. Its host blocks are released: once the copies are issued,
-        nothing reads them (cached ones stay findable)."""
-        copies = gpu_blocks.allocate_for_swap_in(seq, num_reserved_blocks)
+    def swap_in(self, seq: Sequence, gpu_blocks: BlockManager, num_reserved_blocks: int,
+                max_num_batched_tokens: int) -> list[tuple[int, int]] | None:
+        """GPU blocks for a SWAPPED seq, with room for its next step (at most max_num_batched_tokens): the
+        (cpu_block_id, gpu_block_id) copies to make (blocks still cached on the GPU need none), or None when the GPU
+        is short. Its host blocks are released: once the copies are issued, nothing reads them (cached ones stay
+        findable)."""
+        num_next_tokens = min(seq.num_uncomputed_tokens, max_num_batched_tokens)
+        copies = gpu_blocks.allocate_for_swap_in(seq, num_reserved_blocks, num_next_tokens)
         if copies is not None:
             self.pool.free(seq)
         return copies

@@ -355,3 +355,25 @@ def test_reset_prefix_cache_forgets_both_tiers_or_neither():
     assert not s.reset_prefix_cache() and s.block_manager.hash_to_block_id == cached
     s.host_tier.pool.release(s.host_tier.pool.hash_to_block_id[12345], -1)
     assert s.reset_prefix_cache() and not s.block_manager.hash_to_block_id and not s.host_tier.pool.hash_to_block_id
+
+
+def test_a_swapped_sequence_resumes_only_with_room_for_its_next_chunk():
+    """Resumed as soon as its own blocks fit, a sequence in chunked prefill found no room for its next chunk, was
+    preempted again by it and swapped in and out every other step (laptop-agent: 185 swaps instead of 3). It waits
+    until its blocks, the next chunk's and the watermark are free."""
+    s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=16, max_num_batched_tokens=7, mode="swap")
+    a = make_seq(13, max_tokens=14)  # 27 tokens: 7 blocks at most
+    s.add(a)
+    run_step(s)
+    run_step(s)
+    b = make_seq(28, start=200, max_tokens=4)
+    s.add(b)
+    run_step(s)
+    run_step(s)
+    assert a.block_table == [0, 1, 2, 3] and b.block_table == [4, 5, 6] and b.num_computed_tokens == 12
+    s.preempt(b, mode="swap")
+    out, _ = run_step(s)  # b's 3 blocks + 2 for its next 7 tokens + 1 of watermark > the 4 free: it stays out
+    assert out.swap_out == [(4, 0), (6, 2), (5, 1)] and out.swap_in == [] and b.status.name == "SWAPPED"
+    while not b.is_finished:
+        run_step(s)
+    assert a.is_finished and s.stats.preemptions == 1 and s.stats.recomputed_tokens == 0

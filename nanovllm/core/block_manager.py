@@ -205,10 +205,14 @@ class BlockManager(BlockPool):
         seq.num_cached_blocks = 0
 
     # --- swap-in: the host tier copies seq's KV back into the blocks chosen here
-    def allocate_for_swap_in(self, seq: Sequence, num_reserved_blocks: int = 0) -> list[tuple[int, int]] | None:
+    def allocate_for_swap_in(self, seq: Sequence, num_reserved_blocks: int = 0,
+                             num_next_tokens: int = 0) -> list[tuple[int, int]] | None:
         """Give a SWAPPED seq GPU blocks for its computed tokens. Full blocks still cached on the GPU are reused and
-        need no copy. Returns the (cpu_block_id, gpu_block_id) copies to make, or None when blocks are short."""
+        need no copy. Returns the (cpu_block_id, gpu_block_id) copies to make, or None when blocks are short.
+        Besides num_reserved_blocks, the blocks for its next num_next_tokens must stay free: resumed without room
+        for its next prompt chunk, a sequence preempts itself at once and swaps in and out every other step."""
         num_blocks = len(seq.cpu_block_table)
+        num_reserved_blocks += max(0, seq.num_blocks_for(seq.num_computed_tokens + num_next_tokens) - num_blocks)
         num_full = seq.num_computed_tokens // self.block_size
         cached = {}
         if self.enable_prefix_caching:

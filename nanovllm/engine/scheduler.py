@@ -178,7 +178,7 @@ class Scheduler:
         while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             reserve = self.num_watermark_blocks if self.running else 0  # alone, it may take every block
-            copies = self.host_tier.swap_in(seq, self.block_manager, reserve)
+            copies = self.host_tier.swap_in(seq, self.block_manager, reserve, self.max_num_batched_tokens)
             if copies is None:
                 break
             self.swapped.popleft()
