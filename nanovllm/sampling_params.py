@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 
 FLOAT32_MAX = 3.4028234663852886e38  # a temperature above it is infinite on the device: every logit becomes NaN
+FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal: a repetition penalty below it is 0 or subnormal
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most alternatives a request may ask for
 
 
@@ -15,6 +16,12 @@ class SamplingParams:
     top_p: float = 1.0  # in (0, 1]; 1 disables
     top_k: int = -1  # -1 (or 0) disables
     min_p: float = 0.0  # in [0, 1]; 0 disables
+    # vLLM's penalties, on the raw logits before temperature and the filters (greedy too): presence and frequency
+    # count the completion tokens only (logit -= presence * (count > 0) + frequency * count); repetition counts
+    # the prompt's and the completion's (a positive logit is divided by it, another multiplied); 0, 0, 1 disable
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    repetition_penalty: float = 1.0  # > 0
     max_tokens: int = 16  # vLLM's default
     min_tokens: int = 0  # until this many tokens are generated, EOS and stop_token_ids are not sampled
     ignore_eos: bool = False
@@ -23,7 +30,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the matched stop string (or stop token's text) in the text
     seed: int | None = None  # per-request generator: the same seed gives the same tokens
     # per generated token: its log-probability and those of the `logprobs` most likely tokens (0: its own only);
-    # of the model's raw distribution (before temperature, top-k/p, min_p, min_tokens), as vLLM returns by default
+    # of the model's raw distribution (before penalties, temperature, top-k/p, min_p, min_tokens), as vLLM returns by
+    # default
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for each prompt token but the first; no prefix-cache hits then
 
@@ -33,7 +41,7 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool):
                 setattr(self, name, int(value))
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
                 raise ValueError(f"{name}={value!r} must be a finite number")
@@ -46,6 +54,12 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k!r} must be an int, -1 (disabled) or >= 1")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [-2, 2] (0 disables)")
+        if not FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0, in float32's normal range "
+                             f"[{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (1 disables)")
         if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**64):
             raise ValueError(f"seed={self.seed!r} must be None or an int in [-2**63, 2**64) (a torch generator's)")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -80,6 +94,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def _is_int(value) -> bool:

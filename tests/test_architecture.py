@@ -31,6 +31,7 @@ LAYERS = [
 UNIT_DEPTH = {"nanovllm": 2, "nanovllm_offload": 1}
 TORCH_FREE = ["nanovllm.core.*", "nanovllm.sampling_params", "nanovllm.inputs", "nanovllm.logprobs", "nanovllm.config",
               "nanovllm.engine.scheduler", "nanovllm.engine.step_plan", "nanovllm.engine.output",
+              "nanovllm.engine.penalties",
               "nanovllm_offload.host_block_pool",
               "nanovllm_offload.policy", "nanovllm_offload.host_memory", "nanovllm_offload.host_tier"]
 

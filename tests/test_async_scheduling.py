@@ -148,3 +148,24 @@ def test_an_idle_spell_is_not_timed_as_prefill(qwen3_dir, monkeypatch):
         prior = llm.host_tier.policy.prefill_tokens_per_s
         llm.generate([PROMPTS[1]], greedy(2), use_tqdm=False)  # 17 tokens; the fake device time is 0
         assert llm.host_tier.policy.prefill_tokens_per_s == prior  # a 0 s sample is skipped; a 3 s one would lower it
+
+
+@pytest.mark.parametrize("pressure", [{}, dict(num_kvcache_blocks=24, preemption_mode="recompute"),
+                                      dict(num_kvcache_blocks=24, preemption_mode="swap"),
+                                      dict(max_num_batched_tokens=16)])
+def test_async_penalties_equal_sync(qwen3_dir, pressure):
+    """Penalties count every completion token, and the last one of a sequence is still on the device when the next
+    step is planned (a placeholder on the host): the counts take it from the previous step's sampled ids. Penalized
+    and unpenalized requests mixed, under preemption (a recomputed row samples too) and chunked prefill."""
+    # the fourth favours repeating its output at once: counting the last token a step late would change it
+    penalties = [dict(repetition_penalty=2.0), {}, dict(frequency_penalty=1.5, presence_penalty=0.5),
+                 dict(presence_penalty=-2.0, frequency_penalty=-2.0), {},
+                 dict(repetition_penalty=0.5, frequency_penalty=-0.5)]
+    params = [greedy(20, **kw) for kw in penalties]
+    plain, _ = generate(qwen3_dir, PROMPTS, greedy(20), **tiny_llm_kwargs(**pressure))
+    sync, _ = generate(qwen3_dir, PROMPTS, params, **tiny_llm_kwargs(async_scheduling=False, **pressure))
+    got, stats = generate(qwen3_dir, PROMPTS, params, **tiny_llm_kwargs(async_scheduling=True, **pressure))
+    assert got == sync
+    assert [s == p for s, p in zip(sync, plain)] == [not kw for kw in penalties]  # each penalty changed its output
+    if "preemption_mode" in pressure:
+        assert stats["preemptions"] > 0

@@ -243,3 +243,30 @@ def test_released_stack_reservation_goes_to_the_kv_cache(gpu_models):
     threads = props.multi_processor_count * props.max_threads_per_multi_processor
     freed = (kept["stack_limit"] - released["stack_limit"]) * threads
     assert kept["non_torch"] - released["non_torch"] >= freed // 2, (kept, released, freed)
+
+
+PENALTIES = """
+import json, sys
+from nanovllm import LLM, SamplingParams
+prompts = [[5, 6, 7, 8] * 5, [9, 10, 11], [12] * 30]
+penalized = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, repetition_penalty=1.5,
+                           frequency_penalty=0.5, presence_penalty=0.3)
+plain = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+with LLM(sys.argv[1], device="cuda", dtype="float32", max_model_len=1024, max_num_seqs=8,
+         async_scheduling=sys.argv[2] == "1") as llm:
+    outs = llm.generate(prompts + prompts, [penalized] * 3 + [plain] * 3, use_tqdm=False)
+    print(json.dumps([o["token_ids"] for o in outs]))
+"""
+
+
+def test_penalties_on_cuda_with_and_without_async_scheduling(gpu_models):
+    """Penalized rows beside plain ones under CUDA graphs: the placeholders of asynchronous scheduling are filled
+    from the device's last sampled ids, so both loops give the same tokens, and the penalties change them."""
+    def start(async_scheduling):
+        proc = subprocess.run([sys.executable, "-c", PENALTIES, gpu_models["qwen3"], async_scheduling],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    on, off = start("1"), start("0")
+    assert on == off
+    assert on[:3] != on[3:]

@@ -243,19 +243,23 @@ def test_resuming_a_sequence_whose_blocks_are_all_cached_is_progress(qwen3_dir):
 
 
 def test_a_models_generation_config_sets_the_sampling_defaults(qwen3_dir, tmp_path):
-    """vLLM's generation_config="auto": options a request leaves unset come from generation_config.json; "vllm"
-    ignores the file; a value the engine would refuse names the file."""
+    """vLLM's generation_config="auto": options a request leaves unset come from generation_config.json (its
+    repetition_penalty included); "vllm" ignores the file; a value the engine would refuse names the file."""
     import json
     import shutil
     model = tmp_path / "qwen3"
     shutil.copytree(qwen3_dir, model)
     (model / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 5, "top_p": 0.5,
-                                                              "repetition_penalty": 1.0, "eos_token_id": 2}))
+                                                              "repetition_penalty": 2.0, "eos_token_id": 2}))
     prompts = GOOD[:2]
     with LLM(str(model), **tiny_llm_kwargs()) as llm:
-        assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, top_k=5, top_p=0.5)
-        greedy_16 = [o["token_ids"] for o in llm.generate(prompts, greedy(16), use_tqdm=False)]
-        assert [o["token_ids"] for o in llm.generate(prompts, use_tqdm=False)] == greedy_16  # the file: greedy
+        assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, top_k=5, top_p=0.5,
+                                                                   repetition_penalty=2.0)
+        plain, penalized = ([o["token_ids"] for o in llm.generate(prompts, SamplingParams(temperature=0.0, **kw),
+                                                                   use_tqdm=False)]
+                            for kw in ({}, dict(repetition_penalty=2.0)))
+        assert penalized != plain  # the file's penalty changes these prompts' tokens
+        assert [o["token_ids"] for o in llm.generate(prompts, use_tqdm=False)] == penalized  # the file's options
     with LLM(str(model), **tiny_llm_kwargs(generation_config="vllm")) as llm:
         assert llm.get_default_sampling_params() == SamplingParams()
     (model / "generation_config.json").write_text(json.dumps({"temperature": -1}))

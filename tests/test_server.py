@@ -31,19 +31,24 @@ MODEL = "smollm2"
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are"]
 NUM_TOKENS = 8  # per completion in the concurrency tests; ignore_eos makes every answer exactly this long
 IGNORE_EOS = {"ignore_eos": True}  # vLLM's extension, sent through the openai client's extra_body
+# per prompt, penalties that change its greedy NUM_TOKENS tokens (repetition_penalty is vLLM's extension)
+PENALTIES = {PROMPTS[0]: {"presence_penalty": 1.5, "frequency_penalty": 1.0}, PROMPTS[3]: {"repetition_penalty": 1.3}}
 
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
-    """Yields (base_url, reference): the server's address and, per prompt, the offline engine's greedy text for
-    NUM_TOKENS tokens, computed before the server takes the engine over."""
+    """Yields (base_url, reference, penalized): the server's address and, per prompt, the offline engine's greedy
+    text for NUM_TOKENS tokens, plain and (for the prompts of PENALTIES) with its penalties, computed before the
+    server takes the engine over."""
     llm = LLM(smollm2_dir, **smollm2_llm_kwargs(max_num_seqs=16, num_kvcache_blocks=64, preemption_mode="swap",
                                                 swap_space=0.05))
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     reference = {p: llm.generate([p], params, use_tqdm=False)[0]["text"] for p in PROMPTS}
+    penalized = {p: llm.generate([p], SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, **kw),
+                                 use_tqdm=False)[0]["text"] for p, kw in PENALTIES.items()}
     try:
         with serving(build_app(llm, MODEL, api_key=API_KEY)) as port:
-            yield f"http://127.0.0.1:{port}", reference
+            yield f"http://127.0.0.1:{port}", reference, penalized
     finally:
         close_llm(llm)
 
@@ -285,7 +290,9 @@ LONG_PROMPT = "hello " * 600  # > max_model_len=512 tokens
     (dict(n=2), "n=2"),
     (dict(logprobs=21), "logprobs=21 must be in [0, 20]"),
     (dict(logprobs=-1), "logprobs=-1"),
-    (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty"),
+    (dict(presence_penalty=2.5), "presence_penalty=2.5 must be in [-2, 2]"),
+    (dict(frequency_penalty=-3), "frequency_penalty=-3.0 must be in [-2, 2]"),
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty=0.0 must be > 0"),
     (dict(extra_body={"guided_choice": ["a", "b"]}), "guided_choice"),
     (dict(extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
     (dict(extra_body={"skip_special_tokens": False}), "skip_special_tokens"),
@@ -341,6 +348,21 @@ def test_options_set_to_what_changes_nothing_are_accepted(client, reference):
     assert out.choices[0].text == reference[PROMPTS[2]]
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                           response_format={"type": "text"})
+    assert chat.choices[0].finish_reason in ("length", "stop")
+
+
+def test_penalties_are_applied_as_offline(client, server):
+    """presence_penalty and frequency_penalty (OpenAI's) and repetition_penalty (vLLM's, in extra_body) give the
+    offline engine's penalized text, which differs from the plain one; chat takes them too."""
+    _, reference, penalized = server
+    for prompt, penalties in PENALTIES.items():
+        first_class = {k: v for k, v in penalties.items() if k != "repetition_penalty"}
+        extra = {k: v for k, v in penalties.items() if k == "repetition_penalty"}
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=NUM_TOKENS, temperature=0,
+                                        extra_body={**IGNORE_EOS, **extra}, **first_class)
+        assert out.choices[0].text == penalized[prompt] != reference[prompt], (prompt, penalties)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          frequency_penalty=0.5, extra_body={"repetition_penalty": 1.1})
     assert chat.choices[0].finish_reason in ("length", "stop")
 
 

@@ -1,5 +1,6 @@
 """The sampling defaults a model ships in its generation_config.json, applied as vLLM's generation_config="auto"
-does: an option a request leaves unset takes the file's value (Qwen3's: temperature 0.6, top_p 0.95, top_k 20)."""
+does: an option a request leaves unset takes the file's value (Qwen3's: temperature 0.6, top_p 0.95, top_k 20;
+some models ship a repetition_penalty)."""
 import json
 import logging
 import os
@@ -7,7 +8,7 @@ import os
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")  # the file's fields this engine implements
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # the file's fields applied
 
 
 def default_sampling_options(model: str, generation_config: str) -> dict:
@@ -25,8 +26,6 @@ def default_sampling_options(model: str, generation_config: str) -> dict:
         SamplingParams(**options)
     except ValueError as e:
         raise ValueError(f"{path}: {e}; pass generation_config='vllm' to ignore the file") from None
-    if values.get("repetition_penalty") not in (None, 1, 1.0):
-        logger.warning("%s: repetition_penalty=%s is not applied (not implemented)", path, values["repetition_penalty"])
     if options:
         logger.info("sampling defaults from %s: %s (generation_config='vllm' ignores them)", path, options)
     return options

@@ -11,6 +11,7 @@ from nanovllm.config import SUPPORTED_ARCHITECTURES, Config
 from nanovllm.core.sequence import Sequence
 from nanovllm.engine.kv_cache import num_blocks_for_budget
 from nanovllm.engine.memory_profile import apply_budget, profile_memory, release_stack_reservation
+from nanovllm.engine.penalties import penalized_rows, step_penalties
 from nanovllm.engine.prefill_probe import measure_prefill_tokens_per_s
 from nanovllm.engine.device import resolve_device, resolve_dtype
 from nanovllm.engine.step_inputs import SampledTokens, prepare_step_inputs
@@ -168,7 +169,7 @@ class ModelRunner:
             if any(p.seed is not None for p in params):
                 generators = [self._generator(s) for s in seqs]
         temps = self._to_device([0.0 if p.is_greedy else t for p, t in zip(params, temperatures)], torch.float32)
-        return SamplingTensors(temps, top_ks, top_ps, min_ps, generators, all_greedy)
+        return SamplingTensors(temps, top_ks, top_ps, min_ps, generators, all_greedy, penalized_rows(seqs))
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         seed = seq.sampling_params.seed
@@ -204,8 +205,10 @@ class ModelRunner:
         if logits is None:
             return SampledTokens(None, prompt_logprobs)
         rows = self._to_device(plan.sample_logprob_rows, torch.int64) if plan.sample_logprob_rows else None
-        logprobs = raw_logprobs(logits[rows]) if rows is not None else None  # before the sampler masks logits
-        self._last_sampled = self.sampler(logits, self.sampling_tensors(sample_seqs), plan.banned_token_ids)
+        logprobs = raw_logprobs(logits[rows]) if rows is not None else None  # before the masks and penalties
+        st = self.sampling_tensors(sample_seqs)
+        penalties = step_penalties(sample_seqs, st.penalized_rows)  # None unless a row has a penalty
+        self._last_sampled = self.sampler(logits, st, plan.banned_token_ids, penalties, self._last_sampled)
         if logprobs is not None:
             sample_logprobs = chosen_and_top(logprobs, self._last_sampled[rows], plan.num_top_logprobs)
             prompt_logprobs = _cat_rows(sample_logprobs, prompt_logprobs)

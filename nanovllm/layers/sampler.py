@@ -1,4 +1,4 @@
-"""Batched sampling with per-request temperature, top-k, top-p, min-p and seeds."""
+"""Batched sampling with per-request penalties, temperature, top-k, top-p, min-p and seeds."""
 import logging
 from dataclasses import dataclass
 
@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.penalties import apply_penalties
 from nanovllm.utils.compile import compilable
 from nanovllm.utils.switches import SWITCHES
 
@@ -20,6 +21,7 @@ class SamplingTensors:
     min_ps: torch.Tensor | None  # [B] float32
     generators: list[torch.Generator | None] | None  # per row; None rows use the engine's generator
     all_greedy: bool
+    penalized_rows: list[int] | tuple = ()  # rows with a penalty (plain Python; each step builds their counts)
 
     def rows(self, start: int, end: int) -> "SamplingTensors":
         """Rows start..end-1 of every field."""
@@ -47,14 +49,20 @@ class Sampler(nn.Module):
         self.triton_sample = None  # nanovllm.kernels.sampling.sample_tempered, loaded on the first CUDA batch
         self.use_triton = SWITCHES.triton_sampler
 
-    def forward(self, logits: torch.Tensor, st: SamplingTensors, banned_token_ids=()) -> torch.Tensor:
-        """banned_token_ids: (row, token ids) that row may not sample (min_tokens); logits is masked in place."""
+    def forward(self, logits: torch.Tensor, st: SamplingTensors, banned_token_ids=(), penalties=None,
+                last_sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """banned_token_ids: (row, token ids) that row may not sample (min_tokens); logits is masked in place.
+        penalties: the step's PenaltyRows (nanovllm/engine/penalties.py) or None; its tokens that the host has not
+        read back yet are in last_sampled, the previous step's sampled ids. Penalties apply before the rest, greedy
+        rows included (vLLM's order)."""
         pairs = [(row, i) for row, ids in banned_token_ids for i in ids if i < logits.size(1)]
         if pairs:
             index = torch.tensor(pairs, dtype=torch.long)
             if logits.is_cuda:  # pinned, so the copy does not wait for the forward (asynchronous scheduling)
                 index = index.pin_memory().to(logits.device, non_blocking=True)
             logits[index[:, 0], index[:, 1]] = float("-inf")
+        if penalties is not None:
+            logits = apply_penalties(logits, penalties, last_sampled, FILTER_CHUNK_ELEMENTS)
         if st.all_greedy:
             return logits.argmax(-1)
         if st.top_ks is None and st.min_ps is None and not st.generators:  # the common case

@@ -39,9 +39,6 @@ UNSUPPORTED_OPTIONS = {
     "echo": lambda v: not v,
     "logit_bias": lambda v: v == {},
     "suffix": lambda v: v == "",
-    "presence_penalty": lambda v: v == 0,
-    "frequency_penalty": lambda v: v == 0,
-    "repetition_penalty": lambda v: v == 1,
     "tools": lambda v: v == [],
     "functions": lambda v: v == [],
     "response_format": lambda v: v == {"type": "text"},
@@ -96,8 +93,8 @@ class StreamOptions(_Strict):
 
 class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions. None means the engine's default; top_k, min_p,
-    ignore_eos, stop_token_ids, min_tokens and include_stop_str_in_output are vLLM's extensions (send them in the openai
-    client's `extra_body`)."""
+    repetition_penalty, ignore_eos, stop_token_ids, min_tokens and include_stop_str_in_output are vLLM's extensions
+    (send them in the openai client's `extra_body`)."""
     model_config = ConfigDict(strict=True, extra="allow")  # other OpenAI options are accepted and ignored, see `check`
 
     model: str | None = None  # None: the served model (vLLM's default)
@@ -106,6 +103,9 @@ class _SamplingRequest(_Strict):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     seed: int | None = None
@@ -152,7 +152,9 @@ class _SamplingRequest(_Strict):
     def sampling(self, max_tokens: int | None) -> dict:
         """SamplingParams options; max_tokens None: as many as fit (see prepare.room_left)."""
         options = {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                   "top_k": self.top_k, "min_p": self.min_p, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
+                   "top_k": self.top_k, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+                   "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+                   "stop": self.stop, "stop_token_ids": self.stop_token_ids,
                    "seed": self.seed, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
                    "include_stop_str_in_output": self.include_stop_str_in_output, "logprobs": self.num_logprobs}
         return {k: v for k, v in options.items() if v is not None or k == "max_tokens"}
