@@ -654,7 +654,7 @@ def test_a_load_reads_into_its_host_blocks_only_after_the_copies_that_touched_th
     gpu.cache_full_blocks(swapped)
     assert tier.swap_out(swapped, gpu, []) == [(2, 2), (1, 1), (0, 0)]
     gpu.free(swapped)
-    assert tier.swap_in(swapped, gpu, 0) == [(2, 2)]  # the partial block: host block 2 is read by the copy
+    assert tier.swap_in(swapped, gpu, 0, 64) == [(2, 2)]  # the partial block: host block 2 is read by the copy
     seq = Sequence(list(range(500, 517)), SamplingParams(), 4)  # 4 full blocks before the last token
     store_prompt_blocks(store, seq, range(4))
     assert tier.start_disk_load(seq, 0, [])
