@@ -221,7 +221,7 @@ import json, sys
 import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.memory_profile import stack_limit_bytes
-with LLM(sys.argv[1], device="cuda", dtype="float32", max_model_len=1024, max_num_seqs=8) as llm:
+with LLM(sys.argv[1], device="cuda", dtype="bfloat16", max_model_len=1024, max_num_seqs=8) as llm:
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     print(json.dumps({"token_ids": out[0]["token_ids"], "non_torch": llm.memory_breakdown["non_torch"],
                       "stack_limit": stack_limit_bytes(llm.runner.device)}))
@@ -230,7 +230,8 @@ with LLM(sys.argv[1], device="cuda", dtype="float32", max_model_len=1024, max_nu
 
 def test_released_stack_reservation_goes_to_the_kv_cache(gpu_models):
     """The engine sets CUDA's per-thread stack limit to 0 at start-up (the driver raises it for a kernel that needs
-    one): CUDA's own memory at sizing drops by most of stack limit x resident threads, and the tokens stay."""
+    one): CUDA's own memory at sizing drops by most of stack limit x resident threads, and the tokens stay. In
+    bfloat16, the dtype a GPU runs (float32 tiles may spill registers, and a kernel that spills raises the limit)."""
     def start(env):
         proc = subprocess.run([sys.executable, "-c", STACK, gpu_models["qwen3"]], capture_output=True, text=True,
                               timeout=600, env={**os.environ, **env})
