@@ -240,6 +240,8 @@ def test_released_stack_reservation_goes_to_the_kv_cache(gpu_models):
     kept, released = start({"NANOVLLM_CUDA_STACK": "0"}), start({})
     assert released["token_ids"] == kept["token_ids"]
     assert released["stack_limit"] < kept["stack_limit"], (released, kept)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # CUDA's own memory is device-wide free memory: engines of other workers on this GPU would count
     props = torch.cuda.get_device_properties(0)
     threads = props.multi_processor_count * props.max_threads_per_multi_processor
     freed = (kept["stack_limit"] - released["stack_limit"]) * threads
