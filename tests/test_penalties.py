@@ -59,11 +59,10 @@ def test_penalties_match_a_hand_computed_example():
 
 def test_chunks_of_rows_and_half_precision_logits_give_the_same_values():
     """One row per chunk (a 6-token vocabulary, 6 elements per chunk), and bfloat16 logits (exact in these values):
-    penalized in float32 and stored back in place, in bfloat16 (no float32 copy of the batch)."""
+    float32 logits come back, vLLM's dtype for penalties (rounded back to bf16, 14.4375 / 1.2 would tie 12)."""
     assert apply_penalties(torch.tensor(LOGITS), rows_of(**STEP), None, 6).tolist() == EXPECTED
-    logits = torch.tensor(LOGITS, dtype=torch.bfloat16)
-    out = apply_penalties(logits, rows_of(**STEP), None, 6)
-    assert out is logits and out.float().tolist() == EXPECTED
+    out = apply_penalties(torch.tensor(LOGITS, dtype=torch.bfloat16), rows_of(**STEP), None, 6)
+    assert out.dtype == torch.float32 and out.tolist() == EXPECTED
 
 
 def test_placeholders_take_the_previous_steps_sampled_ids():
@@ -82,6 +81,17 @@ def test_a_greedy_row_samples_the_penalized_argmax():
     st = SamplingTensors(torch.zeros(4), None, None, None, None, all_greedy=True)
     assert Sampler()(logits.clone(), st).tolist() == [3, 0, 0, 0]
     assert Sampler()(logits.clone(), st, (), rows_of(**STEP)).tolist() == [5, 1, 0, 0]
+
+
+def test_later_steps_of_a_batch_send_only_their_outputs():
+    """The rows, their values and their prompts go to the device once per batch (BatchPenalties, from the first
+    step); a later step's rows carry no prompt tokens, and penalize the same with the batch's."""
+    from nanovllm.layers.penalties import BatchPenalties
+    batch = BatchPenalties(rows_of(**STEP), torch.device("cpu"))
+    later = rows_of(**{**STEP, "prompts": [[], [], []]})
+    assert later.prompt_token_ids == [] and later.prompt_offsets == [0, 0, 0, 0]
+    assert apply_penalties(torch.tensor(LOGITS), later, None, 6, batch).tolist() == EXPECTED
+    assert apply_penalties(torch.tensor(LOGITS), later, None, 6).tolist() != EXPECTED  # the prompts count
 
 
 def make_seq(prompt, output, **params) -> Sequence:
@@ -105,6 +115,8 @@ def test_step_rows_take_only_penalized_requests_and_their_tokens():
     assert (step.prompt_token_ids, step.prompt_offsets) == ([12], [0, 0, 1, 1])
     assert (step.placeholder_indices, step.placeholder_sources) == ([3], [7])
     assert step_penalties(seqs, penalized_rows(seqs[:1])) is None  # no penalized row: nothing built
+    without = step_penalties(seqs, rows, with_prompts=False)  # a later step of the same batch
+    assert (without.prompt_token_ids, without.output_token_ids) == ([], step.output_token_ids)
     seqs[2].num_unresolved_tokens = 2
     with pytest.raises(RuntimeError, match="sequence .* has 2 tokens not read back"):
         step_penalties(seqs, rows)
@@ -193,9 +205,9 @@ def penalty_spy(monkeypatch):
     """Records each call of the sampler's apply_penalties: (logits before, logits after, penalized rows)."""
     calls = []
 
-    def spy(logits, step, last_sampled, max_elements):
+    def spy(logits, step, last_sampled, max_elements, batch=None):
         before = logits.clone()
-        after = apply_penalties(logits, step, last_sampled, max_elements)
+        after = apply_penalties(logits, step, last_sampled, max_elements, batch)
         calls.append((before, after.clone(), list(step.rows)))
         return after
     monkeypatch.setattr(sampler_module, "apply_penalties", spy)

@@ -359,8 +359,8 @@ def test_reset_prefix_cache_forgets_both_tiers_or_neither():
 
 def test_a_swapped_sequence_resumes_only_with_room_for_its_next_chunk():
     """Resumed as soon as its own blocks fit, a sequence in chunked prefill found no room for its next chunk, was
-    preempted again by it and swapped in and out every other step (laptop-agent: 185 swaps instead of 3). It waits
-    until its blocks, the next chunk's and the watermark are free."""
+    preempted again by it and swapped in and out every other step. It waits until its blocks, the next chunk's and
+    the watermark are free."""
     s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=16, max_num_batched_tokens=7, mode="swap")
     a = make_seq(13, max_tokens=14)  # 27 tokens: 7 blocks at most
     s.add(a)

@@ -207,7 +207,7 @@ class ModelRunner:
         rows = self._to_device(plan.sample_logprob_rows, torch.int64) if plan.sample_logprob_rows else None
         logprobs = raw_logprobs(logits[rows]) if rows is not None else None  # before the masks and penalties
         st = self.sampling_tensors(sample_seqs)
-        penalties = step_penalties(sample_seqs, st.penalized_rows)  # None unless a row has a penalty
+        penalties = step_penalties(sample_seqs, st.penalized_rows, st.penalty_batch is None)  # None: no penalty
         self._last_sampled = self.sampler(logits, st, plan.banned_token_ids, penalties, self._last_sampled)
         if logprobs is not None:
             sample_logprobs = chosen_and_top(logprobs, self._last_sampled[rows], plan.num_top_logprobs)

@@ -32,8 +32,10 @@ class PenaltyRows:
     placeholder_sources: list[int] = field(default_factory=list)  # their rows in the previous step's sampled ids
 
 
-def step_penalties(sample_seqs: list[Sequence], rows: list[int]) -> PenaltyRows | None:
-    """The penalized `rows` of sample_seqs (penalized_rows) with their tokens; None when there are none."""
+def step_penalties(sample_seqs: list[Sequence], rows: list[int], with_prompts: bool = True) -> PenaltyRows | None:
+    """The penalized `rows` of sample_seqs (penalized_rows) with their tokens; None when there are none. The
+    prompts only with_prompts: they stay on the device while the batch holds the same sequences (BatchPenalties),
+    so later steps send only the outputs."""
     if not rows:
         return None
     step = PenaltyRows()
@@ -44,7 +46,7 @@ def step_penalties(sample_seqs: list[Sequence], rows: list[int]) -> PenaltyRows 
         step.presence.append(params.presence_penalty)
         step.frequency.append(params.frequency_penalty)
         step.repetition.append(params.repetition_penalty)
-        if params.repetition_penalty != 1.0:
+        if with_prompts and params.repetition_penalty != 1.0:
             step.prompt_token_ids += token_ids[:num_prompt]
         step.prompt_offsets.append(len(step.prompt_token_ids))
         step.output_token_ids += token_ids[num_prompt:]

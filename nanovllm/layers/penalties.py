@@ -1,41 +1,57 @@
 """vLLM's presence, frequency and repetition penalties (v1 `apply_penalties`) on the rows of a step's logits that
-have one. The counts are built per step from the rows' token ids, a chunk of rows at a time, so nothing of
-vocabulary size outlives the step and a chunk's [rows, vocab] tensors stay within the sampler's chunk bound."""
+have one. What stays while the batch holds the same sequences (the rows, their values, their prompts' tokens) goes
+to the device once (BatchPenalties, kept with the batch's SamplingTensors); each step sends only the rows' output
+tokens. The counts are built a chunk of rows at a time, so nothing of vocabulary size outlives the step."""
 import itertools
 
 import numpy as np
 import torch
 
 
-def apply_penalties(logits: torch.Tensor, step, last_sampled: torch.Tensor | None, max_elements: int) -> torch.Tensor:
-    """logits [B, V] with the rows of `step` (a PenaltyRows, nanovllm/engine/penalties.py) penalized in place.
-    Each chunk of penalized rows is computed in float32, as vLLM does, and stored back in the logits' dtype: a
-    float32 copy of the whole batch would be memory the start-up profile never saw (155 MiB at 256 rows of a
-    152k vocabulary), taken from the KV's headroom on a small card.
-    `last_sampled`: the previous step's sampled ids, which hold the tokens the host has not read back yet."""
+class BatchPenalties:
+    """The penalized rows, their penalties and their prompts' tokens on the device, from a step's PenaltyRows
+    (nanovllm/engine/penalties.py) built with its prompts; later steps of the same batch build theirs without."""
+
+    def __init__(self, step, device: torch.device):
+        self.num_rows = len(step.rows)
+        self.prompt_offsets = step.prompt_offsets  # host: the chunks slice the prompt ids by them
+        prompt_lens = [b - a for a, b in itertools.pairwise(step.prompt_offsets)]
+        parts = [step.rows, step.prompt_token_ids, prompt_lens]
+        self.rows, self.prompt_ids, self.prompt_lens = _to_device(parts, device).split([len(p) for p in parts])
+        values = step.presence + step.frequency + step.repetition
+        self.presence, self.frequency, self.repetition = _to_device([values], device, np.float32).view(3, -1)
+
+
+def apply_penalties(logits: torch.Tensor, step, last_sampled: torch.Tensor | None, max_elements: int,
+                    batch: BatchPenalties | None = None) -> torch.Tensor:
+    """logits [B, V] -> float32 logits [B, V] with the rows of `step` (a PenaltyRows) penalized and the others'
+    values kept (in place when logits are float32). vLLM penalizes and samples float32 logits: rounded back to
+    bf16, a penalized logit can tie its neighbour and flip a greedy choice. The float32 copy of a bf16 batch
+    (155 MiB at 256 rows of a 152k vocabulary) is the one transient the start-up profile does not size; it comes
+    out of the headroom gpu_memory_utilization leaves. `batch`: the batch's BatchPenalties (None: from `step`,
+    which then holds the prompts). `last_sampled`: the previous step's sampled ids, which hold the tokens the host
+    has not read back yet."""
+    logits = logits.float()
     vocab, device = logits.size(1), logits.device
+    batch = batch if batch is not None else BatchPenalties(step, device)
     output_lens = [b - a for a, b in itertools.pairwise(step.output_offsets)]
-    prompt_lens = [b - a for a, b in itertools.pairwise(step.prompt_offsets)]
-    parts = [step.rows, step.output_token_ids, step.prompt_token_ids, output_lens, prompt_lens,
-             step.placeholder_indices, step.placeholder_sources]
-    (rows, output_ids, prompt_ids, output_lens, prompt_lens, placeholder_indices,
-     placeholder_sources) = _to_device(parts, device).split([len(part) for part in parts])
+    parts = [step.output_token_ids, output_lens, step.placeholder_indices, step.placeholder_sources]
+    output_ids, output_lens, placeholder_indices, placeholder_sources = _to_device(parts, device).split(
+        [len(part) for part in parts])
     if step.placeholder_indices:  # tokens sampled by the previous step, never read back to the host
         if last_sampled is None:
             raise RuntimeError(f"apply_penalties: rows {step.rows} count tokens not read back, and no step sampled")
         output_ids[placeholder_indices] = last_sampled[placeholder_sources]
-    values = step.presence + step.frequency + step.repetition
-    presence, frequency, repetition = _to_device([values], device, np.float32).view(3, -1)
     chunk_rows = max(1, max_elements // vocab)
-    out, prompt = step.output_offsets, step.prompt_offsets
-    for start in range(0, len(step.rows), chunk_rows):
-        end = min(start + chunk_rows, len(step.rows))
-        chunk = rows[start:end]
+    out, prompt = step.output_offsets, batch.prompt_offsets
+    for start in range(0, batch.num_rows, chunk_rows):
+        end = min(start + chunk_rows, batch.num_rows)
+        chunk = batch.rows[start:end]
         output_rows = _row_of_each(output_lens[start:end], out[end] - out[start])
-        prompt_rows = _row_of_each(prompt_lens[start:end], prompt[end] - prompt[start])
-        logits[chunk] = penalize(logits[chunk].float(), output_rows, output_ids[out[start]:out[end]], prompt_rows,
-                                 prompt_ids[prompt[start]:prompt[end]], presence[start:end], frequency[start:end],
-                                 repetition[start:end]).to(logits.dtype)
+        prompt_rows = _row_of_each(batch.prompt_lens[start:end], prompt[end] - prompt[start])
+        logits[chunk] = penalize(logits[chunk], output_rows, output_ids[out[start]:out[end]], prompt_rows,
+                                 batch.prompt_ids[prompt[start]:prompt[end]], batch.presence[start:end],
+                                 batch.frequency[start:end], batch.repetition[start:end])
     return logits
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.penalties import apply_penalties
+from nanovllm.layers.penalties import BatchPenalties, apply_penalties
 from nanovllm.utils.compile import compilable
 from nanovllm.utils.switches import SWITCHES
 
@@ -22,6 +22,7 @@ class SamplingTensors:
     generators: list[torch.Generator | None] | None  # per row; None rows use the engine's generator
     all_greedy: bool
     penalized_rows: list[int] | tuple = ()  # rows with a penalty (plain Python; each step builds their counts)
+    penalty_batch: BatchPenalties | None = None  # their values and prompts on the device, from the batch's first step
 
     def rows(self, start: int, end: int) -> "SamplingTensors":
         """Rows start..end-1 of every field."""
@@ -62,7 +63,9 @@ class Sampler(nn.Module):
                 index = index.pin_memory().to(logits.device, non_blocking=True)
             logits[index[:, 0], index[:, 1]] = float("-inf")
         if penalties is not None:
-            logits = apply_penalties(logits, penalties, last_sampled, FILTER_CHUNK_ELEMENTS)
+            if st.penalty_batch is None:  # this step's PenaltyRows holds the prompts (step_penalties)
+                st.penalty_batch = BatchPenalties(penalties, logits.device)
+            logits = apply_penalties(logits, penalties, last_sampled, FILTER_CHUNK_ELEMENTS, st.penalty_batch)
         if st.all_greedy:
             return logits.argmax(-1)
         if st.top_ks is None and st.min_ps is None and not st.generators:  # the common case
