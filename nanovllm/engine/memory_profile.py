@@ -39,9 +39,10 @@ def release_stack_reservation(device: torch.device) -> bool:
 
     The driver keeps stack_limit x (threads an SM can hold) x SMs of local memory whether a kernel uses it or not:
     1 KiB x 2,048 x 132 = 264 MiB on an H100, 54 MiB on a 36-SM laptop part, all of it taken from the KV cache.
-    The engine's kernels keep their values in registers. A limit of 0 frees it: the driver raises the limit at the
-    launch of any kernel that needs more (a spill, a printf) and keeps it raised, so no kernel fails for it, and
-    the profiling run's kernels have raised it to what they need before the sizing measures CUDA's own memory.
+    Few of the engine's kernels need a stack at all (torch's sort takes 256 bytes). A limit of 0 frees it: the
+    driver raises the limit at the launch of any kernel that needs more (a spill, a printf) and keeps it raised, so
+    no kernel fails for it, and the profiling run's kernels have raised it to what they need before the sizing
+    measures CUDA's own memory.
     NANOVLLM_CUDA_STACK=0 leaves the driver's default."""
     if not SWITCHES.release_cuda_stack or device.type != "cuda":
         return False
