@@ -122,7 +122,8 @@ def fp8_linear(w: np.ndarray, block: tuple[int, int] | None, per_tensor: bool = 
 
 def write_pair(hf_dir: str, out_dir: str, quantize, quantization_config: dict, rename: dict | None = None,
                extra: dict | None = None) -> tuple[str, str]:
-    """From a float32 checkpoint: (quantized dir, reference dir). quantize(name, w [N, K]) -> (tensors, deq);
+    """From a float32 checkpoint: (quantized dir, reference dir). quantize(name, w [N, K]) -> (tensors, deq), or
+    None to keep the layer unquantized;
     rename maps a tensor suffix to the format's name (weight_scale -> weight_scale_inv); extra(name) adds tensors
     the format writes per layer (input_scale)."""
     from safetensors.torch import load_file
@@ -135,7 +136,11 @@ def write_pair(hf_dir: str, out_dir: str, quantize, quantization_config: dict, r
     for name, tensor in state.items():
         layer = name.rpartition(".")[0]
         if name.endswith(".weight") and layer.rpartition(".")[2] in LINEARS:
-            tensors, deq = quantize(name, tensor.float().numpy())
+            result = quantize(name, tensor.float().numpy())
+            if result is None:  # a layer the format leaves unquantized (modules_to_not_convert, ignore)
+                quantized[name] = reference[name] = tensor
+                continue
+            tensors, deq = result
             for suffix, t in tensors.items():
                 quantized[f"{layer}.{(rename or {}).get(suffix, suffix)}"] = t.contiguous()
             quantized.update((extra or (lambda _: {}))(layer))

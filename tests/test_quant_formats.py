@@ -42,6 +42,9 @@ def _row_groups(fn):
 CASES = {
     "awq-g32": ("qwen3", lambda n, w: qc.awq_linear(w, 32), qc.awq_config(32), None, None),
     "awq-g64": ("llama", lambda n, w: qc.awq_linear(w, 64), qc.awq_config(64), None, None),
+    # the second layer's MLP left in float32 (AutoAWQ's modules_to_not_convert)
+    "awq-g32-skip": ("qwen3", lambda n, w: None if ".layers.1.mlp." in n else qc.awq_linear(w, 32),
+                     dict(qc.awq_config(32), modules_to_not_convert=["model.layers.1.mlp"]), None, None),
     "gptq4-sym-g32": ("qwen3", lambda n, w: qc.gptq_linear(w, 32, 4, True), qc.gptq_config(4, 32, True), None, None),
     "gptq8-asym-g64": ("llama", lambda n, w: qc.gptq_linear(w, 64, 8, False), qc.gptq_config(8, 64, False), None,
                        None),

@@ -180,11 +180,11 @@ def check_quant_shapes(spec: QuantSpec, shapes: dict[str, tuple[list[int], int]]
         if spec.kind == "int" and spec.group_size == -1:
             unit_k = input_size if tp == 1 or layer not in ("o_proj", "down_proj") else 0
         if unit_k <= 0 or input_size % unit_k:
-            raise ValueError(f"quantization_config {field}={getattr(spec, field.replace('weight_', ''))} does not "
+            raise ValueError(f"quantization_config.{field}={getattr(spec, field.replace('weight_', ''))} does not "
                              f"divide {layer}'s input size {input_size} (per rank at tensor_parallel_size={tp}); "
                              f"supported: a {field} that divides it")
         for size in output_sizes:
             if size % unit_n:
-                raise ValueError(f"quantization_config {field}: {layer}'s output part of {size} (per rank at "
+                raise ValueError(f"quantization_config.{field}: {layer}'s output part of {size} (per rank at "
                                  f"tensor_parallel_size={tp}) is not a multiple of {unit_n}; supported: outputs in "
                                  f"whole blocks")
