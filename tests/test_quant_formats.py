@@ -142,3 +142,38 @@ def test_quantization_option_follows_or_checks_the_checkpoint(quant_root, bases)
         Config(ref_dir, quantization="fp8")
     with pytest.raises(ValueError, match=r"quantization='int3' must be None, 'auto' or one of"):
         Config(quant_dir, quantization="int3")
+
+
+def int8_rows(w: torch.Tensor) -> torch.Tensor:
+    """Symmetric int8 per vocabulary row (scale max|row| / 127), dequantized in float32: the reference of
+    quantize_lm_head="int8"."""
+    scale = w.abs().amax(1, keepdim=True) / 127
+    return torch.round(w / scale).clamp(-127, 127) * scale
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])  # tied: one int8 tensor serves both; untied: each its own
+def test_int8_lm_head_matches_its_dequantized_weights(quant_root, bases, kind):
+    from safetensors.torch import load_file, save_file
+    ref_dir = quant_root / f"int8-head-{kind}"
+    if not ref_dir.is_dir():
+        ref_dir.mkdir()
+        tensors = load_file(os.path.join(bases[kind], "model.safetensors"))
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name in tensors:
+                tensors[name] = int8_rows(tensors[name])
+        save_file(tensors, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+        (ref_dir / "config.json").write_text(open(os.path.join(bases[kind], "config.json")).read())
+    llm = LLM(bases[kind], **tiny_llm_kwargs(quantize_lm_head="int8"))
+    try:
+        outs = llm.generate(PROMPTS, greedy(MAX_TOKENS, prompt_logprobs=NUM_TOP), use_tqdm=False)
+        head = llm.runner.model.lm_head
+        assert head.weight.dtype == torch.int8 and head.scales.shape == (VOCAB, 1)
+        assert (head.weight is llm.runner.model.model.embed_tokens.weight) == (kind == "qwen3")
+    finally:
+        close_llm(llm)
+    assert_matches_hf(str(ref_dir), PROMPTS, outs, MAX_TOKENS, kind)
+    for prompt, out in zip(PROMPTS, outs):
+        reference = hf_log_softmax(str(ref_dir), prompt)
+        for j in range(1, len(prompt)):
+            got = out["prompt_logprobs"][j][prompt[j]].logprob
+            assert abs(got - reference[j - 1, prompt[j]].item()) < TOLERANCE, (kind, j, got)
