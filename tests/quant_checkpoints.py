@@ -16,8 +16,8 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 def quantize_groups(w: np.ndarray, group_size: int, bits: int, symmetric: bool, scale_dtype=torch.float16):
     """Round-to-nearest groups along K: unsigned q [N, K], zero points z [N, K // G] and scales s [N, K // G]
-    (a torch tensor of scale_dtype) with w ~ (q - z) * s. Asymmetric zero points stay in 1..2**bits - 1 (AutoGPTQ's v1 stores
-    z - 1, which cannot hold 0)."""
+    (a torch tensor of scale_dtype) with w ~ (q - z) * s. Asymmetric zero points stay in 1..2**bits - 1
+    (AutoGPTQ's v1 stores z - 1, which cannot hold 0)."""
     n, k = w.shape
     maxq = (1 << bits) - 1
     groups = w.reshape(n, k // group_size, group_size)
@@ -184,3 +184,22 @@ def fp8_config(block: list[int] | None, activation_scheme: str = "dynamic") -> d
     if block:
         config["weight_block_size"] = block
     return config
+
+
+# conftest.VOCAB tokens; head_dim 64 with 2 KV heads: every merged part (q 256, k 128, v 128, gate/up 256) is whole
+# 128-blocks (Qwen's FP8)
+BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.25, bos_token_id=1,
+            eos_token_id=2)
+
+
+def write_base(kind: str, path: str) -> str:
+    """A float32 checkpoint to quantize: a tied Qwen3 or an untied Llama."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    if kind == "qwen3":
+        config = Qwen3Config(**BASE, head_dim=64, rope_theta=1e5, tie_word_embeddings=True)
+    else:  # untied lm_head, which stays unquantized
+        config = LlamaConfig(**BASE, rope_theta=2e5, tie_word_embeddings=False)
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 import quant_checkpoints as qc
 from conftest import close_llm, tiny_llm_kwargs
 from nanovllm import LLM
-from test_quant_formats import bases, quant_pair, quant_root  # noqa: F401  (session fixtures shared with it)
+from test_quant_formats import quant_pair
 
 
 def unreadable_checkpoint(tmp_path, base_dir: str, quantization_config: dict) -> str:
@@ -46,7 +46,8 @@ UNSUPPORTED = [
     (dict(qc.awq_config(32), bits=3), r"quantization_config.bits=3 is not supported; supported: \[4\]"),
     (ct_groups(actorder="group"), r"weights.actorder='group' is not supported; supported: \[None, False\]"),
     (ct_groups(num_bits=2), r"weights.num_bits=2 is not supported; supported: \[4, 8\]"),
-    (qc.fp8_config([128, 128]), r"quantization_config.weight_block_size: qkv_proj's output part of 64 .* is not a multiple of 128"),
+    (qc.fp8_config([128, 128]),
+     r"quantization_config.weight_block_size: qkv_proj's output part of 64 .* is not a multiple of 128"),
     (dict(qc.fp8_config(None), fmt="e5m2"), r"quantization_config.fmt='e5m2' is not supported; supported: \['e4m3'\]"),
 ]
 
@@ -130,6 +131,21 @@ def test_a_corrupt_tensor_names_itself(quant_root, bases, tmp_path, case, tensor
 
 
 def test_a_merged_layer_partly_left_unquantized_is_refused(tmp_path, bases):
-    model_dir = unreadable_checkpoint(tmp_path, bases["llama"], dict(qc.awq_config(32), modules_to_not_convert=["q_proj"]))
+    config = dict(qc.awq_config(32), modules_to_not_convert=["q_proj"])
+    model_dir = unreadable_checkpoint(tmp_path, bases["llama"], config)
     with pytest.raises(ValueError, match=r"leaves \['model.layers.0.self_attn.q_proj', .*\] partly unquantized"):
         start(model_dir)
+
+
+def test_gptq_without_g_idx_loads(quant_root, bases, tmp_path):
+    """g_idx is optional (without act-order it says nothing the group size does not); every other tensor is not."""
+    quant_dir, _ = quant_pair(quant_root, bases, "gptq4-sym-g32")
+
+    def drop(names):
+        def change(tensors):
+            for name in [n for n in tensors if n.endswith(names)]:
+                del tensors[name]
+        return change
+    start(rewrite(quant_dir, tmp_path / "no-g-idx", drop(".g_idx")))
+    with pytest.raises(ValueError, match=r"lacks weights for \['model.layers.0.mlp.down_proj.qzeros'"):
+        start(rewrite(quant_dir, tmp_path / "no-qzeros", drop("down_proj.qzeros")))

@@ -16,21 +16,6 @@ TOLERANCE = 1e-4  # absolute, in nats: the engine's float32 logprobs against HF'
 PROMPTS = random_prompts([5, 19, 33])
 MAX_TOKENS = 8
 NUM_TOP = 3
-# head_dim 64 with 2 KV heads: every merged part (q 256, k 128, v 128, gate/up 256) is whole 128-blocks (Qwen's FP8)
-BASE = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.25, bos_token_id=1,
-            eos_token_id=2)
-
-
-def write_base(kind: str, path: str) -> str:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
-    if kind == "qwen3":
-        config = Qwen3Config(**BASE, head_dim=64, rope_theta=1e5, tie_word_embeddings=True)
-    else:  # untied lm_head, which stays unquantized
-        config = LlamaConfig(**BASE, rope_theta=2e5, tie_word_embeddings=False)
-    torch.manual_seed(7)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    return path
 
 
 def _row_groups(fn):
@@ -68,16 +53,6 @@ CASES = {
                           qc.fp8_config(None, "static"), None,
                           lambda layer: {f"{layer}.input_scale": torch.tensor(0.02)}),
 }
-
-
-@pytest.fixture(scope="session")
-def quant_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("quant")
-
-
-@pytest.fixture(scope="session")
-def bases(quant_root):
-    return {kind: write_base(kind, str(quant_root / f"base-{kind}")) for kind in ("qwen3", "llama")}
 
 
 def quant_pair(quant_root, bases, case: str) -> tuple[str, str]:

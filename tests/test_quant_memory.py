@@ -5,7 +5,6 @@ import json
 import math
 
 import pytest
-import torch
 
 from conftest import close_llm, greedy
 from nanovllm import LLM

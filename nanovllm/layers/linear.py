@@ -8,7 +8,6 @@ int32 of eight 4-bit values, G for a group's scale), so packed weights split on 
 """
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.quantization.method import QuantLinearMethod, UnquantizedLinearMethod, new_param

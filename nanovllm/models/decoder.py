@@ -12,9 +12,9 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.utils.quant_spec import QuantSpec
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, qk_norm_rope
 from nanovllm.utils.distributed import tp_size
+from nanovllm.utils.quant_spec import QuantSpec
 
 
 class DecoderAttention(nn.Module):

@@ -11,7 +11,6 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-
 # checkpoint tensors that hold nothing the engine reads: rotary tables the engine computes itself
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 ORDINARY_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -55,7 +54,8 @@ def load_weights(model: nn.Module, path: str):
             loaded.add(target)
     if getattr(model, "tie_word_embeddings", False):
         loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded) + _missing_shards(shards, packed)
+    required = {name for name, param in params.items() if not getattr(param, "is_optional", False)}
+    missing = sorted(required - loaded) + _missing_shards(shards, packed)
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     process_weights_after_loading(model)

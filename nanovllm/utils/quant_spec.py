@@ -12,7 +12,7 @@ ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors": "co
 @dataclass(frozen=True)
 class QuantSpec:
     """How a checkpoint's linear layers are quantized (layout.py holds the layouts)."""
-    method: str  # the checkpoint format, one of METHODS: it names the tensors formats.py reads
+    method: str  # the checkpoint format, one of METHODS or "layout" (layout_spec): the tensors formats.py reads
     kind: str  # the engine layout: "int" or "fp8"
     bits: int = 8
     group_size: int = -1  # int kind: K elements per scale; -1: one group per row (G = K)
@@ -124,7 +124,6 @@ def _parse_fp8(config: dict) -> QuantSpec:
 
 
 def _parse_compressed_tensors(config: dict) -> QuantSpec:
-    fmt = _require(config, "format", ("pack-quantized", "float-quantized"))
     groups = config.get("config_groups") or {}
     if not isinstance(groups, dict) or len(groups) != 1:
         raise ValueError(f"quantization_config.config_groups has {len(groups)} groups; supported: exactly one (a "
@@ -135,6 +134,10 @@ def _parse_compressed_tensors(config: dict) -> QuantSpec:
         raise ValueError(f"{prefix}.targets={group.get('targets')!r} is not supported; supported: ['Linear']")
     weights = group.get("weights") or {}
     skip = _skipped(config, "ignore")
+    if group.get("format"):  # newer files name the format per group ("mixed-precision" at the top)
+        fmt = _require(group, "format", ("pack-quantized", "float-quantized"), prefix)
+    else:
+        fmt = _require(config, "format", ("pack-quantized", "float-quantized"))
     if fmt == "float-quantized":
         _require(weights, "type", ("float",), f"{prefix}.weights")
         _require(weights, "num_bits", (8,), f"{prefix}.weights")
@@ -154,6 +157,16 @@ def _parse_compressed_tensors(config: dict) -> QuantSpec:
         raise ValueError(f"{prefix}.input_activations={group['input_activations']!r} is not supported with "
                          f"pack-quantized weights; supported: null (weight-only W4A16/W8A16)")
     return QuantSpec("compressed-tensors", "int", bits, group_size, not symmetric, skip_modules=skip)
+
+
+def layout_spec(bits: int, group_size: int, has_mins: bool) -> QuantSpec:
+    """A QuantSpec whose checkpoint tensors are already the int layout (layout.py): qweight, scales and, with
+    has_mins, mins. For loaders that repack a format themselves (GGUF) and then load through the layers' weight
+    loaders, which shard them for tensor parallelism."""
+    if bits not in (4, 8) or group_size < 1 or bits == 4 and group_size % 8:
+        raise ValueError(f"bits={bits}, group_size={group_size}: the int layout holds 4 or 8 bits in groups of a "
+                         f"positive size (a multiple of 8 for 4 bits)")
+    return QuantSpec("layout", "int", bits, group_size, has_mins)
 
 
 PARSERS = {"awq": _parse_awq, "gptq": _parse_gptq, "fp8": _parse_fp8, "compressed-tensors": _parse_compressed_tensors}

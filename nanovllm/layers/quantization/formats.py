@@ -12,6 +12,8 @@ Published packings (N outputs, K inputs, G group size, pf = 32 // bits values pe
 - compressed-tensors pack-quantized: weight_packed int32 [N, K // pf] packs along K, value i at bits (bits * i),
   each stored as q + 2**(bits - 1) (unsigned); weight_scale [N, K // G]; asymmetric: weight_zero_point int32
   [N // pf, K // G] packed along N the same way; weight_shape [2] = (N, K); w = (q - zp) * s.
+- "layout" (no checkpoint format: what a loader that repacks by itself, GGUF's, hands over): qweight, scales and
+  mins exactly as layout.py holds them.
 - FP8: weight float8_e4m3fn [N, K]; block scales weight_scale_inv (fp8 method) or weight_scale (compressed-tensors
   block strategy) float32 [ceil(N / bn), ceil(K / bk)]; per channel weight_scale [N, 1]; per tensor a scalar
   weight_scale (expanded to a scale per row: a merged layer's parts may have different ones).
@@ -36,6 +38,7 @@ class CheckpointTensor:
     dtype: torch.dtype
     out: tuple[int, int] | None
     inn: tuple[int, int] | None
+    is_optional: bool = False  # a checkpoint may leave it out
 
 
 def checkpoint_tensors(spec: QuantSpec, output_size: int, input_size: int) -> list[CheckpointTensor]:
@@ -53,11 +56,17 @@ def checkpoint_tensors(spec: QuantSpec, output_size: int, input_size: int) -> li
         return [CheckpointTensor("qweight", (k, n // 8), i32, (1, 8), (0, 1)),
                 CheckpointTensor("qzeros", (k // g, n // 8), i32, (1, 8), (0, g)),
                 CheckpointTensor("scales", (k // g, n), f32, (1, 1), (0, g))]
+    if spec.method == "layout":  # already the layout: layout.py
+        qweight = CheckpointTensor("qweight", (n, k // 8) if spec.bits == 4 else (n, k),
+                                   i32 if spec.bits == 4 else torch.int8, (0, 1), (1, 8 if spec.bits == 4 else 1))
+        groups = [CheckpointTensor(name, (n, k // g), f32, (0, 1), (1, g))
+                  for name in ("scales", "mins")[:1 + spec.has_zero_point]]
+        return [qweight, *groups]
     if spec.method == "gptq":
         return [CheckpointTensor("qweight", (k // pf, n), i32, (1, 1), (0, pf)),
                 CheckpointTensor("qzeros", (k // g, n // pf), i32, (1, pf), (0, g)),
                 CheckpointTensor("scales", (k // g, n), f32, (1, 1), (0, g)),
-                CheckpointTensor("g_idx", (0,), i32, None, None)]
+                CheckpointTensor("g_idx", (0,), i32, None, None, is_optional=True)]
     tensors = [CheckpointTensor("weight_packed", (n, k // pf), i32, (0, 1), (1, pf)),
                CheckpointTensor("weight_scale", (n, k // g), f32, (0, 1), (1, g)),
                CheckpointTensor("weight_shape", (0,), torch.int64, None, None)]
@@ -89,6 +98,10 @@ def to_layout(spec: QuantSpec, tensors: dict[str, torch.Tensor], input_size: int
         scales = tensors.get("weight_scale_inv", tensors.get("weight_scale"))
         return dict(qweight=tensors["weight"], scales=scales.to(torch.float32), mins=None)
     bits = spec.bits
+    if spec.method == "layout":
+        mins = tensors.get("mins")
+        return dict(qweight=tensors["qweight"], scales=narrowest_exact(tensors["scales"]),
+                    mins=None if mins is None else narrowest_exact(mins))
     if spec.method == "awq":
         q = unpack_words(tensors["qweight"], 4).unflatten(-1, (-1, 8))[..., AWQ_UNDO_ORDER].flatten(-2).t()
         zeros = unpack_words(tensors["qzeros"], 4).unflatten(-1, (-1, 8))[..., AWQ_UNDO_ORDER].flatten(-2).t()

@@ -59,6 +59,7 @@ class QuantLinearMethod:
             dims = tuple(d for d in ((*t.out, "out") if t.out else None, (*t.inn, "in") if t.inn else None) if d)
             param = new_param(t.shape, t.dtype, tuple((dim, axis, div) for dim, div, axis in dims))
             param.load_hook = LOAD_HOOKS.get(t.name)
+            param.is_optional = t.is_optional
             setattr(layer, t.name, param)
             layer.checkpoint_names.append(t.name)
 
