@@ -23,6 +23,7 @@ dequantizes and calls F.linear.
 """
 import functools
 import os
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -121,10 +122,10 @@ def weight_only_linear(x, qweight, scales, mins, kind: int, group_n: int, group_
     """x [M, K] (16-bit, unit column stride) @ dequant(qweight).T -> [M, N] in x.dtype (quant_gemm.py)."""
     M, K = x.shape
     N = qweight.shape[0]
-    plan = plan or plan_weight_only(M, N, K, group_k, device_limits(x.device))
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
+    plan = plan or plan_weight_only(M, N, K, group_k, device_limits(x.device))
     split = plan.num_splits > 1
     target = torch.empty((plan.num_splits, M, N), dtype=torch.float32, device=x.device) if split else out
     offset, offset_bits = _offset_bits(x.dtype, kind)
@@ -177,7 +178,7 @@ def _check_int_args(x, qweight, scales, mins, bits: int, group_size: int) -> int
 
 @torch.library.custom_op("nanovllm::int_linear", mutates_args=())
 def _int_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                   mins: Optional[torch.Tensor],  # noqa: UP045 -- the spelling every torch's schema inference reads
+                   mins: typing.Optional[torch.Tensor],  # noqa: UP045 -- what every torch schema inference reads
                    bits: int, group_size: int) -> torch.Tensor:
     kind = quant_gemm.KIND_INT4 if bits == 4 else quant_gemm.KIND_INT8
     return weight_only_linear(x, qweight, scales.contiguous(), None if mins is None else mins.contiguous(), kind,
