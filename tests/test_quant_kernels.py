@@ -3,11 +3,11 @@ layout contract, on the CPU under Triton's interpreter (TRITON_INTERPRET=1 befor
 checks run in a subprocess). tests/test_quant_kernels_gpu.py runs the same reference on CUDA.
 
 Tolerances, as a fraction of the largest output (eps = 2^-7 for bf16 outputs, 2^-10 for fp16):
-  - scale after the dot (the decode/split-K, tile and FP8 weight-only paths): integers and e4m3 values are exact in
-    the 16-bit dot, the products are summed in fp32 and the result is rounded once, so the error is one output
-    rounding: eps (the interpreter truncates to bf16 where the GPU rounds to nearest, hence a whole eps);
-  - per-element dequantization (groups a dot step cannot align with): each weight is rounded to x's dtype before
-    the dot, so eps of the output plus eps of sum |x| |w| over the row;
+  - scale after the dot (the decode tiles, up to 32 rows): integers and e4m3 values are exact in the 16-bit dot,
+    the products are summed in fp32 and the result is rounded once, so the error is one output rounding: eps (the
+    interpreter truncates to bf16 where the GPU rounds to nearest, hence a whole eps);
+  - a dequantized tile (prefill tiles, and groups no dot step can align with): each weight is rounded to x's dtype
+    before the dot, so eps of the output plus eps of sum |x| |w| over the row;
   - FP8 activations: against the reference fed the same e4m3 activations (quantized here), eps; against the
     unquantized activations, 2^-4 of sum |x| |w| (e4m3 keeps 3 mantissa bits).
 The interpreter computes bf16 dots and int-to-bf16 casts wrongly and rounds some values to the wrong e4m3 binade:
@@ -110,15 +110,17 @@ for M, N, K, G, bits, x_dtype, s_dtype, m_dtype, _ in INT_CASES:
     y = qm.int_linear(x, qweight, scales, mins, bits, G)
     plan = qm.plan_weight_only(M, N, K, G)
     res.append(dict(errors(y, x, dequant_int(q, scales, mins, G)), dtype=str(y.dtype), shape=list(y.shape),
-                    splits=plan.num_splits, per_element=plan.per_element, block_m=plan.block_m))
-# an explicit small tile: several K steps per program and several programs along M and N, fp16 and bf16
-for x_dtype in (torch.float16, torch.bfloat16):
+                    splits=plan.num_splits, per_element=plan.per_element, block_m=plan.block_m,
+                    scale_after_dot=plan.scale_after_dot))
+# explicit small tiles: several K steps per program, several programs along M and N, both modes, fp16 and bf16
+for x_dtype, scale_after_dot, splits in [(torch.float16, False, 1), (torch.bfloat16, False, 1),
+                                         (torch.bfloat16, True, 2), (torch.float16, True, 1)]:
     qweight, q, scales, mins = make_int_weight(50, 256, 64, 4, torch.float16, torch.float32, seed=3)
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(1)).to(x_dtype)
-    plan = qm.TilePlan(32, 32, 32, 1, 8, 4, 2, False)
+    plan = qm.TilePlan(16 if scale_after_dot else 32, 32, 32, splits, 8 // splits, 4, 2, False, scale_after_dot)
     y = qm.weight_only_linear(x, qweight, scales, mins, 0, 1, 64, plan)
     res.append(dict(errors(y, x, dequant_int(q, scales, mins, 64)), dtype=str(y.dtype), shape=list(y.shape),
-                    splits=1, per_element=False, block_m=32))
+                    splits=splits, per_element=False, block_m=plan.block_m, scale_after_dot=scale_after_dot))
 print(json.dumps(res))
 """
 
@@ -126,7 +128,9 @@ FP8_CASES = [  # M, N, K, (bn, bk), x dtype, what it covers
     (3, 200, 320, (128, 128), "bfloat16", "block FP8 decode, N and K ragged"),
     (2, 48, 160, (1, 160), "float16", "per-channel decode"),
     (4, 40, 96, (40, 96), "bfloat16", "per-tensor decode"),
-    (5, 30, 160, (16, 48), "float16", "block 48: per-element dequantization"),
+    (5, 30, 160, (16, 48), "float16", "block 48: 16-column K steps"),
+    (5, 30, 160, (16, 40), "float16", "block 40: per-element dequantization"),
+    (70, 136, 256, (128, 128), "bfloat16", "weight-only 128-row tile"),
     (259, 136, 320, (128, 128), "bfloat16", "W8A8 block, FP8 activations per 128 columns"),
     (256, 48, 160, (1, 160), "float16", "W8A8 per-channel, per-token activations"),
     (260, 40, 96, (40, 96), "bfloat16", "W8A8 per-tensor"),
@@ -145,7 +149,9 @@ for M, N, K, (bn, bk), x_dtype, _ in FP8_CASES:
     w = dequant_fp8(qweight, scales, bn, bk)
     w8a8 = qm._w8a8_applies(x, K, bk)
     x_ref = quantize_act_ref(x, bk if scales.shape[1] > 1 else K) if w8a8 else None
-    res.append(dict(errors(y, x, w, x_ref), unquantized=errors(y, x, w), w8a8=w8a8, dtype=str(y.dtype)))
+    scale_after_dot = not w8a8 and qm.plan_weight_only(M, N, K, bk).scale_after_dot
+    res.append(dict(errors(y, x, w, x_ref), unquantized=errors(y, x, w), w8a8=w8a8, dtype=str(y.dtype),
+                    scale_after_dot=scale_after_dot))
 print(json.dumps(res))
 """
 
@@ -153,7 +159,8 @@ print(json.dumps(res))
 def interpret(script: str) -> list:
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=900,
+                          env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -164,14 +171,15 @@ def _eps(dtype_name: str) -> float:
 
 def test_int_linear_matches_the_contract_dequantization():
     results = interpret(INT_SCRIPT)
-    cases = INT_CASES + [(40, 50, 256, 64, 4, d, "", "", "explicit 32 x 32 tile") for d in ("float16", "bfloat16")]
+    cases = INT_CASES + [(40, 50, 256, 64, 4, "", "", "", f"explicit tile {i}") for i in range(4)]
     for (M, N, *_, what), res in zip(cases, results, strict=True):
         eps = _eps(res["dtype"])
         assert res["shape"] == [M, N], what
-        bound = eps * res["max_ref"] + (eps * res["abs_dot"] if res["per_element"] else 0.0)
+        bound = eps * res["max_ref"] + (0.0 if res["scale_after_dot"] else eps * res["abs_dot"])
         assert res["err"] <= 1.01 * bound, (what, res)
     by_what = dict(zip([c[-1] for c in INT_CASES], results))
     assert by_what["decode split-K, AWQ-like, N ragged"]["splits"] > 1  # the split-K path ran, with its reduction
+    assert by_what["decode split-K, AWQ-like, N ragged"]["scale_after_dot"]
     assert by_what["prefill 128 x 128 tile, M and N ragged"]["block_m"] == 128
     assert by_what["group 8: per-element dequantization"]["per_element"]
     assert not by_what["per-channel group = K, not a power of two"]["per_element"]
@@ -181,8 +189,8 @@ def test_fp8_linear_matches_the_contract_dequantization():
     results = interpret(FP8_SCRIPT)
     for (*_, what), res in zip(FP8_CASES, results, strict=True):
         eps = _eps(res["dtype"])
-        per_element = "per-element" in what
-        bound = eps * res["max_ref"] + (eps * res["abs_dot"] if per_element else 0.0)
+        dequantized = not res["w8a8"] and not res["scale_after_dot"]
+        bound = eps * res["max_ref"] + (eps * res["abs_dot"] if dequantized else 0.0)
         assert res["err"] <= 1.01 * bound, (what, res)
         assert res["w8a8"] == what.startswith("W8A8"), what
         if res["w8a8"]:  # e4m3 activations: each rounded by at most 2^-4 relative

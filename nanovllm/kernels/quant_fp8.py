@@ -17,8 +17,8 @@ import triton.language as tl
 
 from nanovllm.kernels.quant_gemm import _swizzled_tile
 
-FP8_E4M3_MAX = 448.0
-_MIN_AMAX = 1e-12  # an all-zero group gets a tiny scale, not 0 (its values quantize to 0 either way)
+FP8_E4M3_MAX = tl.constexpr(448.0)
+_MIN_AMAX = tl.constexpr(1e-12)  # an all-zero group gets a tiny scale, not 0 (its values quantize to 0 either way)
 
 
 @triton.jit

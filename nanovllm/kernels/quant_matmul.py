@@ -33,7 +33,8 @@ from nanovllm.kernels import quant_fp8, quant_gemm
 
 FP8_ACT_QUANT_MIN_ROWS = 256  # FP8 weights: below this many rows the weight-only kernel (bf16 dot, exact x) runs
 USE_SCALED_MM = os.environ.get("NANOVLLM_FP8_SCALED_MM", "1") != "0"  # per-channel/-tensor FP8 at large M
-_MAX_BLOCK_K = 128  # a K step; 128 keeps one scale group of the common G = 128 per step
+_MAX_BLOCK_K = 128  # a K step; 128 holds a whole group of the common G = 128
+SCALE_AFTER_DOT_MAX_ROWS = 32  # taller tiles dequantize the tile instead (quant_gemm.py's docstring says why)
 _SPLIT_WAVES = 2  # split-K aims at this many programs per SM: decode tiles are short, a second wave hides the tail
 
 
@@ -48,6 +49,7 @@ class TilePlan:
     num_warps: int
     num_stages: int
     per_element: bool  # the group cannot align with a K step: dequantize per element (any group size, slower)
+    scale_after_dot: bool  # the raw weights go into the dot, the scales multiply its result (quant_gemm.py)
 
 
 @dataclass(frozen=True)
@@ -77,27 +79,33 @@ def aligned_block_k(group_k: int, limit: int = _MAX_BLOCK_K) -> int:
 
 
 def plan_weight_only(M: int, N: int, K: int, group_k: int, limits: DeviceLimits = H100_LIMITS) -> TilePlan:
-    """Small M: 16-64-row tiles, 64 columns, 4 warps, K split until ~2 programs per SM (decode reads each weight
-    once; the split keeps enough loads in flight). Large M: 128 x 128 tiles, 8 warps, 3 stages (the tile of
-    Triton's Hopper matmul tutorial that fits one accumulator and one dot result in registers); devices with
-    under 160 KB of shared memory per block (sm_89) get 64 x 128 tiles with 64-column K steps."""
+    """Up to 32 rows (decode): 16- or 32-row tiles of 64 columns, 4 warps, the scales after the dot, K steps of up
+    to 128 columns, and K split until ~2 programs per SM: each weight is read once and the split keeps enough
+    loads in flight. 33-64 rows: 64 x 64 tiles. Larger M: 128 x 128 tiles, 64-column K steps, 8 warps, 4 stages
+    (one accumulator of 64 fp32 registers per thread; ~190 registers and no spills on sm_90 for 4-bit weights),
+    each step's tile dequantized before the dot. Devices with under 160 KB of shared memory per block (sm_89) get
+    64 x 128 tiles with 4 warps and 3 stages."""
     small_smem = limits.shared_memory_bytes < 160 * 1024
-    block_k = aligned_block_k(group_k, 64 if small_smem else _MAX_BLOCK_K)
+    if M <= SCALE_AFTER_DOT_MAX_ROWS:
+        block_m, block_n, num_warps, num_stages, max_block_k = max(16, triton.next_power_of_2(M)), 64, 4, 4, 128
+    elif M <= 64:
+        block_m, block_n, num_warps, num_stages, max_block_k = 64, 64, 4, 4, 128
+    elif small_smem:
+        block_m, block_n, num_warps, num_stages, max_block_k = 64, 128, 4, 3, 64
+    else:
+        block_m, block_n, num_warps, num_stages, max_block_k = 128, 128, 8, 4, 64
+    block_k = aligned_block_k(group_k, 64 if small_smem else max_block_k)
     per_element = block_k == 0
     if per_element:
         block_k = 32
-    if M <= 64:
-        block_m, block_n, num_warps, num_stages = max(16, triton.next_power_of_2(M)), 64, 4, 4
-    elif small_smem:
-        block_m, block_n, num_warps, num_stages = 64, 128, 4, 3
-    else:
-        block_m, block_n, num_warps, num_stages = 128, 128, 8, 3
     total_steps = triton.cdiv(K, block_k)
     num_tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     num_splits = max(1, min(total_steps, _SPLIT_WAVES * limits.num_sms // num_tiles))
     num_k_steps = triton.cdiv(total_steps, num_splits)
     num_splits = triton.cdiv(total_steps, num_k_steps)  # no empty split
-    return TilePlan(block_m, block_n, block_k, num_splits, num_k_steps, num_warps, num_stages, per_element)
+    scale_after_dot = not per_element and block_m <= SCALE_AFTER_DOT_MAX_ROWS
+    return TilePlan(block_m, block_n, block_k, num_splits, num_k_steps, num_warps, num_stages, per_element,
+                    scale_after_dot)
 
 
 def _interpreting() -> bool:
@@ -128,14 +136,15 @@ def weight_only_linear(x, qweight, scales, mins, kind: int, group_n: int, group_
     plan = plan or plan_weight_only(M, N, K, group_k, device_limits(x.device))
     split = plan.num_splits > 1
     target = torch.empty((plan.num_splits, M, N), dtype=torch.float32, device=x.device) if split else out
-    offset, offset_bits = _offset_bits(x.dtype, kind)
+    offset, offset_bits = _offset_bits(x.dtype, kind) if plan.scale_after_dot else (0, 0)
     grid = (triton.cdiv(M, plan.block_m) * triton.cdiv(N, plan.block_n), plan.num_splits)
     quant_gemm._wo_gemm_kernel[grid](
         x, qweight, scales, scales if mins is None else mins, target, M, N, K, plan.num_k_steps, x.stride(0),
         qweight.stride(0), scales.stride(0), 0 if mins is None else mins.stride(0), target.stride(-2),
         target.stride(0) if split else 0,
-        WEIGHT_KIND=kind, GROUP_N=group_n, GROUP_K=group_k, HAS_MINS=mins is not None, PER_ELEMENT=plan.per_element,
-        OFFSET=offset, OFFSET_BITS=offset_bits, EMULATE_DOT_FP32=_interpreting() and x.dtype == torch.bfloat16,
+        WEIGHT_KIND=kind, GROUP_N=group_n, GROUP_K=group_k, HAS_MINS=mins is not None,
+        SCALE_AFTER_DOT=plan.scale_after_dot, PER_ELEMENT=plan.per_element, OFFSET=offset, OFFSET_BITS=offset_bits,
+        EMULATE_DOT_FP32=_interpreting() and x.dtype == torch.bfloat16,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=8, num_warps=plan.num_warps,
         num_stages=plan.num_stages)
     if split:
@@ -234,7 +243,8 @@ def _can_scaled_mm(x: torch.Tensor, N: int, K: int) -> bool:
     return USE_SCALED_MM and x.device.type == "cuda" and x.dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0
 
 
-def fp8_w8a8_linear(x, qweight, scales, group_n: int, group_k: int, use_scaled_mm: bool = True) -> torch.Tensor:
+def fp8_w8a8_linear(x, qweight, scales, group_n: int, group_k: int, use_scaled_mm: bool = True,
+                    limits: DeviceLimits | None = None) -> torch.Tensor:
     """x [M, K] quantized per token (and per group_k columns when the weight scales change along K), then an FP8
     tensor-core GEMM (quant_fp8.py) or, for per-channel/per-tensor weights, torch._scaled_mm."""
     M, K = x.shape
@@ -246,7 +256,7 @@ def fp8_w8a8_linear(x, qweight, scales, group_n: int, group_k: int, use_scaled_m
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    small_smem = device_limits(x.device).shared_memory_bytes < 160 * 1024
+    small_smem = (limits or device_limits(x.device)).shared_memory_bytes < 160 * 1024
     block_m, block_n, num_warps, num_stages = (64, 128, 4, 2) if small_smem else (128, 128, 8, 4)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
     quant_fp8._fp8_gemm_kernel[grid](
