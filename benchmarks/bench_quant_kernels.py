@@ -1,0 +1,221 @@
+"""Microbenchmark of the quantized linear kernels (nanovllm/kernels/quant_matmul.py) against bf16 cuBLAS, on the
+Qwen3-8B layer shapes, decode (M = 1..16) and prefill/batch (M = 128..8192) rows.
+
+    python benchmarks/bench_quant_kernels.py [--m 1 16 1024] [--shapes qkv o] [--json OUT] [--budget-s 160]
+
+Variants: bf16 `F.linear`; `int_linear` 4-bit and 8-bit, group 128 with fp16 scales and fp32 mins (AWQ's and
+GPTQ's layout after repacking); `fp8_linear` with 128 x 128 blocks and per-channel (at M >= 256 these quantize the
+activations to FP8; per-channel goes to torch._scaled_mm); and, at M >= 256 only, the alternatives the dispatch
+did not pick: the Triton FP8 GEMM for per-channel weights (`fp8ch-tri`) and the weight-only kernel on block FP8
+weights (`fp8blk-a16`, bf16 activations).
+
+Each cell is `us / speedup over bf16 / %` where % is, for M <= 16, the bytes of weights + scales + mins read per
+second as a share of the device's copy bandwidth (a 1 GiB device-to-device copy_, read + write bytes over time,
+measured in the same run), and for larger M the TFLOP/s. The issue's targets: W4 >= 75% and FP8 >= 80% of copy
+bandwidth at 1-16 rows; FP8 well above 1x bf16 at M = 1024..8192.
+
+Timing: each variant is captured in a CUDA graph of as many calls as it takes to cycle through copies of the
+weights totalling >= 256 MB (so the weights come from memory, not from the 50 MB L2), replayed 5 times; the median
+per call is printed. Correctness: at M = 16 and M = 1024 each result is compared once with x @ W.T in fp32 with W
+dequantized by the contract's formula (max |error| / max |reference|); FP8-activation variants include the
+activation rounding (~2^-5). A failing variant prints ERR and its error at the end, the others go on.
+"""
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nanovllm.kernels import quant_gemm
+from nanovllm.kernels import quant_matmul as qm
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # (N, K)
+DECODE_M = [1, 2, 4, 8, 16]
+PREFILL_M = [128, 512, 1024, 4096, 8192]
+CHECK_M = (16, 1024)
+GROUP = 128
+L2_DEFEAT_BYTES = 256 << 20
+VARIANTS = ["bf16", "w4", "w8", "fp8blk", "fp8ch", "fp8ch-tri", "fp8blk-a16"]
+LARGE_M_ONLY = {"fp8ch-tri", "fp8blk-a16"}
+DEVICE = "cuda"  # the CPU smoke check of the references sets "cpu" (with TRITON_INTERPRET=1)
+
+
+def unpack_int4(words: torch.Tensor) -> torch.Tensor:
+    """int32 [N, K // 8] -> [N, K] values 0..15, nibble j of word w is column 8 w + j (the contract)."""
+    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
+    return ((words[..., None] >> shifts) & 0xF).flatten(-2)
+
+
+def make_weights(variant: str, N: int, K: int) -> dict:
+    """One copy of a variant's weight tensors, and its dequantized fp32 reference builder."""
+    dev = DEVICE
+    if variant == "bf16":
+        return {"w": torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02}
+    if variant in ("w4", "w8"):
+        if variant == "w4":
+            qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (N, K // 8), device=dev, dtype=torch.int32)
+        else:
+            qweight = torch.randint(-128, 128, (N, K), device=dev, dtype=torch.int8)
+        scales = (torch.rand(N, K // GROUP, device=dev) * 0.004 + 0.001).half()
+        mins = torch.randn(N, K // GROUP, device=dev) * 0.01
+        return {"qweight": qweight, "scales": scales, "mins": mins}
+    block = (128, 128) if variant.startswith("fp8blk") else (1, K)
+    qweight = (torch.randn(N, K, device=dev) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scales = torch.rand(math.ceil(N / block[0]), math.ceil(K / block[1]), device=dev) * 1e-3 + 1e-4
+    return {"qweight": qweight, "scales": scales, "block": block}
+
+
+def dequantized(variant: str, t: dict) -> torch.Tensor:
+    if variant == "bf16":
+        return t["w"].float()
+    if variant in ("w4", "w8"):
+        q = unpack_int4(t["qweight"]) if variant == "w4" else t["qweight"]
+        return q.float() * t["scales"].float().repeat_interleave(GROUP, 1) + t["mins"].repeat_interleave(GROUP, 1)
+    (bn, bk), (N, K) = t["block"], t["qweight"].shape
+    return t["qweight"].float() * t["scales"].repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
+
+
+def call(variant: str, x: torch.Tensor, t: dict) -> torch.Tensor:
+    if variant == "bf16":
+        return F.linear(x, t["w"])
+    if variant in ("w4", "w8"):
+        return qm.int_linear(x, t["qweight"], t["scales"], t["mins"], 4 if variant == "w4" else 8, GROUP)
+    if variant == "fp8ch-tri":
+        return qm.fp8_w8a8_linear(x, t["qweight"], t["scales"], 1, x.shape[1], use_scaled_mm=False)
+    if variant == "fp8blk-a16":
+        return qm.weight_only_linear(x, t["qweight"], t["scales"], None, quant_gemm.KIND_FP8, 128, 128)
+    return qm.fp8_linear(x, t["qweight"], t["scales"], t["block"])
+
+
+def bytes_read(t: dict) -> int:
+    return sum(v.numel() * v.element_size() for v in t.values() if isinstance(v, torch.Tensor))
+
+
+def graph_us(fn, num_calls: int) -> float:
+    """Median time per call of num_calls calls captured in one CUDA graph."""
+    fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(num_calls):
+            fn(i)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / num_calls)
+    del graph
+    return statistics.median(times)
+
+
+def copy_gbps() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = graph_us(lambda i: dst.copy_(src), 4)
+    return 2 * (1 << 30) / us / 1e3
+
+
+def rel_err(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    ref = x.float() @ w.T
+    return ((y.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def bench_variant(name: str, variant: str, N: int, K: int, ms: list, copy_bw: float, deadline: float,
+                  rows: list, errors: list):
+    try:
+        first = make_weights(variant, N, K)
+        num_copies = max(2, min(64, math.ceil(L2_DEFEAT_BYTES / bytes_read(first))))
+        copies = [first] + [make_weights(variant, N, K) for _ in range(num_copies - 1)]
+    except Exception as e:  # noqa: BLE001 -- report and go on with the other variants
+        errors.append(f"{name} {variant} weights: {type(e).__name__}: {e}")
+        return
+    for M in ms:
+        if variant in LARGE_M_ONLY and M < qm.FP8_ACT_QUANT_MIN_ROWS:
+            continue
+        if time.monotonic() > deadline:
+            errors.append(f"{name} {variant} M={M}: skipped, over the time budget")
+            continue
+        row = {"shape": name, "N": N, "K": K, "M": M, "variant": variant}
+        try:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            if M in CHECK_M:
+                row["max_rel_err"] = rel_err(call(variant, x, first), x, dequantized(variant, first))
+            num_calls = num_copies if M <= 1024 else 2
+            us = graph_us(lambda i, x=x: call(variant, x, copies[i % num_copies]), num_calls)
+            row.update(us=us, gbps=bytes_read(first) / us / 1e3, tflops=2 * M * N * K / us / 1e6)
+            row["pct_copy"] = 100 * row["gbps"] / copy_bw
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{name} {variant} M={M}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            traceback.print_exc(limit=2, file=sys.stderr)
+        rows.append(row)
+
+
+def print_table(rows: list, variants: list, copy_bw: float):
+    by_key = {(r["shape"], r["M"], r["variant"]): r for r in rows}
+    shapes_ms = sorted({(r["shape"], r["M"]) for r in rows}, key=lambda s: (list(SHAPES).index(s[0]), s[1]))
+    print(f"copy bandwidth (1 GiB copy_, read + write): {copy_bw:.0f} GB/s")
+    print("cell: us / speedup over bf16 / (M <= 16: % of copy bandwidth read; else TFLOP/s)")
+    print(f"{'shape':>8} {'M':>5} " + " ".join(f"{v:>21}" for v in variants))
+    for shape, M in shapes_ms:
+        base = by_key.get((shape, M, "bf16"), {}).get("us")
+        cells = []
+        for v in variants:
+            r = by_key.get((shape, M, v))
+            if r is None:
+                cells.append(f"{'-':>21}")
+            elif "us" not in r:
+                cells.append(f"{'ERR':>21}")
+            else:
+                third = f"{r['pct_copy']:.0f}%" if M <= 16 else f"{r['tflops']:.0f}T"
+                speed = f"{base / r['us']:.2f}x" if base else "?"
+                cells.append(f"{r['us']:>9.1f}/{speed:>6}/{third:>4}")
+        print(f"{shape:>8} {M:>5} " + " ".join(cells))
+    checked = [r for r in rows if "max_rel_err" in r]
+    if checked:
+        print("max |y - ref| / max |ref| against the fp32 dequantized reference:")
+        for r in checked:
+            print(f"  {r['shape']:>8} M={r['M']:<5} {r['variant']:<11} {r['max_rel_err']:.2e}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, nargs="+", default=DECODE_M + PREFILL_M)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    parser.add_argument("--budget-s", type=float, default=160.0, help="stop timing new cells after this long")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference GEMM
+    started = time.monotonic()
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
+          f"scaled_mm: {hasattr(torch, '_scaled_mm')}")
+    copy_bw = copy_gbps()
+    rows, errors = [], []
+    for name in args.shapes:
+        for variant in args.variants:
+            bench_variant(name, variant, *SHAPES[name], sorted(args.m), copy_bw, started + args.budget_s, rows, errors)
+            torch.cuda.empty_cache()  # the copies of this variant's weights are gone
+    print_table(rows, args.variants, copy_bw)
+    for line in errors:
+        print("ERR", line)
+    print(f"done in {time.monotonic() - started:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps({"device": props.name, "copy_gbps": copy_bw, "rows": rows,
+                                         "errors": errors}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

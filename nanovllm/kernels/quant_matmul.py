@@ -1,0 +1,312 @@
+"""Quantized linear layers on CUDA: `int_linear` (4- or 8-bit integer groups) and `fp8_linear` (e4m3 with block,
+per-channel or per-tensor scales), y [M, N] = x [M, K] @ dequant(W) [N, K].T in x's dtype, fp32 accumulation.
+
+The weight layouts (the shared contract with the checkpoint loaders):
+  - "int", group size G along K: 4-bit `qweight` int32 [N, K // 8], element (n, k) the unsigned nibble
+    (qweight[n, k // 8] >> 4 * (k % 8)) & 0xF; 8-bit `qweight` int8 [N, K]. `scales` and optional `mins`
+    [N, K // G] in fp16, bf16 or fp32. w[n, k] = q * scales[n, k // G] (+ mins[n, k // G]).
+  - "fp8": `qweight` float8_e4m3fn [N, K], `scales` fp32 [ceil(N / bn), ceil(K / bk)] for block (bn, bk):
+    (128, 128) blocks, per-channel (1, K), per-tensor (N, K). w[n, k] = q * scales[n // bn, k // bk].
+
+Which kernel runs (a plan per shape, chosen on the host from M, N, K: no autotuning, so no timing run can land
+inside a CUDA graph capture or a served step):
+  - weight-only (quant_gemm.py): the weights are dequantized in registers and multiplied with the 16-bit
+    activations. M <= 64 uses 16-64-row tiles with split-K (decode: the weights are read once, the GPU's loads
+    kept in flight by slicing K); larger M uses 128 x 128 tiles.
+  - FP8 weights at M >= FP8_ACT_QUANT_MIN_ROWS (quant_fp8.py): activations quantized per token (and per bk
+    columns for block weights) and an FP8 tensor-core GEMM. Per-channel and per-tensor weights can go to
+    torch._scaled_mm (cuBLASLt/CUTLASS rowwise scaling) instead: `USE_SCALED_MM`.
+Both functions are torch custom ops (`torch.ops.nanovllm.int_linear`, `.fp8_linear`): torch.compile treats them as
+opaque calls, and CUDA graphs capture them (no host sync; the split-K partials come from the caching allocator).
+On CPU tensors they run only under Triton's interpreter (TRITON_INTERPRET=1, the tests); the engine's CPU path
+dequantizes and calls F.linear.
+"""
+import functools
+import os
+import typing
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from nanovllm.kernels import quant_fp8, quant_gemm
+
+FP8_ACT_QUANT_MIN_ROWS = 256  # FP8 weights: below this many rows the weight-only kernel (bf16 dot, exact x) runs
+USE_SCALED_MM = os.environ.get("NANOVLLM_FP8_SCALED_MM", "1") != "0"  # per-channel/-tensor FP8 at large M
+_MAX_BLOCK_K = 128  # a K step; 128 holds a whole group of the common G = 128
+SCALE_AFTER_DOT_MAX_ROWS = 32  # taller tiles dequantize the tile instead (quant_gemm.py's docstring says why)
+_SPLIT_WAVES = 2  # split-K aims at this many programs per SM: decode tiles are short, a second wave hides the tail
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Tile shape and K split of one weight-only GEMM launch; num_k_steps K steps of block_k per split."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_splits: int
+    num_k_steps: int
+    num_warps: int
+    num_stages: int
+    per_element: bool  # the group cannot align with a K step: dequantize per element (any group size, slower)
+    scale_after_dot: bool  # the raw weights go into the dot, the scales multiply its result (quant_gemm.py)
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    num_sms: int
+    shared_memory_bytes: int  # per block, opt-in
+
+
+H100_LIMITS = DeviceLimits(132, 232448)  # what plans assume without a GPU (the interpreter, the compile tests)
+
+
+@functools.cache
+def device_limits(device: torch.device) -> DeviceLimits:
+    if device.type != "cuda":
+        return H100_LIMITS
+    props = torch.cuda.get_device_properties(device)
+    return DeviceLimits(props.multi_processor_count,
+                        getattr(props, "shared_memory_per_block_optin", H100_LIMITS.shared_memory_bytes))
+
+
+def aligned_block_k(group_k: int, limit: int = _MAX_BLOCK_K) -> int:
+    """The largest power of two <= limit that divides group_k, or 0 if below 16 (tl.dot's smallest K)."""
+    block_k = limit
+    while block_k >= 16 and group_k % block_k:
+        block_k //= 2
+    return block_k if block_k >= 16 else 0
+
+
+def plan_weight_only(M: int, N: int, K: int, group_k: int, limits: DeviceLimits = H100_LIMITS) -> TilePlan:
+    """Up to 32 rows (decode): 16- or 32-row tiles of 64 columns, 4 warps, the scales after the dot, K steps of up
+    to 128 columns, and K split until ~2 programs per SM: each weight is read once and the split keeps enough
+    loads in flight. 33-64 rows: 64 x 64 tiles. Larger M: 128 x 128 tiles, 64-column K steps, 8 warps, 4 stages
+    (one accumulator of 64 fp32 registers per thread; ~190 registers and no spills on sm_90 for 4-bit weights),
+    each step's tile dequantized before the dot. Devices with under 160 KB of shared memory per block (sm_89) get
+    64 x 128 tiles with 4 warps and 3 stages."""
+    small_smem = limits.shared_memory_bytes < 160 * 1024
+    if M <= SCALE_AFTER_DOT_MAX_ROWS:
+        block_m, block_n, num_warps, num_stages, max_block_k = max(16, triton.next_power_of_2(M)), 64, 4, 4, 128
+    elif M <= 64:
+        block_m, block_n, num_warps, num_stages, max_block_k = 64, 64, 4, 4, 128
+    elif small_smem:
+        block_m, block_n, num_warps, num_stages, max_block_k = 64, 128, 4, 3, 64
+    else:
+        block_m, block_n, num_warps, num_stages, max_block_k = 128, 128, 8, 4, 64
+    block_k = aligned_block_k(group_k, 64 if small_smem else max_block_k)
+    per_element = block_k == 0
+    if per_element:
+        block_k = 32
+    total_steps = triton.cdiv(K, block_k)
+    num_tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    num_splits = max(1, min(total_steps, _SPLIT_WAVES * limits.num_sms // num_tiles))
+    num_k_steps = triton.cdiv(total_steps, num_splits)
+    num_splits = triton.cdiv(total_steps, num_k_steps)  # no empty split
+    scale_after_dot = not per_element and block_m <= SCALE_AFTER_DOT_MAX_ROWS
+    return TilePlan(block_m, block_n, block_k, num_splits, num_k_steps, num_warps, num_stages, per_element,
+                    scale_after_dot)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_device(x: torch.Tensor, name: str):
+    if x.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"{name} runs on CUDA only (got x on {x.device}); on the CPU dequantize the weight and call "
+                         f"F.linear (TRITON_INTERPRET=1 runs the kernel on CPU tensors, for tests)")
+
+
+def _offset_bits(dtype: torch.dtype, kind: int) -> tuple[int, int]:
+    """(OFFSET, OFFSET_BITS) of the 4-bit unpack: the 16-bit float with these bits | q is OFFSET + q, exactly."""
+    if kind != quant_gemm.KIND_INT4:
+        return 0, 0
+    return (128, 0x4300) if dtype == torch.bfloat16 else (1024, 0x6400)
+
+
+def weight_only_linear(x, qweight, scales, mins, kind: int, group_n: int, group_k: int,
+                       plan: TilePlan | None = None) -> torch.Tensor:
+    """x [M, K] (16-bit, unit column stride) @ dequant(qweight).T -> [M, N] in x.dtype (quant_gemm.py)."""
+    M, K = x.shape
+    N = qweight.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    plan = plan or plan_weight_only(M, N, K, group_k, device_limits(x.device))
+    split = plan.num_splits > 1
+    target = torch.empty((plan.num_splits, M, N), dtype=torch.float32, device=x.device) if split else out
+    offset, offset_bits = _offset_bits(x.dtype, kind) if plan.scale_after_dot else (0, 0)
+    grid = (triton.cdiv(M, plan.block_m) * triton.cdiv(N, plan.block_n), plan.num_splits)
+    quant_gemm._wo_gemm_kernel[grid](
+        x, qweight, scales, scales if mins is None else mins, target, M, N, K, plan.num_k_steps, x.stride(0),
+        qweight.stride(0), scales.stride(0), 0 if mins is None else mins.stride(0), target.stride(-2),
+        target.stride(0) if split else 0,
+        WEIGHT_KIND=kind, GROUP_N=group_n, GROUP_K=group_k, HAS_MINS=mins is not None,
+        SCALE_AFTER_DOT=plan.scale_after_dot, PER_ELEMENT=plan.per_element, OFFSET=offset, OFFSET_BITS=offset_bits,
+        EMULATE_DOT_FP32=_interpreting() and x.dtype == torch.bfloat16,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=8, num_warps=plan.num_warps,
+        num_stages=plan.num_stages)
+    if split:
+        block = 1024
+        quant_gemm._sum_splits_kernel[(triton.cdiv(M * N, block),)](target, out, M * N, plan.num_splits,
+                                                                     BLOCK=block, num_warps=4)
+    return out
+
+
+def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
+    """x as [M, K] with unit column stride (a view when it already is one)."""
+    if x.shape[-1] != K:
+        raise ValueError(f"x has {x.shape[-1]} input features but the weight has K={K}")
+    x2 = x.reshape(-1, K)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _check_int_args(x, qweight, scales, mins, bits: int, group_size: int) -> int:
+    """K of the weight; ValueError naming the first argument that breaks the layout contract."""
+    if bits == 4:
+        if qweight.dtype != torch.int32:
+            raise ValueError(f"bits=4 needs qweight int32 [N, K // 8], got {qweight.dtype}")
+        K = qweight.shape[1] * 8
+    elif bits == 8:
+        if qweight.dtype != torch.int8:
+            raise ValueError(f"bits=8 needs qweight int8 [N, K], got {qweight.dtype}")
+        K = qweight.shape[1]
+    else:
+        raise ValueError(f"bits={bits} is not supported; int_linear takes 4 or 8")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
+    if group_size <= 0 or K % group_size or (bits == 4 and group_size % 8):
+        raise ValueError(f"group_size={group_size} must divide K={K} (and be a multiple of 8 for 4 bits)")
+    expected = (qweight.shape[0], K // group_size)
+    for name, t in (("scales", scales), ("mins", mins)):
+        if t is not None and tuple(t.shape) != expected:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [N, K // group_size] = {list(expected)}")
+    return K
+
+
+@torch.library.custom_op("nanovllm::int_linear", mutates_args=())
+def _int_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                   mins: typing.Optional[torch.Tensor],  # noqa: UP045 -- what every torch schema inference reads
+                   bits: int, group_size: int) -> torch.Tensor:
+    kind = quant_gemm.KIND_INT4 if bits == 4 else quant_gemm.KIND_INT8
+    return weight_only_linear(x, qweight, scales.contiguous(), None if mins is None else mins.contiguous(), kind,
+                              1, group_size)
+
+
+@_int_linear_op.register_fake
+def _(x, qweight, scales, mins, bits, group_size):
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+               bits: int, group_size: int) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ dequant(qweight).T in x.dtype, for the "int" kind (module docstring)."""
+    K = _check_int_args(x, qweight, scales, mins, bits, group_size)
+    _check_device(x, "int_linear")
+    x2 = _rows(x, K)
+    return _int_linear_op(x2, qweight, scales, mins, bits, group_size).view(*x.shape[:-1], qweight.shape[0])
+
+
+@functools.cache
+def _has_fp8_tensor_cores(device: torch.device) -> bool:
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def quantize_activations(x: torch.Tensor, group_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K / group_cols)]): per token and per group_cols columns,
+    scale = max|x| / 448 over the group (quant_fp8.py)."""
+    M, K = x.shape
+    num_groups = triton.cdiv(K, group_cols)
+    # Triton's CPU interpreter rounds some values to the wrong e4m3 binade (126.5 -> 64): there the kernel writes
+    # the scaled fp32 values and torch rounds them
+    round_in_torch = _interpreting()
+    xq = torch.empty((M, K), dtype=torch.float32 if round_in_torch else torch.float8_e4m3fn, device=x.device)
+    xs = torch.empty((M, num_groups), dtype=torch.float32, device=x.device)
+    if M:
+        block = min(1024, triton.next_power_of_2(min(group_cols, K)))
+        num_chunks = triton.cdiv(min(group_cols, K), block)
+        quant_fp8._quantize_act_kernel[(M, num_groups)](x, xq, xs, K, group_cols, num_chunks, x.stride(0),
+                                                         xq.stride(0), xs.stride(0), BLOCK=block, num_warps=4)
+    return (xq.to(torch.float8_e4m3fn) if round_in_torch else xq), xs
+
+
+def _scaled_mm_rowwise(xq, xs, qweight, scales, group_n: int, dtype) -> torch.Tensor:
+    """torch._scaled_mm with per-token activation scales and per-output-column weight scales."""
+    N = qweight.shape[0]
+    w_scale = scales[:, 0].repeat_interleave(group_n)[:N].view(1, N)  # [1, N]: per-channel or broadcast per-tensor
+    return torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=w_scale, out_dtype=dtype)
+
+
+def _can_scaled_mm(x: torch.Tensor, N: int, K: int) -> bool:
+    """torch._scaled_mm's rowwise mode: CUDA, bf16 output, K and N multiples of 16."""
+    return USE_SCALED_MM and x.device.type == "cuda" and x.dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0
+
+
+def fp8_w8a8_linear(x, qweight, scales, group_n: int, group_k: int, use_scaled_mm: bool = True,
+                    limits: DeviceLimits | None = None) -> torch.Tensor:
+    """x [M, K] quantized per token (and per group_k columns when the weight scales change along K), then an FP8
+    tensor-core GEMM (quant_fp8.py) or, for per-channel/per-tensor weights, torch._scaled_mm."""
+    M, K = x.shape
+    N = qweight.shape[0]
+    per_step = scales.shape[1] > 1
+    xq, xs = quantize_activations(x, group_k if per_step else K)
+    if not per_step and use_scaled_mm and _can_scaled_mm(x, N, K):
+        return _scaled_mm_rowwise(xq, xs, qweight, scales, group_n, x.dtype)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    small_smem = (limits or device_limits(x.device)).shared_memory_bytes < 160 * 1024
+    block_m, block_n, num_warps, num_stages = (64, 128, 4, 2) if small_smem else (128, 128, 8, 4)
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    quant_fp8._fp8_gemm_kernel[grid](
+        xq, xs, qweight, scales, out, M, N, K, xq.stride(0), xs.stride(0), qweight.stride(0), scales.stride(0),
+        out.stride(0), GROUP_N=group_n, PER_STEP_SCALES=per_step, EMULATE_DOT_FP32=False, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=group_k if per_step else 128, GROUP_M=8, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def _w8a8_applies(x: torch.Tensor, K: int, group_k: int) -> bool:
+    """Large M on sm_89+, with scale blocks along K that one dot step can take (a power of two, 16..256)."""
+    if x.shape[0] < FP8_ACT_QUANT_MIN_ROWS or not _has_fp8_tensor_cores(x.device):
+        return False
+    return group_k >= K or (16 <= group_k <= 256 and group_k & (group_k - 1) == 0)
+
+
+@torch.library.custom_op("nanovllm::fp8_linear", mutates_args=())
+def _fp8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block_n: int,
+                   block_k: int) -> torch.Tensor:
+    K = x.shape[1]
+    scales = scales.contiguous()
+    if _w8a8_applies(x, K, block_k):
+        return fp8_w8a8_linear(x, qweight, scales, block_n, min(block_k, K))
+    return weight_only_linear(x, qweight, scales, None, quant_gemm.KIND_FP8, block_n, block_k)
+
+
+@_fp8_linear_op.register_fake
+def _(x, qweight, scales, block_n, block_k):
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+def _check_fp8_args(x, qweight, scales, block_n: int, block_k: int):
+    if qweight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_linear needs qweight float8_e4m3fn [N, K], got {qweight.dtype}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
+    N, K = qweight.shape
+    if block_n <= 0 or block_k <= 0:
+        raise ValueError(f"block_size=({block_n}, {block_k}) must be positive")
+    expected = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
+    if scales.dtype != torch.float32 or tuple(scales.shape) != expected:
+        raise ValueError(f"scales must be float32 [ceil(N / bn), ceil(K / bk)] = {list(expected)} for "
+                         f"block_size=({block_n}, {block_k}), got {scales.dtype} {list(scales.shape)}")
+
+
+def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block_size) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ dequant(qweight).T in x.dtype for the "fp8" kind, block_size = (bn, bk):
+    (128, 128) blocks, (1, K) per-channel, (N, K) per-tensor (module docstring)."""
+    block_n, block_k = (int(b) for b in block_size)
+    _check_fp8_args(x, qweight, scales, block_n, block_k)
+    _check_device(x, "fp8_linear")
+    N, K = qweight.shape
+    return _fp8_linear_op(_rows(x, K), qweight, scales, block_n, block_k).view(*x.shape[:-1], N)

@@ -1,0 +1,250 @@
+"""The quantized linear kernels (nanovllm/kernels/quant_matmul.py) against a dequantization written here from the
+layout contract, on the CPU under Triton's interpreter (TRITON_INTERPRET=1 before triton is imported: the kernel
+checks run in a subprocess). tests/test_quant_kernels_gpu.py runs the same reference on CUDA.
+
+Tolerances, as a fraction of the largest output (eps = 2^-7 for bf16 outputs, 2^-10 for fp16):
+  - scale after the dot (the decode tiles, up to 32 rows): integers and e4m3 values are exact in the 16-bit dot,
+    the products are summed in fp32 and the result is rounded once, so the error is one output rounding: eps (the
+    interpreter truncates to bf16 where the GPU rounds to nearest, hence a whole eps);
+  - a dequantized tile (prefill tiles, and groups no dot step can align with): each weight is rounded to x's dtype
+    before the dot, so eps of the output plus eps of sum |x| |w| over the row;
+  - FP8 activations: against the reference fed the same e4m3 activations (quantized here), eps; against the
+    unquantized activations, 2^-4 of sum |x| |w| (e4m3 keeps 3 mantissa bits).
+The interpreter computes bf16 dots and int-to-bf16 casts wrongly and rounds some values to the wrong e4m3 binade:
+the kernels run their dots in fp32 there and let torch round the activations to e4m3 (quant_matmul.py); the GPU
+file checks the real instructions.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+EPS = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+
+
+# ----------------------------------------------------------------- the reference, from the layout contract
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> int32 [N, K // 8]; value k is bits 4 * (k % 8) .. +3 of word k // 8."""
+    N, K = q.shape
+    nibbles = q.to(torch.int64).view(N, K // 8, 8)
+    words = sum(nibbles[..., j] << (4 * j) for j in range(8))
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)  # the same 32 bits, signed
+
+
+def dequant_int(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int) -> torch.Tensor:
+    """w = f32(q) * f32(scale), then + f32(min): two float32 roundings, no fma (the contract's formula)."""
+    w = q.float() * scales.float().repeat_interleave(group_size, 1)
+    return w if mins is None else w + mins.float().repeat_interleave(group_size, 1)
+
+
+def dequant_fp8(qweight: torch.Tensor, scales: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    N, K = qweight.shape
+    return qweight.float() * scales.repeat_interleave(block_n, 0)[:N].repeat_interleave(block_k, 1)[:, :K]
+
+
+def quantize_act_ref(x: torch.Tensor, group_cols: int) -> torch.Tensor:
+    """x with each (token, group_cols columns) group rounded to e4m3 at scale max|x| / 448, back in fp32."""
+    out = torch.empty(x.shape)
+    for start in range(0, x.shape[1], group_cols):
+        group = x[:, start:start + group_cols].float()
+        scale = group.abs().amax(1, keepdim=True).clamp(min=1e-12) / 448.0
+        out[:, start:start + group_cols] = (group / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+    return out
+
+
+def make_int_weight(N: int, K: int, group_size: int, bits: int, scale_dtype, min_dtype, seed: int = 0):
+    """(qweight in the contract's layout, the raw q [N, K], scales, mins or None)."""
+    gen = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        q = torch.randint(0, 16, (N, K), generator=gen)
+    else:
+        q = torch.randint(-128, 128, (N, K), generator=gen)
+    scales = (torch.rand(N, K // group_size, generator=gen) * 0.02 + 0.002).to(scale_dtype)
+    mins = None if min_dtype is None else (torch.randn(N, K // group_size, generator=gen) * 0.05).to(min_dtype)
+    qweight = pack_int4(q) if bits == 4 else q.to(torch.int8)
+    return qweight, q, scales, mins
+
+
+def make_fp8_weight(N: int, K: int, block_n: int, block_k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    qweight = (torch.randn(N, K, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scales = torch.rand(-(-N // block_n), -(-K // block_k), generator=gen) * 1e-3 + 1e-4
+    return qweight, scales
+
+
+def errors(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, x_ref: torch.Tensor | None = None) -> dict:
+    """Max |y - x w^T| against the exact product (float64), the largest |output| and the largest sum |x| |w|."""
+    x_ref = x.double() if x_ref is None else x_ref.double()
+    ref = x_ref @ w.double().T
+    return {"err": (y.double() - ref).abs().max().item(), "max_ref": ref.abs().max().item(),
+            "abs_dot": (x.double().abs() @ w.double().abs().T).max().item()}
+
+
+# ----------------------------------------------------------------- the interpreter runs
+INT_CASES = [  # M, N, K, group, bits, x dtype, scale dtype, min dtype, what it covers
+    (3, 40, 256, 128, 4, "bfloat16", "float16", "float32", "decode split-K, AWQ-like, N ragged"),
+    (1, 24, 128, 32, 4, "float16", "bfloat16", None, "one row, symmetric, fp16 offset"),
+    (5, 33, 96, 32, 8, "bfloat16", "float32", "bfloat16", "8-bit, Q5_K-like mins"),
+    (4, 20, 64, 16, 8, "float16", "float32", None, "8-bit Q6_K-like group 16"),
+    (2, 16, 384, 384, 4, "bfloat16", "float16", "float32", "per-channel group = K, not a power of two"),
+    (70, 72, 128, 64, 4, "bfloat16", "float16", "float16", "prefill 128 x 128 tile, M and N ragged"),
+    (7, 24, 64, 8, 4, "bfloat16", "float16", "float32", "group 8: per-element dequantization"),
+    (6, 40, 96, 24, 8, "float16", "float16", "float16", "group 24: per-element, K ragged vs the K step"),
+]
+
+INT_SCRIPT = """
+import json, sys
+import torch
+from test_quant_kernels import INT_CASES, dequant_int, errors, make_int_weight
+from nanovllm.kernels import quant_matmul as qm
+res = []
+for M, N, K, G, bits, x_dtype, s_dtype, m_dtype, _ in INT_CASES:
+    qweight, q, scales, mins = make_int_weight(N, K, G, bits, getattr(torch, s_dtype),
+                                               m_dtype and getattr(torch, m_dtype))
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(getattr(torch, x_dtype))
+    y = qm.int_linear(x, qweight, scales, mins, bits, G)
+    plan = qm.plan_weight_only(M, N, K, G)
+    res.append(dict(errors(y, x, dequant_int(q, scales, mins, G)), dtype=str(y.dtype), shape=list(y.shape),
+                    splits=plan.num_splits, per_element=plan.per_element, block_m=plan.block_m,
+                    scale_after_dot=plan.scale_after_dot))
+# explicit small tiles: several K steps per program, several programs along M and N, both modes, fp16 and bf16
+for x_dtype, scale_after_dot, splits in [(torch.float16, False, 1), (torch.bfloat16, False, 1),
+                                         (torch.bfloat16, True, 2), (torch.float16, True, 1)]:
+    qweight, q, scales, mins = make_int_weight(50, 256, 64, 4, torch.float16, torch.float32, seed=3)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(1)).to(x_dtype)
+    plan = qm.TilePlan(16 if scale_after_dot else 32, 32, 32, splits, 8 // splits, 4, 2, False, scale_after_dot)
+    y = qm.weight_only_linear(x, qweight, scales, mins, 0, 1, 64, plan)
+    res.append(dict(errors(y, x, dequant_int(q, scales, mins, 64)), dtype=str(y.dtype), shape=list(y.shape),
+                    splits=splits, per_element=False, block_m=plan.block_m, scale_after_dot=scale_after_dot))
+print(json.dumps(res))
+"""
+
+FP8_CASES = [  # M, N, K, (bn, bk), x dtype, what it covers
+    (3, 200, 320, (128, 128), "bfloat16", "block FP8 decode, N and K ragged"),
+    (2, 48, 160, (1, 160), "float16", "per-channel decode"),
+    (4, 40, 96, (40, 96), "bfloat16", "per-tensor decode"),
+    (5, 30, 160, (16, 48), "float16", "block 48: 16-column K steps"),
+    (5, 30, 160, (16, 40), "float16", "block 40: per-element dequantization"),
+    (70, 136, 256, (128, 128), "bfloat16", "weight-only 128-row tile"),
+    (259, 136, 320, (128, 128), "bfloat16", "W8A8 block, FP8 activations per 128 columns"),
+    (256, 48, 160, (1, 160), "float16", "W8A8 per-channel, per-token activations"),
+    (260, 40, 96, (40, 96), "bfloat16", "W8A8 per-tensor"),
+]
+
+FP8_SCRIPT = """
+import json
+import torch
+from test_quant_kernels import FP8_CASES, dequant_fp8, errors, make_fp8_weight, quantize_act_ref
+from nanovllm.kernels import quant_matmul as qm
+res = []
+for M, N, K, (bn, bk), x_dtype, _ in FP8_CASES:
+    qweight, scales = make_fp8_weight(N, K, bn, bk)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(getattr(torch, x_dtype))
+    y = qm.fp8_linear(x, qweight, scales, (bn, bk))
+    w = dequant_fp8(qweight, scales, bn, bk)
+    w8a8 = qm._w8a8_applies(x, K, bk)
+    x_ref = quantize_act_ref(x, bk if scales.shape[1] > 1 else K) if w8a8 else None
+    scale_after_dot = not w8a8 and qm.plan_weight_only(M, N, K, bk).scale_after_dot
+    res.append(dict(errors(y, x, w, x_ref), unquantized=errors(y, x, w), w8a8=w8a8, dtype=str(y.dtype),
+                    scale_after_dot=scale_after_dot))
+print(json.dumps(res))
+"""
+
+
+def interpret(script: str) -> list:
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=900,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _eps(dtype_name: str) -> float:
+    return EPS[getattr(torch, dtype_name.removeprefix("torch."))]
+
+
+def test_int_linear_matches_the_contract_dequantization():
+    results = interpret(INT_SCRIPT)
+    cases = INT_CASES + [(40, 50, 256, 64, 4, "", "", "", f"explicit tile {i}") for i in range(4)]
+    for (M, N, *_, what), res in zip(cases, results, strict=True):
+        eps = _eps(res["dtype"])
+        assert res["shape"] == [M, N], what
+        bound = eps * res["max_ref"] + (0.0 if res["scale_after_dot"] else eps * res["abs_dot"])
+        assert res["err"] <= 1.01 * bound, (what, res)
+    by_what = dict(zip([c[-1] for c in INT_CASES], results))
+    assert by_what["decode split-K, AWQ-like, N ragged"]["splits"] > 1  # the split-K path ran, with its reduction
+    assert by_what["decode split-K, AWQ-like, N ragged"]["scale_after_dot"]
+    assert by_what["prefill 128 x 128 tile, M and N ragged"]["block_m"] == 128
+    assert by_what["group 8: per-element dequantization"]["per_element"]
+    assert not by_what["per-channel group = K, not a power of two"]["per_element"]
+
+
+def test_fp8_linear_matches_the_contract_dequantization():
+    results = interpret(FP8_SCRIPT)
+    for (*_, what), res in zip(FP8_CASES, results, strict=True):
+        eps = _eps(res["dtype"])
+        dequantized = not res["w8a8"] and not res["scale_after_dot"]
+        bound = eps * res["max_ref"] + (eps * res["abs_dot"] if dequantized else 0.0)
+        assert res["err"] <= 1.01 * bound, (what, res)
+        assert res["w8a8"] == what.startswith("W8A8"), what
+        if res["w8a8"]:  # e4m3 activations: each rounded by at most 2^-4 relative
+            assert res["unquantized"]["err"] <= 2 ** -4 * res["unquantized"]["abs_dot"], (what, res)
+
+
+OPS_SCRIPT = """
+import json
+import torch
+from test_quant_kernels import make_fp8_weight, make_int_weight
+from nanovllm.kernels.quant_matmul import fp8_linear, int_linear
+qweight, q, scales, mins = make_int_weight(24, 64, 32, 4, torch.float16, torch.float32)
+x = torch.randn(2, 3, 64).to(torch.bfloat16)
+res = {"leading_dims": list(int_linear(x, qweight, scales, mins, 4, 32).shape),
+       "empty": list(int_linear(x[:0, 0], qweight, scales, None, 4, 32).shape)}
+torch.library.opcheck(torch.ops.nanovllm.int_linear.default, (x[0], qweight, scales, mins, 4, 32))
+torch.library.opcheck(torch.ops.nanovllm.int_linear.default, (x[0], qweight, scales, None, 4, 32))
+wq, ws = make_fp8_weight(24, 64, 16, 32)
+# test_schema compares inputs before and after with allclose, which has no CPU kernel for float8
+torch.library.opcheck(torch.ops.nanovllm.fp8_linear.default, (x[0], wq, ws, 16, 32),
+                      test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+def layer(x):
+    return int_linear(x, qweight, scales, mins, 4, 32) + fp8_linear(x, wq, ws, (16, 32))
+
+compiled = torch.compile(layer, fullgraph=True, backend="aot_eager", dynamic=True)
+res["compiled_equal"] = torch.equal(compiled(x[0]), layer(x[0])) and torch.equal(compiled(x[1, :2]), layer(x[1, :2]))
+print(json.dumps(res))
+"""
+
+
+def test_custom_ops_pass_opcheck_and_compile_without_graph_breaks():
+    res = interpret(OPS_SCRIPT)  # opcheck raises on a schema, fake-tensor or dispatch problem
+    assert res == {"leading_dims": [2, 3, 24], "empty": [0, 24], "compiled_equal": True}
+
+
+# ----------------------------------------------------------------- argument errors (no kernel runs)
+def test_bad_arguments_raise_value_errors_naming_the_value():
+    from nanovllm.kernels.quant_matmul import fp8_linear, int_linear
+    qweight, _, scales, mins = make_int_weight(8, 64, 32, 4, torch.float16, None)
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bits=3"):
+        int_linear(x, qweight, scales, mins, 3, 32)
+    with pytest.raises(ValueError, match="group_size=48"):
+        int_linear(x, qweight, scales, mins, 4, 48)
+    with pytest.raises(ValueError, match="bits=8 needs qweight int8"):
+        int_linear(x, qweight, scales, mins, 8, 32)
+    with pytest.raises(ValueError, match=r"scales has shape \(8, 4\)"):
+        int_linear(x, qweight, torch.ones(8, 4), None, 4, 32)
+    with pytest.raises(ValueError, match="float32"):
+        int_linear(x.float(), qweight, scales, mins, 4, 32)
+    wq, ws = make_fp8_weight(8, 64, 128, 128)
+    with pytest.raises(ValueError, match=r"block_size=\(1, 64\)"):
+        fp8_linear(x, wq, ws, (1, 64))
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="CUDA only"):
+            int_linear(x, qweight, scales, mins, 4, 32)

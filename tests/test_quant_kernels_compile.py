@@ -1,0 +1,95 @@
+"""The quantized linear kernels compile for an H100/H200 (sm_90) and an RTX 40-series GPU (sm_89) on a machine
+without a GPU, within the shared memory a block may use there: every plan the dispatch can pick (decode split-K,
+the 128-row tile, per-element groups, both 16-bit dtypes, the FP8 GEMM with block and per-token scales, the
+activation quantizer). Triton's interpreter, which tests/test_quant_kernels.py runs them in, does not type-check,
+so a kernel it runs may still fail to compile; and a tile that fits an H100's 227 KB of shared memory per block
+may not fit an RTX 4070's 99 KB. The launches become compiles under a stand-in CUDA driver (the same approach as
+tests/test_triton_compile.py), in a subprocess: the driver is process-wide."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernels")
+
+COMPILE_ALL = r"""
+import sys
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+TARGET_CC, SHARED_LIMIT_BYTES, NUM_SMS = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+
+
+class StandInDriver:
+    '''Enough of Triton's CUDA driver for a compile: device 0, stream 0, target sm_<TARGET_CC>.'''
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", TARGET_CC, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+compiled = set()
+launch = JITFunction.run
+
+
+def compile_only(self, *args, grid, warmup, **kwargs):
+    kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+    assert kernel is not None and kernel.asm.get("cubin"), self.fn.__name__
+    shared = kernel.metadata.shared
+    assert shared <= SHARED_LIMIT_BYTES, (f"{self.fn.__name__} needs {shared} bytes of shared memory on sm_{TARGET_CC}, "
+                                          f"over {SHARED_LIMIT_BYTES}: {kwargs}")
+    compiled.add(self.fn.__name__)
+    return kernel
+
+
+JITFunction.run = compile_only
+driver.set_active(StandInDriver())
+
+from nanovllm.kernels import quant_gemm
+from nanovllm.kernels import quant_matmul as qm
+
+limits = qm.DeviceLimits(NUM_SMS, SHARED_LIMIT_BYTES)
+K, N = 4096, 4096  # Qwen3-8B o_proj: plans with several K steps per program, as the engine runs them
+for bits, group, dtype, rows in [(4, 128, torch.bfloat16, (1, 16, 48, 256)), (4, 128, torch.float16, (256,)),
+                                 (8, 32, torch.bfloat16, (4, 256)), (8, 16, torch.float16, (256,)),
+                                 (4, 8, torch.bfloat16, (2, 256))]:
+    qweight = torch.zeros(N, K // 8 if bits == 4 else K, dtype=torch.int32 if bits == 4 else torch.int8)
+    scales, mins = torch.ones(N, K // group, dtype=torch.float16), torch.zeros(N, K // group)
+    for M in rows:
+        plan = qm.plan_weight_only(M, N, K, group, limits)
+        kind = quant_gemm.KIND_INT4 if bits == 4 else quant_gemm.KIND_INT8
+        qm.weight_only_linear(torch.zeros(M, K, dtype=dtype), qweight, scales, mins, kind, 1, group, plan)
+wq = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
+for M in (1, 64):
+    x = torch.zeros(M, K, dtype=torch.bfloat16)
+    qm.weight_only_linear(x, wq, torch.ones(N // 128, K // 128), None, quant_gemm.KIND_FP8, 128, 128,
+                          qm.plan_weight_only(M, N, K, 128, limits))
+x = torch.zeros(256, K, dtype=torch.bfloat16)
+qm.fp8_w8a8_linear(x, wq, torch.ones(N // 128, K // 128), 128, 128, use_scaled_mm=False, limits=limits)
+qm.fp8_w8a8_linear(x, wq, torch.ones(N, 1), 1, K, use_scaled_mm=False, limits=limits)
+print(" ".join(sorted(compiled)))
+"""
+
+
+# (compute capability, the most shared memory a block may use there, SMs): an H100 SXM, an RTX 4070 Laptop
+@pytest.mark.parametrize("cc, shared_limit_bytes, num_sms", [(90, 232448, 132), (89, 101376, 36)],
+                         ids=["sm90-h100", "sm89-rtx4070"])
+def test_every_quant_kernel_compiles_within_shared_memory(cc, shared_limit_bytes, num_sms):
+    proc = subprocess.run([sys.executable, "-c", COMPILE_ALL, str(cc), str(shared_limit_bytes), str(num_sms)],
+                          check=False, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["_fp8_gemm_kernel", "_quantize_act_kernel", "_sum_splits_kernel",
+                                   "_wo_gemm_kernel"]

@@ -1,0 +1,123 @@
+"""The quantized linear kernels on CUDA (nanovllm/kernels/quant_matmul.py): every path against the contract's
+dequantization (the reference and tolerances of tests/test_quant_kernels.py, where the CPU interpreter runs the
+same cases), then under CUDA graph capture and torch.compile, and run to run bit-identical (split-K sums its
+partials in a fixed order). Skipped without CUDA; the FP8 tensor-core paths need sm_89+."""
+import pytest
+import torch
+from test_quant_kernels import (
+    EPS,
+    dequant_fp8,
+    dequant_int,
+    errors,
+    make_fp8_weight,
+    make_int_weight,
+    quantize_act_ref,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the quantized kernels need a CUDA GPU")
+
+ROWS = [1, 7, 16, 33, 200]  # scale-after-dot split-K, 16 rows, the 64-row tile, the 128-row tile
+
+
+def _qm():
+    from nanovllm.kernels import quant_matmul
+    return quant_matmul
+
+
+def _fp8_tensor_cores() -> bool:
+    return torch.cuda.get_device_capability() >= (8, 9)
+
+
+def _check(y, x, w, scale_after_dot: bool, x_ref=None):
+    """The bounds of tests/test_quant_kernels.py, as a fraction of the largest output."""
+    eps = EPS[y.dtype]
+    res = errors(y.cpu(), x.cpu(), w.cpu(), None if x_ref is None else x_ref.cpu())
+    bound = eps * res["max_ref"] + (0.0 if scale_after_dot else eps * res["abs_dot"])
+    assert res["err"] <= 1.01 * bound, res
+
+
+@pytest.mark.parametrize("bits, group, scale_dtype, min_dtype, x_dtype", [
+    (4, 128, torch.float16, torch.float32, torch.bfloat16),  # AWQ / GPTQ 4-bit
+    (4, 32, torch.float16, torch.float16, torch.float16),  # GGUF Q4_1, fp16 activations
+    (4, 32, torch.float32, torch.float32, torch.bfloat16),  # Q4_K
+    (8, 16, torch.float32, None, torch.bfloat16),  # Q6_K
+    (8, 128, torch.float16, torch.float32, torch.bfloat16),  # GPTQ 8-bit
+    (4, 8, torch.bfloat16, None, torch.bfloat16),  # per-element dequantization
+])
+@pytest.mark.parametrize("M", ROWS)
+def test_int_linear_matches_the_reference(M, bits, group, scale_dtype, min_dtype, x_dtype):
+    qm = _qm()
+    N, K = 1000, 2048  # N ragged against every tile
+    qweight, q, scales, mins = make_int_weight(N, K, group, bits, scale_dtype, min_dtype)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(x_dtype)
+    y = qm.int_linear(x.cuda(), qweight.cuda(), scales.cuda(), None if mins is None else mins.cuda(), bits, group)
+    assert y.dtype == x_dtype and y.shape == (M, N)
+    plan = qm.plan_weight_only(M, N, K, group, qm.device_limits(y.device))
+    _check(y, x, dequant_int(q, scales, mins, group), plan.scale_after_dot)
+
+
+@pytest.mark.parametrize("block", [(128, 128), (1, 2048), (1000, 2048), (16, 48)],
+                         ids=["block", "per-channel", "per-tensor", "block-16x48"])
+@pytest.mark.parametrize("M", ROWS + [300])
+def test_fp8_linear_matches_the_reference(M, block):
+    qm = _qm()
+    N, K = 1000, 2048
+    qweight, scales = make_fp8_weight(N, K, *block)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
+    y = qm.fp8_linear(x.cuda(), qweight.cuda(), scales.cuda(), block)
+    w = dequant_fp8(qweight, scales, *block)
+    if qm._w8a8_applies(x.cuda(), K, block[1]):  # per-token (and per-bk-column) FP8 activations
+        _check(y, x, w, True, quantize_act_ref(x, block[1] if scales.shape[1] > 1 else K))
+        res = errors(y.cpu(), x, w)
+        assert res["err"] <= 2 ** -4 * res["abs_dot"], res
+    else:
+        _check(y, x, w, qm.plan_weight_only(M, N, K, block[1], qm.device_limits(y.device)).scale_after_dot)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _fp8_tensor_cores(), reason="FP8 tensor cores: sm_89+")
+def test_fp8_per_channel_triton_gemm_and_scaled_mm_agree():
+    qm = _qm()
+    N, K, M = 512, 1024, 384
+    qweight, scales = (t.cuda() for t in make_fp8_weight(N, K, 1, K))
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    triton_y = qm.fp8_w8a8_linear(x, qweight, scales, 1, K, use_scaled_mm=False)
+    scaled_mm_y = qm.fp8_w8a8_linear(x, qweight, scales, 1, K, use_scaled_mm=True)
+    # the same FP8 operands and scales: the two differ only in fp32 summation order and the final rounding
+    assert ((triton_y.float() - scaled_mm_y.float()).abs().max() <= 2 ** -7 * scaled_mm_y.float().abs().max())
+
+
+def _layer_calls(M: int):
+    """A closure running every kernel path once on a static input, and the input to refill."""
+    qm = _qm()
+    qweight, _, scales, mins = (t if t is None else t.cuda() for t in make_int_weight(768, 1024, 128, 4,
+                                                                                      torch.float16, torch.float32))
+    q8, _, s8, _ = (t if t is None else t.cuda() for t in make_int_weight(768, 1024, 32, 8, torch.float32, None))
+    wq, ws = (t.cuda() for t in make_fp8_weight(768, 1024, 128, 128))
+    x = torch.randn(M, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        return (qm.int_linear(x, qweight, scales, mins, 4, 128), qm.int_linear(x, q8, s8, None, 8, 32),
+                qm.fp8_linear(x, wq, ws, (128, 128)))
+    return run, x
+
+
+@pytest.mark.parametrize("M", [3, 300])  # split-K decode; the 128-row tile and FP8 activations
+def test_kernels_replay_under_cuda_graphs_bit_identical(M):
+    run, x = _layer_calls(M)
+    run()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run()
+    for seed in (1, 2):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x.dtype))
+        graph.replay()
+        eager = run()
+        for got, want in zip(outs, eager, strict=True):
+            assert torch.equal(got, want)  # same kernels, same order of sums: the same bits
+
+
+def test_kernels_compile_with_inductor_without_graph_breaks():
+    run, _x = _layer_calls(5)
+    compiled = torch.compile(run, fullgraph=True)
+    for got, want in zip(compiled(), run(), strict=True):
+        assert torch.equal(got, want)
