@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.quantization.method import quant_matmul
+from nanovllm.layers.quantization.method import quant_matmul, use_kernels
 from nanovllm.utils.distributed import tp_rank, tp_size
 
 INT8_MAX = 127  # symmetric rounding: -127..127, so that -w rounds to -q
@@ -81,7 +81,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         return None if logits is None else logits[:, :self.num_embeddings]
 
     def int8_logits(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and quant_matmul is not None:
+        if use_kernels(x):
             return quant_matmul.int_linear(x, self.weight, self.scales, None, 8, self.weight.size(1))
         chunks = []
         for start in range(0, self.weight.size(0), HEAD_CHUNK_ROWS):

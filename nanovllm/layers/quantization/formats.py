@@ -76,10 +76,12 @@ def checkpoint_tensors(spec: QuantSpec, output_size: int, input_size: int) -> li
 
 
 def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [..., W] -> int32 [..., W * (32 // bits)]: value i of word j (at bits bits * i) is element j * pf + i,
-    read as unsigned."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
-    values = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., W, pf]; the sign bits are masked off
+    """int32 [..., W] -> uint8 [..., W * (32 // bits)]: value i of word j (at bits bits * i) is element j * pf + i,
+    read as unsigned. One value at a time, so the scratch is a byte per value (a layer of Qwen3-8B's MLP has 10**8)."""
+    per_word = 32 // bits
+    values = torch.empty(*words.shape, per_word, dtype=torch.uint8, device=words.device)
+    for i in range(per_word):
+        values[..., i] = (words >> (bits * i)) & ((1 << bits) - 1)  # the arithmetic shift's sign bits masked off
     return values.flatten(-2)
 
 
@@ -108,7 +110,7 @@ def to_layout(spec: QuantSpec, tensors: dict[str, torch.Tensor], input_size: int
         scales = tensors["scales"].t()  # [N, K // G]
     elif spec.method == "gptq":
         q = unpack_words(tensors["qweight"].t(), bits)  # [N, K]
-        zeros = unpack_words(tensors["qzeros"], bits).t() + spec.zero_offset  # [N, K // G]
+        zeros = unpack_words(tensors["qzeros"], bits).t().to(torch.int32) + spec.zero_offset  # [N, K // G]
         scales = tensors["scales"].t()
     else:  # compressed-tensors: stored unsigned; its zero point in the same unsigned form (2**(bits-1) if symmetric)
         q = unpack_words(tensors["weight_packed"], bits)
@@ -116,11 +118,12 @@ def to_layout(spec: QuantSpec, tensors: dict[str, torch.Tensor], input_size: int
         scales = tensors["weight_scale"]
         if zeros is None:
             zeros = torch.full_like(scales, 1 << (bits - 1), dtype=torch.int32)
+    zeros = zeros.to(torch.int32)
     scales = scales.contiguous()
     if bits == 4:
         mins = -(zeros.to(torch.float32) * scales)  # w = q * s - z * s: both terms exact in float32
         return dict(qweight=pack_int4(q), scales=narrowest_exact(scales), mins=narrowest_exact(mins.contiguous()))
     mins = (128 - zeros).to(torch.float32) * scales  # int8 holds q - 128: w = (q - 128) * s + (128 - z) * s
-    return dict(qweight=(q - 128).to(torch.int8).contiguous(), scales=narrowest_exact(scales),
+    return dict(qweight=(q.to(torch.int16) - 128).to(torch.int8).contiguous(), scales=narrowest_exact(scales),
                 mins=None if spec.method == "compressed-tensors" and not spec.has_zero_point
                 else narrowest_exact(mins.contiguous()))

@@ -19,6 +19,11 @@ try:  # the CUDA kernels (Triton); without them CUDA runs the reference below, a
     from nanovllm.kernels import quant_matmul
 except ImportError:
     quant_matmul = None
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # the activations the kernels take (float32 runs the reference)
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    return x.is_cuda and quant_matmul is not None and x.dtype in KERNEL_DTYPES
 
 
 def new_param(shape, dtype, shard_dims=()) -> nn.Parameter:
@@ -99,7 +104,7 @@ class QuantLinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [M, K]
-        if x.is_cuda and quant_matmul is not None:
+        if use_kernels(x):
             if self.spec.kind == "fp8":
                 y = quant_matmul.fp8_linear(x, layer.qweight, layer.scales, layer.block_size)
             else:
