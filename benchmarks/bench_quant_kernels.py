@@ -2,12 +2,14 @@
 Qwen3-8B layer shapes, decode (M = 1..16) and prefill/batch (M = 128..8192) rows.
 
     python benchmarks/bench_quant_kernels.py [--m 1 16 1024] [--shapes qkv o] [--json OUT] [--budget-s 160]
+    python benchmarks/bench_quant_kernels.py --sweep-splits  # decode split-K counts for W4 and block FP8
 
 Variants: bf16 `F.linear`; `int_linear` 4-bit and 8-bit, group 128 with fp16 scales and fp32 mins (AWQ's and
 GPTQ's layout after repacking); `fp8_linear` with 128 x 128 blocks and per-channel (at M >= 256 these quantize the
 activations to FP8; per-channel goes to torch._scaled_mm); and, at M >= 256 only, the alternatives the dispatch
-did not pick: the Triton FP8 GEMM for per-channel weights (`fp8ch-tri`) and the weight-only kernel on block FP8
-weights (`fp8blk-a16`, bf16 activations).
+did not pick: the Triton FP8 GEMM for per-channel weights (`fp8ch-tri`), torch._scaled_mm's 1 x 128 / 128 x 128
+block scaling for block weights (`fp8blk-smm`, cuBLASLt on sm_90; NANOVLLM_FP8_BLOCK_SCALED_MM=1 makes it the
+default) and the weight-only kernel on block FP8 weights (`fp8blk-a16`, bf16 activations).
 
 Each cell is `us / speedup over bf16 / %` where % is, for M <= 16, the bytes of weights + scales + mins read per
 second as a share of the device's copy bandwidth (a 1 GiB device-to-device copy_, read + write bytes over time,
@@ -21,6 +23,8 @@ dequantized by the contract's formula (max |error| / max |reference|); FP8-activ
 activation rounding (~2^-5). A failing variant prints ERR and its error at the end, the others go on.
 """
 import argparse
+import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -43,8 +47,8 @@ PREFILL_M = [128, 512, 1024, 4096, 8192]
 CHECK_M = (16, 1024)
 GROUP = 128
 L2_DEFEAT_BYTES = 256 << 20
-VARIANTS = ["bf16", "w4", "w8", "fp8blk", "fp8ch", "fp8ch-tri", "fp8blk-a16"]
-LARGE_M_ONLY = {"fp8ch-tri", "fp8blk-a16"}
+VARIANTS = ["bf16", "w4", "w8", "fp8blk", "fp8ch", "fp8ch-tri", "fp8blk-smm", "fp8blk-a16"]
+LARGE_M_ONLY = {"fp8ch-tri", "fp8blk-smm", "fp8blk-a16"}
 DEVICE = "cuda"  # the CPU smoke check of the references sets "cpu" (with TRITON_INTERPRET=1)
 
 
@@ -90,6 +94,8 @@ def call(variant: str, x: torch.Tensor, t: dict) -> torch.Tensor:
         return qm.int_linear(x, t["qweight"], t["scales"], t["mins"], 4 if variant == "w4" else 8, GROUP)
     if variant == "fp8ch-tri":
         return qm.fp8_w8a8_linear(x, t["qweight"], t["scales"], 1, x.shape[1], use_scaled_mm=False)
+    if variant == "fp8blk-smm":
+        return qm.fp8_w8a8_linear(x, t["qweight"], t["scales"], 128, 128, use_scaled_mm=True)
     if variant == "fp8blk-a16":
         return qm.weight_only_linear(x, t["qweight"], t["scales"], None, quant_gemm.KIND_FP8, 128, 128)
     return qm.fp8_linear(x, t["qweight"], t["scales"], t["block"])
@@ -149,7 +155,7 @@ def bench_variant(name: str, variant: str, N: int, K: int, ms: list, copy_bw: fl
             continue
         row = {"shape": name, "N": N, "K": K, "M": M, "variant": variant}
         try:
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
             if M in CHECK_M:
                 row["max_rel_err"] = rel_err(call(variant, x, first), x, dequantized(variant, first))
             num_calls = num_copies if M <= 1024 else 2
@@ -160,6 +166,37 @@ def bench_variant(name: str, variant: str, N: int, K: int, ms: list, copy_bw: fl
             errors.append(f"{name} {variant} M={M}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             traceback.print_exc(limit=2, file=sys.stderr)
         rows.append(row)
+
+
+def _plan_call(i: int, x, copies: list, kind: int, group_n: int, plan) -> torch.Tensor:
+    t = copies[i % len(copies)]
+    return qm.weight_only_linear(x, t["qweight"], t["scales"], t.get("mins"), kind, group_n, GROUP, plan)
+
+
+def sweep_splits(shapes: list, copy_bw: float):
+    """Decode split-K: time W4 and block FP8 at 1 and 16 rows with 1..16 splits, against the plan's choice."""
+    print("split-K sweep: splits, us per call (% of copy bandwidth); * = the plan's choice")
+    for name in shapes:
+        N, K = SHAPES[name]
+        for variant, kind, group_n in (("w4", quant_gemm.KIND_INT4, 1), ("fp8blk", quant_gemm.KIND_FP8, 128)):
+            first = make_weights(variant, N, K)
+            num_copies = max(2, min(64, math.ceil(L2_DEFEAT_BYTES / bytes_read(first))))
+            copies = [first] + [make_weights(variant, N, K) for _ in range(num_copies - 1)]
+            for M in (1, 16):
+                x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
+                plan = qm.plan_weight_only(M, N, K, GROUP, qm.device_limits(x.device))
+                total_steps = math.ceil(K / plan.block_k)
+                cells = []
+                for splits in (1, 2, 4, 8, 16):
+                    steps = math.ceil(total_steps / splits)
+                    trial = dataclasses.replace(plan, num_splits=math.ceil(total_steps / steps), num_k_steps=steps)
+                    us = graph_us(functools.partial(_plan_call, x=x, copies=copies, kind=kind, group_n=group_n,
+                                                    plan=trial), num_copies)
+                    mark = "*" if trial.num_splits == plan.num_splits else " "
+                    pct = 100 * bytes_read(first) / us / 1e3 / copy_bw
+                    cells.append(f"{trial.num_splits:>2}{mark}{us:7.1f} ({pct:3.0f}%)")
+                print(f"  {name:>8} {variant:<6} M={M:<3}" + " ".join(cells))
+            torch.cuda.empty_cache()
 
 
 def print_table(rows: list, variants: list, copy_bw: float):
@@ -196,6 +233,7 @@ def main():
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--budget-s", type=float, default=160.0, help="stop timing new cells after this long")
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--sweep-splits", action="store_true", help="only time decode split-K choices")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference GEMM
     started = time.monotonic()
@@ -203,6 +241,9 @@ def main():
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"scaled_mm: {hasattr(torch, '_scaled_mm')}")
     copy_bw = copy_gbps()
+    if args.sweep_splits:
+        sweep_splits(args.shapes, copy_bw)
+        return
     rows, errors = [], []
     for name in args.shapes:
         for variant in args.variants:

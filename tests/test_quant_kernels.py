@@ -87,7 +87,7 @@ def errors(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, x_ref: torch.Tenso
 
 # ----------------------------------------------------------------- the interpreter runs
 INT_CASES = [  # M, N, K, group, bits, x dtype, scale dtype, min dtype, what it covers
-    (3, 40, 256, 128, 4, "bfloat16", "float16", "float32", "decode split-K, AWQ-like, N ragged"),
+    (3, 40, 1024, 128, 4, "bfloat16", "float16", "float32", "decode split-K, AWQ-like, N ragged"),
     (1, 24, 128, 32, 4, "float16", "bfloat16", None, "one row, symmetric, fp16 offset"),
     (5, 33, 96, 32, 8, "bfloat16", "float32", "bfloat16", "8-bit, Q5_K-like mins"),
     (4, 20, 64, 16, 8, "float16", "float32", None, "8-bit Q6_K-like group 16"),

@@ -86,6 +86,21 @@ def test_fp8_per_channel_triton_gemm_and_scaled_mm_agree():
     assert ((triton_y.float() - scaled_mm_y.float()).abs().max() <= 2 ** -7 * scaled_mm_y.float().abs().max())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="cuBLASLt's 128 x 128 block scaling runs on sm_90 only")
+def test_fp8_block_scaled_mm_agrees_with_the_triton_gemm():
+    qm = _qm()
+    N, K, M = 512, 1024, 384
+    qweight, scales = (t.cuda() for t in make_fp8_weight(N, K, 128, 128))
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    triton_y = qm.fp8_w8a8_linear(x, qweight, scales, 128, 128, use_scaled_mm=False)
+    try:
+        scaled_mm_y = qm.fp8_w8a8_linear(x, qweight, scales, 128, 128, use_scaled_mm=True)
+    except (RuntimeError, NotImplementedError) as e:  # a torch or CUDA without block scaling: the Triton GEMM runs
+        pytest.skip(f"torch._scaled_mm has no 1 x 128 / 128 x 128 block scaling here: {e}")
+    assert ((triton_y.float() - scaled_mm_y.float()).abs().max() <= 2 ** -7 * scaled_mm_y.float().abs().max())
+
+
 def _layer_calls(M: int):
     """A closure running every kernel path once on a static input, and the input to refill."""
     qm = _qm()

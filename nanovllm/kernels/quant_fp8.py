@@ -23,7 +23,7 @@ _MIN_AMAX = tl.constexpr(1e-12)  # an all-zero group gets a tiny scale, not 0 (i
 
 @triton.jit
 def _quantize_act_kernel(x_ptr, xq_ptr, xs_ptr, K, group_cols, num_chunks, stride_xm, stride_qm, stride_sm,
-                         BLOCK: tl.constexpr):
+                         stride_sg, BLOCK: tl.constexpr):
     """One program per (row, group of group_cols columns): scale = max|x| / 448, xq = x / scale in e4m3 (the
     division is exact-rounded once, as in vLLM's per-token-group quantization). Two passes over the group in
     chunks of BLOCK columns: the largest magnitude, then the quantized values."""
@@ -42,12 +42,12 @@ def _quantize_act_kernel(x_ptr, xq_ptr, xs_ptr, K, group_cols, num_chunks, strid
         x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < end, other=0.0).to(tl.float32)
         xq = tl.clamp(x / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX)
         tl.store(xq_ptr + row * stride_qm + cols, xq.to(xq_ptr.dtype.element_ty), mask=cols < end)
-    tl.store(xs_ptr + row * stride_sm + group, scale)
+    tl.store(xs_ptr + row * stride_sm + group * stride_sg, scale)
 
 
 @triton.jit
-def _fp8_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_xsm, stride_wn, stride_wsn,
-                     stride_om, GROUP_N: tl.constexpr, PER_STEP_SCALES: tl.constexpr, EMULATE_DOT_FP32: tl.constexpr,
+def _fp8_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_xsm, stride_xsg, stride_wn,
+                     stride_wsn, stride_om, GROUP_N: tl.constexpr, PER_STEP_SCALES: tl.constexpr, EMULATE_DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """out = (xq * xs) @ (w * ws).T for one [BLOCK_M, BLOCK_N] tile. PER_STEP_SCALES: the scales change every
     BLOCK_K (= the weights' bk) columns, x_scale [M, K / bk] and w_scale [N / bn, K / bk]; otherwise x_scale [M, 1],
@@ -68,7 +68,7 @@ def _fp8_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm,
         if EMULATE_DOT_FP32:
             x, w = x.to(tl.float32), w.to(tl.float32)
         if PER_STEP_SCALES:
-            x_scale = tl.load(xs_rows + k0 // BLOCK_K, mask=m_ok, other=0.0)
+            x_scale = tl.load(xs_rows + (k0 // BLOCK_K) * stride_xsg, mask=m_ok, other=0.0)
             w_scale = tl.load(ws_rows + k0 // BLOCK_K, mask=n_ok, other=0.0)
             acc += tl.dot(x, w) * x_scale[:, None] * w_scale[None, :]
         else:

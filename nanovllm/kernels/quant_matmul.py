@@ -33,9 +33,16 @@ from nanovllm.kernels import quant_fp8, quant_gemm
 
 FP8_ACT_QUANT_MIN_ROWS = 256  # FP8 weights: below this many rows the weight-only kernel (bf16 dot, exact x) runs
 USE_SCALED_MM = os.environ.get("NANOVLLM_FP8_SCALED_MM", "1") != "0"  # per-channel/-tensor FP8 at large M
+# 128 x 128 block FP8 through torch._scaled_mm (cuBLASLt block scaling) instead of the Triton GEMM: off until
+# bench_quant_kernels.py's fp8blk-smm column has shown it runs and wins on the installed torch and CUDA
+USE_SCALED_MM_BLOCKWISE = os.environ.get("NANOVLLM_FP8_BLOCK_SCALED_MM", "0") == "1"
 _MAX_BLOCK_K = 128  # a K step; 128 holds a whole group of the common G = 128
 SCALE_AFTER_DOT_MAX_ROWS = 32  # taller tiles dequantize the tile instead (quant_gemm.py's docstring says why)
-_SPLIT_WAVES = 2  # split-K aims at this many programs per SM: decode tiles are short, a second wave hides the tail
+# split-K: the 4-warp decode programs (~128 registers a thread) fit four to an SM's 64K registers, and all of them
+# resident keep the most loads in flight; a split streams at least 4 steps so that its 4-stage pipeline fills.
+# Larger tiles split only to fill one wave.
+_DECODE_PROGRAMS_PER_SM = 4
+_MIN_STEPS_PER_SPLIT = 4
 
 
 @dataclass(frozen=True)
@@ -80,8 +87,8 @@ def aligned_block_k(group_k: int, limit: int = _MAX_BLOCK_K) -> int:
 
 def plan_weight_only(M: int, N: int, K: int, group_k: int, limits: DeviceLimits = H100_LIMITS) -> TilePlan:
     """Up to 32 rows (decode): 16- or 32-row tiles of 64 columns, 4 warps, the scales after the dot, K steps of up
-    to 128 columns, and K split until ~2 programs per SM: each weight is read once and the split keeps enough
-    loads in flight. 33-64 rows: 64 x 64 tiles. Larger M: 128 x 128 tiles, 64-column K steps, 8 warps, 4 stages
+    to 128 columns, and K split until ~4 programs per SM (split_k): each weight is read once and the split keeps
+    enough loads in flight. 33-64 rows: 64 x 64 tiles. Larger M: 128 x 128 tiles, 64-column K steps, 8 warps, 4 stages
     (one accumulator of 64 fp32 registers per thread; ~190 registers and no spills on sm_90 for 4-bit weights),
     each step's tile dequantized before the dot. Devices with under 160 KB of shared memory per block (sm_89) get
     64 x 128 tiles with 4 warps and 3 stages."""
@@ -98,14 +105,22 @@ def plan_weight_only(M: int, N: int, K: int, group_k: int, limits: DeviceLimits 
     per_element = block_k == 0
     if per_element:
         block_k = 32
-    total_steps = triton.cdiv(K, block_k)
-    num_tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    num_splits = max(1, min(total_steps, _SPLIT_WAVES * limits.num_sms // num_tiles))
-    num_k_steps = triton.cdiv(total_steps, num_splits)
-    num_splits = triton.cdiv(total_steps, num_k_steps)  # no empty split
     scale_after_dot = not per_element and block_m <= SCALE_AFTER_DOT_MAX_ROWS
+    num_splits, num_k_steps = split_k(M, N, K, block_m, block_n, block_k, limits,
+                                      _DECODE_PROGRAMS_PER_SM if block_m <= 64 else 1)
     return TilePlan(block_m, block_n, block_k, num_splits, num_k_steps, num_warps, num_stages, per_element,
                     scale_after_dot)
+
+
+def split_k(M: int, N: int, K: int, block_m: int, block_n: int, block_k: int, limits: DeviceLimits,
+            programs_per_sm: int) -> tuple[int, int]:
+    """(num_splits, num_k_steps per split): the K steps split until the tiles make about programs_per_sm programs
+    per SM, each split keeping at least _MIN_STEPS_PER_SPLIT steps, and no split empty."""
+    total_steps = triton.cdiv(K, block_k)
+    num_tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    num_splits = max(1, min(programs_per_sm * limits.num_sms // num_tiles, total_steps // _MIN_STEPS_PER_SPLIT))
+    num_k_steps = triton.cdiv(total_steps, num_splits)
+    return triton.cdiv(total_steps, num_k_steps), num_k_steps
 
 
 def _interpreting() -> bool:
@@ -213,21 +228,27 @@ def _has_fp8_tensor_cores(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def quantize_activations(x: torch.Tensor, group_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations(x: torch.Tensor, group_cols: int,
+                         scales_column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K / group_cols)]): per token and per group_cols columns,
-    scale = max|x| / 448 over the group (quant_fp8.py)."""
+    scale = max|x| / 448 over the group (quant_fp8.py). scales_column_major: the scales' layout that
+    torch._scaled_mm's 1 x 128 block scaling takes (stride (1, M))."""
     M, K = x.shape
     num_groups = triton.cdiv(K, group_cols)
     # Triton's CPU interpreter rounds some values to the wrong e4m3 binade (126.5 -> 64): there the kernel writes
     # the scaled fp32 values and torch rounds them
     round_in_torch = _interpreting()
     xq = torch.empty((M, K), dtype=torch.float32 if round_in_torch else torch.float8_e4m3fn, device=x.device)
-    xs = torch.empty((M, num_groups), dtype=torch.float32, device=x.device)
+    if scales_column_major:
+        xs = torch.empty((num_groups, M), dtype=torch.float32, device=x.device).t()
+    else:
+        xs = torch.empty((M, num_groups), dtype=torch.float32, device=x.device)
     if M:
         block = min(1024, triton.next_power_of_2(min(group_cols, K)))
         num_chunks = triton.cdiv(min(group_cols, K), block)
         quant_fp8._quantize_act_kernel[(M, num_groups)](x, xq, xs, K, group_cols, num_chunks, x.stride(0),
-                                                         xq.stride(0), xs.stride(0), BLOCK=block, num_warps=4)
+                                                         xq.stride(0), xs.stride(0), xs.stride(1), BLOCK=block,
+                                                         num_warps=4)
     return (xq.to(torch.float8_e4m3fn) if round_in_torch else xq), xs
 
 
@@ -238,20 +259,38 @@ def _scaled_mm_rowwise(xq, xs, qweight, scales, group_n: int, dtype) -> torch.Te
     return torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=w_scale, out_dtype=dtype)
 
 
-def _can_scaled_mm(x: torch.Tensor, N: int, K: int) -> bool:
-    """torch._scaled_mm's rowwise mode: CUDA, bf16 output, K and N multiples of 16."""
-    return USE_SCALED_MM and x.device.type == "cuda" and x.dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0
+def _scaled_mm_blockwise(xq, xs, qweight, scales, dtype) -> torch.Tensor:
+    """torch._scaled_mm with 1 x 128 activation scales (column-major [M, K / 128]) and 128 x 128 weight blocks
+    (cuBLASLt's DeepSeek-style block scaling: CUDA 12.9+, sm_90 only)."""
+    return torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=scales.t(), out_dtype=dtype)
 
 
-def fp8_w8a8_linear(x, qweight, scales, group_n: int, group_k: int, use_scaled_mm: bool = True,
+def _can_scaled_mm(x: torch.Tensor, N: int, K: int, block: tuple[int, int] | None = None) -> bool:
+    """torch._scaled_mm's rowwise mode (block None): CUDA, bf16 output, K and N multiples of 16; its 128 x 128
+    block mode also needs sm_90 and K and N multiples of 128."""
+    if x.device.type != "cuda" or x.dtype != torch.bfloat16 or K % 16 or N % 16:
+        return False
+    if block is None:
+        return True
+    return block == (128, 128) and K % 128 == 0 and N % 128 == 0 and torch.cuda.get_device_capability(x.device) == (9, 0)
+
+
+def fp8_w8a8_linear(x, qweight, scales, group_n: int, group_k: int, use_scaled_mm: bool | None = None,
                     limits: DeviceLimits | None = None) -> torch.Tensor:
     """x [M, K] quantized per token (and per group_k columns when the weight scales change along K), then an FP8
-    tensor-core GEMM (quant_fp8.py) or, for per-channel/per-tensor weights, torch._scaled_mm."""
+    tensor-core GEMM (quant_fp8.py) or torch._scaled_mm. use_scaled_mm None: USE_SCALED_MM for per-channel and
+    per-tensor weights, USE_SCALED_MM_BLOCKWISE for blocks; True or False forces either way where it can run."""
     M, K = x.shape
     N = qweight.shape[0]
     per_step = scales.shape[1] > 1
+    if per_step:
+        blockwise = USE_SCALED_MM_BLOCKWISE if use_scaled_mm is None else use_scaled_mm
+        if blockwise and _can_scaled_mm(x, N, K, (group_n, group_k)):
+            xq, xs = quantize_activations(x, group_k, scales_column_major=True)
+            return _scaled_mm_blockwise(xq, xs, qweight, scales, x.dtype)
     xq, xs = quantize_activations(x, group_k if per_step else K)
-    if not per_step and use_scaled_mm and _can_scaled_mm(x, N, K):
+    rowwise = USE_SCALED_MM if use_scaled_mm is None else use_scaled_mm
+    if not per_step and rowwise and _can_scaled_mm(x, N, K):
         return _scaled_mm_rowwise(xq, xs, qweight, scales, group_n, x.dtype)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
@@ -260,8 +299,8 @@ def fp8_w8a8_linear(x, qweight, scales, group_n: int, group_k: int, use_scaled_m
     block_m, block_n, num_warps, num_stages = (64, 128, 4, 2) if small_smem else (128, 128, 8, 4)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
     quant_fp8._fp8_gemm_kernel[grid](
-        xq, xs, qweight, scales, out, M, N, K, xq.stride(0), xs.stride(0), qweight.stride(0), scales.stride(0),
-        out.stride(0), GROUP_N=group_n, PER_STEP_SCALES=per_step, EMULATE_DOT_FP32=False, BLOCK_M=block_m,
+        xq, xs, qweight, scales, out, M, N, K, xq.stride(0), xs.stride(0), xs.stride(1), qweight.stride(0),
+        scales.stride(0), out.stride(0), GROUP_N=group_n, PER_STEP_SCALES=per_step, EMULATE_DOT_FP32=False, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=group_k if per_step else 128, GROUP_M=8, num_warps=num_warps, num_stages=num_stages)
     return out
 
