@@ -105,7 +105,7 @@ def test_a_tensor_no_parameter_takes_is_an_error(quant_root, bases, tmp_path):
 
 @pytest.mark.parametrize("case,tensor,change,error", [
     ("awq-g32", "model.layers.0.self_attn.q_proj.qweight", lambda t: t[:, :-1].contiguous(),
-     r"shape \(128, 31\) does not match the expected \(128, 32\)"),
+     r"shape \(128, 31\) does not match the parameter's \(128, 32\)"),
     ("awq-g32", "model.layers.1.mlp.down_proj.scales", lambda t: t.float(),
      None),  # a float32 scale is exact: accepted
     ("awq-g32", "model.layers.0.mlp.up_proj.qweight", lambda t: t.float(),
@@ -115,7 +115,7 @@ def test_a_tensor_no_parameter_takes_is_an_error(quant_root, bases, tmp_path):
     ("ct-w4-sym-g32", "model.layers.0.self_attn.k_proj.weight_shape", lambda t: t + 1,
      r"weight_shape \[129, 129\] does not match the layer's \[128, 128\]"),
     ("fp8-block128", "model.layers.0.self_attn.o_proj.weight_scale_inv", lambda t: t[:, :1].contiguous(),
-     r"shape \(1, 1\) does not match the expected \(1, 2\)"),
+     r"shape \(1, 1\) does not match the parameter's \(1, 2\)"),
 ])
 def test_a_corrupt_tensor_names_itself(quant_root, bases, tmp_path, case, tensor, change, error):
     quant_dir, _ = quant_pair(quant_root, bases, case)
