@@ -30,6 +30,7 @@ CASES = {
     # the second layer's MLP left in float32 (AutoAWQ's modules_to_not_convert)
     "awq-g32-skip": ("qwen3", lambda n, w: None if ".layers.1.mlp." in n else qc.awq_linear(w, 32),
                      dict(qc.awq_config(32), modules_to_not_convert=["model.layers.1.mlp"]), None, None),
+    "awq-g32-qwen2": ("qwen2", lambda n, w: qc.awq_linear(w, 32), qc.awq_config(32), None, None),
     "gptq4-sym-g32": ("qwen3", lambda n, w: qc.gptq_linear(w, 32, 4, True), qc.gptq_config(4, 32, True), None, None),
     "gptq8-asym-g64": ("llama", lambda n, w: qc.gptq_linear(w, 64, 8, False), qc.gptq_config(8, 64, False), None,
                        None),
@@ -101,6 +102,14 @@ def test_tp2_shards_packed_weights_like_tp1(quant_root, bases, case):
     quant_dir, _ = quant_pair(quant_root, bases, case)
     ref = [o["token_ids"] for o in run(quant_dir)]
     got = [o["token_ids"] for o in run(quant_dir, tensor_parallel_size=2)]
+    assert got == ref
+    assert mp.active_children() == []
+
+
+def test_tp2_int8_lm_head_like_tp1(bases):
+    """Each rank rounds its own vocabulary rows: the same int8 rows as one rank."""
+    ref = [o["token_ids"] for o in run(bases["llama"], quantize_lm_head="int8")]
+    got = [o["token_ids"] for o in run(bases["llama"], quantize_lm_head="int8", tensor_parallel_size=2)]
     assert got == ref
     assert mp.active_children() == []
 
