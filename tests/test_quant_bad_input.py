@@ -47,7 +47,7 @@ UNSUPPORTED = [
     (ct_groups(actorder="group"), r"weights.actorder='group' is not supported; supported: \[None, False\]"),
     (ct_groups(num_bits=2), r"weights.num_bits=2 is not supported; supported: \[4, 8\]"),
     (qc.fp8_config([128, 128]),
-     r"quantization_config.weight_block_size: qkv_proj's output part of 64 .* is not a multiple of 128"),
+     r"quantization_config.weight_block_size=\[128, 128\]: qkv_proj's output part of 64 .* is not a multiple of 128"),
     (dict(qc.fp8_config(None), fmt="e5m2"), r"quantization_config.fmt='e5m2' is not supported; supported: \['e4m3'\]"),
 ]
 
@@ -59,11 +59,12 @@ def test_unsupported_quantization_config_is_one_value_error_before_loading(tmp_p
         start(model_dir)
 
 
-def test_row_parallel_shard_must_hold_whole_groups(tmp_path, bases):
-    """o_proj's 128 inputs split in two are 64 per rank: groups of 128 would straddle the ranks."""
-    model_dir = unreadable_checkpoint(tmp_path, bases["llama"], qc.awq_config(128))
-    with pytest.raises(ValueError, match=r"group_size=128 does not divide o_proj's input size 64 .*"
-                                         r"tensor_parallel_size=2"):
+@pytest.mark.parametrize("config", [qc.awq_config(128), qc.gptq_config(4, -1, True)], ids=["g128", "per-row"])
+def test_row_parallel_shard_must_hold_whole_groups(tmp_path, bases, config):
+    """o_proj's 128 inputs split in two are 64 per rank: groups of 128 (or one per row) would straddle the ranks."""
+    model_dir = unreadable_checkpoint(tmp_path, bases["llama"], config)
+    with pytest.raises(ValueError, match=rf"group_size={config['group_size']} does not divide o_proj's input size "
+                                         r"64 .*tensor_parallel_size=2"):
         start(model_dir, tensor_parallel_size=2)
 
 
