@@ -49,6 +49,10 @@ CASES = {
                                                         "symmetric": True, "dynamic": False},
                                     {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}),
                        None, None),
+    "ct-fp8-block64": ("qwen3", lambda n, w: qc.fp8_linear(w, (64, 64)),
+                       qc.ct_config("float-quantized", {"num_bits": 8, "type": "float", "strategy": "block",
+                                                        "block_structure": [64, 64], "symmetric": True,
+                                                        "dynamic": False}), None, None),
     # per-tensor scales (q, k and v each their own) and static activation scales, which weight-only compute skips
     "fp8-tensor-static": ("llama", lambda n, w: qc.fp8_linear(w, None, per_tensor=True),
                           qc.fp8_config(None, "static"), None,
