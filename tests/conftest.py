@@ -322,6 +322,6 @@ def quant_root(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def bases(quant_root):
-    """The float32 checkpoints the quantized ones are made from: a tied Qwen3, an untied Llama."""
+    """The float32 checkpoints the quantized ones are made from: a tied Qwen3, an untied Llama, a Qwen2."""
     from quant_checkpoints import write_base
-    return {kind: write_base(kind, str(quant_root / f"base-{kind}")) for kind in ("qwen3", "llama")}
+    return {kind: write_base(kind, str(quant_root / f"base-{kind}")) for kind in ("qwen3", "llama", "qwen2")}

@@ -194,12 +194,20 @@ BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_l
 
 
 def write_base(kind: str, path: str) -> str:
-    """A float32 checkpoint to quantize: a tied Qwen3 or an untied Llama."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    """A float32 checkpoint to quantize: a tied Qwen3, an untied Llama, or a Qwen2 (biases on q, k and v, which
+    stay unquantized beside the quantized weights)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
     if kind == "qwen3":
         config = Qwen3Config(**BASE, head_dim=64, rope_theta=1e5, tie_word_embeddings=True)
+    elif kind == "qwen2":
+        config = Qwen2Config(**BASE, rope_theta=1e5, tie_word_embeddings=False)
     else:  # untied lm_head, which stays unquantized
         config = LlamaConfig(**BASE, rope_theta=2e5, tie_word_embeddings=False)
     torch.manual_seed(7)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # transformers initialises biases to zero, which would hide one that is dropped
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.25)
+    model.save_pretrained(path)
     return path

@@ -47,7 +47,7 @@ UNSUPPORTED = [
     (ct_groups(actorder="group"), r"weights.actorder='group' is not supported; supported: \[None, False\]"),
     (ct_groups(num_bits=2), r"weights.num_bits=2 is not supported; supported: \[4, 8\]"),
     (qc.fp8_config([128, 128]),
-     r"quantization_config.weight_block_size: qkv_proj's output part of 64 .* is not a multiple of 128"),
+     r"quantization_config.weight_block_size=\[128, 128\]: qkv_proj's output part of 64 .* is not a multiple of 128"),
     (dict(qc.fp8_config(None), fmt="e5m2"), r"quantization_config.fmt='e5m2' is not supported; supported: \['e4m3'\]"),
 ]
 
@@ -59,11 +59,12 @@ def test_unsupported_quantization_config_is_one_value_error_before_loading(tmp_p
         start(model_dir)
 
 
-def test_row_parallel_shard_must_hold_whole_groups(tmp_path, bases):
-    """o_proj's 128 inputs split in two are 64 per rank: groups of 128 would straddle the ranks."""
-    model_dir = unreadable_checkpoint(tmp_path, bases["llama"], qc.awq_config(128))
-    with pytest.raises(ValueError, match=r"group_size=128 does not divide o_proj's input size 64 .*"
-                                         r"tensor_parallel_size=2"):
+@pytest.mark.parametrize("config", [qc.awq_config(128), qc.gptq_config(4, -1, True)], ids=["g128", "per-row"])
+def test_row_parallel_shard_must_hold_whole_groups(tmp_path, bases, config):
+    """o_proj's 128 inputs split in two are 64 per rank: groups of 128 (or one per row) would straddle the ranks."""
+    model_dir = unreadable_checkpoint(tmp_path, bases["llama"], config)
+    with pytest.raises(ValueError, match=rf"group_size={config['group_size']} does not divide o_proj's input size "
+                                         r"64 .*tensor_parallel_size=2"):
         start(model_dir, tensor_parallel_size=2)
 
 
@@ -105,7 +106,7 @@ def test_a_tensor_no_parameter_takes_is_an_error(quant_root, bases, tmp_path):
 
 @pytest.mark.parametrize("case,tensor,change,error", [
     ("awq-g32", "model.layers.0.self_attn.q_proj.qweight", lambda t: t[:, :-1].contiguous(),
-     r"shape \(128, 31\) does not match the expected \(128, 32\)"),
+     r"shape \(128, 31\) does not match the parameter's \(128, 32\)"),
     ("awq-g32", "model.layers.1.mlp.down_proj.scales", lambda t: t.float(),
      None),  # a float32 scale is exact: accepted
     ("awq-g32", "model.layers.0.mlp.up_proj.qweight", lambda t: t.float(),
@@ -115,7 +116,7 @@ def test_a_tensor_no_parameter_takes_is_an_error(quant_root, bases, tmp_path):
     ("ct-w4-sym-g32", "model.layers.0.self_attn.k_proj.weight_shape", lambda t: t + 1,
      r"weight_shape \[129, 129\] does not match the layer's \[128, 128\]"),
     ("fp8-block128", "model.layers.0.self_attn.o_proj.weight_scale_inv", lambda t: t[:, :1].contiguous(),
-     r"shape \(1, 1\) does not match the expected \(1, 2\)"),
+     r"shape \(1, 1\) does not match the parameter's \(1, 2\)"),
 ])
 def test_a_corrupt_tensor_names_itself(quant_root, bases, tmp_path, case, tensor, change, error):
     quant_dir, _ = quant_pair(quant_root, bases, case)

@@ -30,6 +30,7 @@ CASES = {
     # the second layer's MLP left in float32 (AutoAWQ's modules_to_not_convert)
     "awq-g32-skip": ("qwen3", lambda n, w: None if ".layers.1.mlp." in n else qc.awq_linear(w, 32),
                      dict(qc.awq_config(32), modules_to_not_convert=["model.layers.1.mlp"]), None, None),
+    "awq-g32-qwen2": ("qwen2", lambda n, w: qc.awq_linear(w, 32), qc.awq_config(32), None, None),
     "gptq4-sym-g32": ("qwen3", lambda n, w: qc.gptq_linear(w, 32, 4, True), qc.gptq_config(4, 32, True), None, None),
     "gptq8-asym-g64": ("llama", lambda n, w: qc.gptq_linear(w, 64, 8, False), qc.gptq_config(8, 64, False), None,
                        None),
@@ -48,6 +49,10 @@ CASES = {
                                                         "symmetric": True, "dynamic": False},
                                     {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}),
                        None, None),
+    "ct-fp8-block64": ("qwen3", lambda n, w: qc.fp8_linear(w, (64, 64)),
+                       qc.ct_config("float-quantized", {"num_bits": 8, "type": "float", "strategy": "block",
+                                                        "block_structure": [64, 64], "symmetric": True,
+                                                        "dynamic": False}), None, None),
     # per-tensor scales (q, k and v each their own) and static activation scales, which weight-only compute skips
     "fp8-tensor-static": ("llama", lambda n, w: qc.fp8_linear(w, None, per_tensor=True),
                           qc.fp8_config(None, "static"), None,
@@ -94,13 +99,14 @@ def test_quantized_checkpoint_matches_its_dequantized_weights(quant_root, bases,
             assert max(abs(a - b) for a, b in zip(top, expected)) < TOLERANCE, (case, j, top, expected)
 
 
-@pytest.mark.parametrize("case", ["awq-g32", "gptq8-asym-g64", "fp8-block32"])
-def test_tp2_shards_packed_weights_like_tp1(quant_root, bases, case):
+@pytest.mark.parametrize("case,head", [("awq-g32", "int8"), ("gptq8-asym-g64", None), ("fp8-block32", "int8")])
+def test_tp2_shards_packed_weights_like_tp1(quant_root, bases, case, head):
     """Column-parallel layers split N, row-parallel ones K in whole groups (4 x 32-groups of o_proj's 128 inputs
-    per rank at G=32; one 64-group at G=64): TP=2 greedy equals TP=1's."""
+    per rank at G=32; one 64-group at G=64); with the int8 head (tied on Qwen3, untied on Llama) each rank rounds
+    its own vocabulary rows. TP=2 greedy equals TP=1's."""
     quant_dir, _ = quant_pair(quant_root, bases, case)
-    ref = [o["token_ids"] for o in run(quant_dir)]
-    got = [o["token_ids"] for o in run(quant_dir, tensor_parallel_size=2)]
+    ref = [o["token_ids"] for o in run(quant_dir, quantize_lm_head=head)]
+    got = [o["token_ids"] for o in run(quant_dir, quantize_lm_head=head, tensor_parallel_size=2)]
     assert got == ref
     assert mp.active_children() == []
 

@@ -172,6 +172,9 @@ def layout_spec(bits: int, group_size: int, has_mins: bool) -> QuantSpec:
 PARSERS = {"awq": _parse_awq, "gptq": _parse_gptq, "fp8": _parse_fp8, "compressed-tensors": _parse_compressed_tensors}
 
 
+ROW_PARALLEL = ("o_proj", "down_proj")  # the layers whose inputs tensor parallelism splits
+
+
 def linear_shapes(hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                   tp: int) -> dict[str, tuple[list[int], int]]:
     """The decoder's linear layers on one rank: name -> (output sizes of each merged part, input size)."""
@@ -183,21 +186,20 @@ def linear_shapes(hidden_size: int, intermediate_size: int, num_heads: int, num_
 
 
 def check_quant_shapes(spec: QuantSpec, shapes: dict[str, tuple[list[int], int]], tp: int):
-    """Every layer splits on group (or block) boundaries: the input size of each rank's shard is a multiple of the
-    group size, and each merged part's outputs a whole number of FP8 blocks."""
+    """Every layer splits on group (or block) boundaries: each rank's input size is a whole number of groups (FP8
+    blocks), and each merged part's outputs whole packed words (FP8 blocks)."""
     for layer, (output_sizes, input_size) in shapes.items():
-        if spec.kind == "int":
-            unit_k, unit_n, field = spec.group_size, 8 if spec.bits == 4 else 4, "group_size"
-        else:
-            (unit_n, unit_k), field = spec.block_size or (1, 1), "weight_block_size"
-        if spec.kind == "int" and spec.group_size == -1:
-            unit_k = input_size if tp == 1 or layer not in ("o_proj", "down_proj") else 0
+        if spec.kind == "fp8":
+            (unit_n, unit_k), setting = spec.block_size or (1, 1), f"weight_block_size={list(spec.block_size or [])}"
+        else:  # int32 words pack 32 // bits outputs: AWQ's weights, GPTQ's and compressed-tensors' zero points
+            unit_n, unit_k, setting = 32 // spec.bits, spec.group_size, f"group_size={spec.group_size}"
+            if spec.group_size == -1:  # one group per row: a row-parallel layer's ranks would split it
+                unit_k = input_size if tp == 1 or layer not in ROW_PARALLEL else 0
         if unit_k <= 0 or input_size % unit_k:
-            raise ValueError(f"quantization_config.{field}={getattr(spec, field.replace('weight_', ''))} does not "
-                             f"divide {layer}'s input size {input_size} (per rank at tensor_parallel_size={tp}); "
-                             f"supported: a {field} that divides it")
+            raise ValueError(f"quantization_config.{setting} does not divide {layer}'s input size {input_size} (per "
+                             f"rank at tensor_parallel_size={tp}); supported: groups that divide each rank's inputs")
         for size in output_sizes:
             if size % unit_n:
-                raise ValueError(f"quantization_config.{field}: {layer}'s output part of {size} (per rank at "
+                raise ValueError(f"quantization_config.{setting}: {layer}'s output part of {size} (per rank at "
                                  f"tensor_parallel_size={tp}) is not a multiple of {unit_n}; supported: outputs in "
-                                 f"whole blocks")
+                                 f"whole {'blocks' if spec.kind == 'fp8' else 'packed int32 words'}")

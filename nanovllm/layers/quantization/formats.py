@@ -40,6 +40,16 @@ class CheckpointTensor:
     inn: tuple[int, int] | None
     is_optional: bool = False  # a checkpoint may leave it out
 
+    @property
+    def shard_dims(self) -> tuple[tuple[int, str, int], ...]:
+        """((dim, "out" | "in", divisor), ...) as linear.py's weight loader reads them."""
+        dims = []
+        if self.out:
+            dims.append((self.out[0], "out", self.out[1]))
+        if self.inn:
+            dims.append((self.inn[0], "in", self.inn[1]))
+        return tuple(dims)
+
 
 def checkpoint_tensors(spec: QuantSpec, output_size: int, input_size: int) -> list[CheckpointTensor]:
     """The tensors of one layer with output_size x input_size (this rank's shard) in the spec's format. Scales

@@ -61,8 +61,7 @@ class QuantLinearMethod:
         layer.block_size = (spec.block_size or (1, layer.input_size)) if spec.kind == "fp8" else None
         layer.checkpoint_names = []
         for t in checkpoint_tensors(spec, layer.output_size, layer.input_size):
-            dims = tuple(d for d in ((*t.out, "out") if t.out else None, (*t.inn, "in") if t.inn else None) if d)
-            param = new_param(t.shape, t.dtype, tuple((dim, axis, div) for dim, div, axis in dims))
+            param = new_param(t.shape, t.dtype, t.shard_dims)
             param.load_hook = LOAD_HOOKS.get(t.name)
             param.is_optional = t.is_optional
             setattr(layer, t.name, param)
