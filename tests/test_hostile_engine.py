@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import close_llm, greedy, random_prompts, tiny_llm_kwargs
+from conftest import close_llm, greedy, random_prompts, smollm2_llm_kwargs, tiny_llm_kwargs
 from nanovllm import LLM, SamplingParams
 
 GOOD = random_prompts((13, 7, 21), seed=70)
@@ -315,3 +315,25 @@ def test_two_threads_calling_generate_at_once_each_get_their_own_tokens(llm, ser
         for t in threads:
             t.join(60)
         assert not errors and results == expected, errors
+
+
+# ---------------------------------------------------------------- chat messages as OpenAI sends them
+
+
+def test_chat_takes_openai_content_parts_and_names_a_message_with_a_lone_surrogate(smollm2_dir):
+    """Text parts are joined by newlines, as the server (and vLLM) join them: the same tokens as the joined text.
+    A lone surrogate is a ValueError naming the message (it was the tokenizer's TypeError)."""
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color.\nOne word."}]
+    parts = [plain[0], {"role": "user", "content": [{"type": "text", "text": "Name a color."},
+                                                    {"type": "text", "text": "One word."}]}]
+    with LLM(smollm2_dir, **smollm2_llm_kwargs(num_kvcache_blocks=32)) as engine:
+        expected = engine.chat(plain, greedy(3), use_tqdm=False)[0]["token_ids"]
+        assert engine.chat(parts, greedy(3), use_tqdm=False)[0]["token_ids"] == expected
+        assert engine.chat([parts, plain], greedy(3), use_tqdm=False)[0]["token_ids"] == expected
+        bad = [plain[0], {"role": "user", "content": [{"type": "text", "text": "x\ud800"}]}]
+        with pytest.raises(ValueError, match=r"message 1: its 'content' has a lone surrogate '\\ud800' at character 1"):
+            engine.chat(bad, greedy(3), use_tqdm=False)
+        with pytest.raises(ValueError, match=r"message 0 has the content part .*image_url.*only text parts"):
+            engine.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                        greedy(3), use_tqdm=False)
+        assert engine.chat(plain, greedy(3), use_tqdm=False)[0]["token_ids"] == expected
