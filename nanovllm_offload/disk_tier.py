@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 # bfloat16 scale per token and kv head; K Hadamard-rotated. Any change to that arrangement must change this string.
 FP8_SCALE_LAYOUT = "fp8-token-head-scales-v1: per (layer, K|V) values then bf16 scale per (token, kv head); K rotated"
 DISK_STAT_KEYS = ("disk_hit_tokens", "disk_loaded_tokens", "disk_skipped_tokens", "blocks_written_to_disk",
-                  "disk_read_bytes", "disk_write_bytes", "disk_corrupt_blocks")
+                  "disk_read_bytes", "disk_write_bytes", "disk_corrupt_blocks", "disk_write_errors",
+                  "blocks_evicted_from_disk")
 logger = logging.getLogger(__name__)
 NO_OWNER = -1  # the owner id a write's or a load's hold on a host block is released under
 
