@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ import pytest
 from conftest import greedy, random_prompts, tiny_llm_kwargs
 from nanovllm_offload import disk_format, disk_store
 from nanovllm_offload.disk_admin import clear, list_fingerprints
-from nanovllm_offload.disk_fingerprint import make_fingerprint
+from nanovllm_offload.disk_fingerprint import make_fingerprint, model_identity
 from nanovllm_offload.disk_format import HEADER_BYTES
 from nanovllm_offload.disk_store import DiskStore
 
@@ -185,3 +186,98 @@ def test_a_disk_full_of_other_files_is_tried_three_times_and_leaves_nothing(tmp_
     assert leftovers == []
     store.close()
     shutil.rmtree(tmp_path / FP.hex)
+
+
+# ------------------------------------------------------------------------------------------------ the fingerprint
+
+def tensor_spans(path: str) -> dict[str, tuple[int, int]]:
+    """Each tensor's (start, end) file offsets in a safetensors file."""
+    with open(path, "rb") as f:
+        (header_bytes,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_bytes))
+    return {name: (8 + header_bytes + v["data_offsets"][0], 8 + header_bytes + v["data_offsets"][1])
+            for name, v in header.items() if name != "__metadata__"}
+
+
+def flip_byte(path: str, offset: int):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 1]))
+
+
+def copy_with_one_byte_changed(src: str, dst: str, tensor: str, offset_in_tensor: int) -> str:
+    shutil.copytree(src, dst)
+    weights = os.path.join(dst, "model.safetensors")
+    start, end = tensor_spans(weights)[tensor]
+    flip_byte(weights, start + offset_in_tensor if offset_in_tensor >= 0 else end + offset_in_tensor)
+    return dst
+
+
+K_PROJ_0 = "model.layers.0.self_attn.k_proj.weight"
+
+
+def test_a_checkpoint_that_differs_in_one_byte_anywhere_has_another_identity(qwen3_dir, tmp_path):
+    """Past the first 4 KiB of a tensor (the old sample), in its last byte, in the file's last tensor: every byte
+    counts."""
+    spans = tensor_spans(os.path.join(qwen3_dir, "model.safetensors"))
+    last_tensor = max(spans, key=lambda name: spans[name][1])
+    changes = {"k_proj past 4 KiB": (K_PROJ_0, 4096 + 100), "k_proj's last byte": (K_PROJ_0, -1),
+               "the file's last byte": (last_tensor, -1)}
+    identities = {"original": model_identity(qwen3_dir)}
+    for i, (what, (tensor, offset)) in enumerate(changes.items()):
+        copy = copy_with_one_byte_changed(qwen3_dir, str(tmp_path / f"m{i}"), tensor, offset)
+        identities[what] = model_identity(copy)
+    assert len(set(identities.values())) == len(identities), identities
+    assert model_identity(str(shutil.copytree(qwen3_dir, tmp_path / "same"))) == identities["original"]
+
+
+def test_the_weights_are_hashed_once_per_file_version(qwen3_dir, tmp_path, monkeypatch):
+    """The digests are kept by (real path, size, mtime_ns): a restart reads no weights, a changed file is hashed
+    again, and a damaged cache file only costs a new hash."""
+    from nanovllm_offload import disk_fingerprint
+    model = shutil.copytree(qwen3_dir, tmp_path / "m")
+    cache_path = str(tmp_path / "weight_hashes.json")
+    hashed = []
+    real_digest = disk_fingerprint.file_digest
+    monkeypatch.setattr(disk_fingerprint, "file_digest", lambda path: hashed.append(path) or real_digest(path))
+    first = model_identity(str(model), hash_cache_path=cache_path)
+    assert model_identity(str(model), hash_cache_path=cache_path) == first and len(hashed) == 1
+    flip_byte(str(model / "model.safetensors"), tensor_spans(str(model / "model.safetensors"))[K_PROJ_0][0] + 5000)
+    changed = model_identity(str(model), hash_cache_path=cache_path)
+    assert changed != first and len(hashed) == 2
+    with open(cache_path, "w") as f:
+        f.write("{not json")
+    assert model_identity(str(model), hash_cache_path=cache_path) == changed and len(hashed) == 3
+    assert [n for n in os.listdir(tmp_path) if n.endswith(".tmp")] == []
+
+
+def test_a_single_weights_file_is_hashed_whole(tmp_path):
+    """A model given as one file (a GGUF checkpoint): its bytes are the identity."""
+    path = tmp_path / "model.gguf"
+    path.write_bytes(bytes(range(256)) * 100)
+    first = model_identity(str(path))
+    flip_byte(str(path), 20_000)
+    assert model_identity(str(path)) != first
+
+
+def test_two_checkpoints_one_byte_apart_share_no_disk_blocks(qwen3_dir, tmp_path):
+    """The original stores a prompt's blocks; a copy whose layer-0 k_proj differs in one byte past its first 4 KiB
+    (it had the same fingerprint, loaded the original's KV as hits and gave wrong tokens) finds none of them."""
+    from nanovllm import LLM
+    path = str(tmp_path / "kv")
+    tuned = copy_with_one_byte_changed(qwen3_dir, str(tmp_path / "tuned"), K_PROJ_0, 4096 + 100)
+    prompt = random_prompts((41,), seed=90)
+    kwargs = tiny_llm_kwargs(swap_space=0.01, host_cache_policy="write_through", kv_disk_path=path)
+    with LLM(qwen3_dir, **kwargs) as llm:
+        llm.generate(prompt, greedy(2), use_tqdm=False)
+        llm.host_tier.settle_disk(llm.runner.copy_engine)
+        assert llm.stats()["blocks_written_to_disk"] == 10
+    with LLM(tuned, **kwargs) as llm:
+        llm.generate(prompt, greedy(2), use_tqdm=False)
+        assert llm.stats()["disk_hit_tokens"] == 0, llm.stats()
+    with LLM(qwen3_dir, **kwargs) as llm:  # the original still hits its own blocks
+        llm.generate(prompt, greedy(2), use_tqdm=False)
+        assert llm.stats()["disk_hit_tokens"] == 40, llm.stats()
+    assert len(list_fingerprints(path)) == 2
