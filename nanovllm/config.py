@@ -7,6 +7,7 @@ import json
 import math
 import numbers
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,6 +200,13 @@ class Config:
         self.kv_disk_path = os.fspath(self.kv_disk_path)
         if os.path.exists(self.kv_disk_path) and not os.path.isdir(self.kv_disk_path):
             raise ValueError(f"kv_disk_path={self.kv_disk_path!r} is not a directory; pass a directory")
+        try:  # here, before the weights load: the store would only fail once the KV is allocated
+            os.makedirs(self.kv_disk_path, exist_ok=True)
+            with tempfile.TemporaryFile(dir=self.kv_disk_path):
+                pass
+        except OSError as error:
+            raise ValueError(f"kv_disk_path={self.kv_disk_path!r} cannot be written ({error.strerror}); pass a "
+                             f"writable directory, or kv_disk_path=None for no disk tier") from None
         if self.swap_space <= 0 or not self.host_prefix_cache:
             raise ValueError(f"kv_disk_path={self.kv_disk_path!r} needs the host tier below the GPU: swap_space > 0 "
                              f"(got {self.swap_space}), enable_prefix_caching=True (got {self.enable_prefix_caching})"

@@ -1,3 +1,4 @@
+from nanovllm.engine.caller_lock import one_caller
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.tokenizer import chat_token_ids
 from nanovllm.sampling_params import SamplingParams
@@ -14,6 +15,7 @@ class LLM(LLMEngine):
         for temperature, top_p, top_k and min_p (see Config.generation_config), SamplingParams' own for the rest."""
         return SamplingParams(**self.default_sampling_options)
 
+    @one_caller
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[dict]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them, each rendered

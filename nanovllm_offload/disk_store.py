@@ -5,6 +5,7 @@ caller's buffers (pinned host blocks, in the engine), and come back through `pol
 decides what is there and what to evict; the file format (disk_format.py) makes every file whole or a clean miss.
 """
 import dataclasses
+import errno
 import itertools
 import json
 import logging
@@ -22,6 +23,7 @@ from nanovllm_offload.disk_index import (META_FILE, BlockKey, DiskIndex, block_p
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
 PROBE_BYTES = 64 << 20  # the start-up read probe: enough to time the I/O threads at the depth hits read at
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a full file system, or the user's quota: room can be made
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -54,6 +56,11 @@ class DiskRead:
 class DiskStore:
     """One fingerprint's blocks under `path`, within a cap on the whole directory.
 
+    The cap is also kept below what the file system can hold: at start (used + free space) and whenever a write
+    finds it full (ENOSPC): the write evicts least recently used files and tries again, and if the disk is still
+    full the cap comes down to what it holds, said once in the log (`disk_capacity_bytes` in stats()). Every write
+    that failed, retried or not, counts in `disk_write_errors`.
+
     NOTE: no lock is held during file I/O; `_lock` guards the index, the counters and the writes in flight only.
           Several engines may share the directory: files appear by atomic rename, a file evicted or removed as
           corrupt by another engine is a plain miss, and unlinking a file that another process is reading is safe
@@ -73,6 +80,8 @@ class DiskStore:
             raise ValueError(f"kv_disk_gib={capacity_bytes / GiB:.6g} cannot hold one KV block file of "
                              f"{self.file_bytes:,} bytes; raise kv_disk_gib")
         self.fsync, self.rescan_interval_s, self.stale_tmp_s, self.ema = fsync, rescan_interval_s, stale_tmp_s, ema
+        self.num_io_threads = num_io_threads
+        self._is_cap_lowered = False  # the first lowering is logged as a warning, later ones at debug level
         # The prior decides only until the first read (the start-up probe's, usually): that read replaces it, the
         # later ones move an EMA. Blending the first into the prior would leave a disk that reads faster than the
         # prior below the prefill speed, so never loaded, so never measured again.
@@ -98,6 +107,7 @@ class DiskStore:
         self._is_rescanning = False
         self._last_scan_s = time.monotonic()
         self._index.replace_with_scan(scan(path, stale_tmp_s), time.time_ns())
+        self._fit_cap_to_file_system(at_start=True)
         self._delete(self._index.pop_victims())
         self._pool = ThreadPoolExecutor(num_io_threads, thread_name_prefix="kv-disk")
 
@@ -196,7 +206,7 @@ class DiskStore:
     def stats(self) -> dict:
         with self._lock:
             return dict(self._counters, disk_used_bytes=self._index.num_bytes, disk_num_blocks=len(self._index),
-                        disk_read_bytes_per_s=self.read_bytes_per_s)
+                        disk_capacity_bytes=self._index.capacity_bytes, disk_read_bytes_per_s=self.read_bytes_per_s)
 
     def close(self):
         self._pool.shutdown(wait=True)
@@ -220,11 +230,9 @@ class DiskStore:
                 self._writing.discard(handle.block_hash)
             return
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            num_bytes = write_block_file(path, self.fingerprint.digest, handle.block_hash, view,
-                                         tag=f"{threading.get_ident()}-{next(self._tags)}", fsync=self.fsync)
+            num_bytes = self._write_making_room(path, handle.block_hash, view)
             handle.is_ok = True
-        except OSError:  # disk full, or the directory cleared under us: the block is just not stored
+        except OSError:  # still no room, a disk error, or the directory cleared under us: the block is not stored
             num_bytes = 0
         with self._lock:
             self._writing.discard(handle.block_hash)
@@ -232,11 +240,76 @@ class DiskStore:
                 self._index.add(key, num_bytes)
                 self._counters["disk_write_bytes"] += num_bytes
                 self._counters["blocks_written_to_disk"] += 1
-            else:
-                self._counters["disk_write_errors"] += 1
             victims = self._index.pop_victims()
         self._delete(victims)
         self._maybe_rescan()
+
+    def _write_making_room(self, path: str, block_hash: int, view: memoryview) -> int:
+        """write_block_file; on a full file system, evict least recently used files and try again, then lower the
+        cap to what the file system holds and try once more. After a full file system the cap is fitted to it (so
+        the evictions after each write keep room for the next). Raises the last OSError."""
+        is_full = False
+        for attempt in range(3):
+            try:
+                self._make_dirs(os.path.dirname(path))
+                num_bytes = write_block_file(path, self.fingerprint.digest, block_hash, view,
+                                             tag=f"{threading.get_ident()}-{next(self._tags)}", fsync=self.fsync)
+                break
+            except OSError as error:
+                with self._lock:
+                    self._counters["disk_write_errors"] += 1
+                if error.errno not in NO_SPACE_ERRNOS or attempt == 2:
+                    raise
+                is_full = True
+                if attempt == 0:
+                    self._evict_for_room()
+                else:
+                    self._fit_cap_to_file_system(at_start=False)
+                    with self._lock:
+                        victims = self._index.pop_victims()
+                    self._delete(victims)
+        if is_full:  # the caller evicts down to the cap after this write
+            self._fit_cap_to_file_system(at_start=False)
+        return num_bytes
+
+    def _evict_for_room(self):
+        """Frees the room of one write per I/O thread, least recently used files first (of any fingerprint)."""
+        with self._lock:
+            victims = []
+            num_freed = 0
+            while self._index.entries and num_freed < self._room_bytes:
+                key, (size_bytes, _) = next(iter(self._index.entries.items()))
+                self._index.remove(key)
+                victims.append(key)
+                num_freed += size_bytes
+        self._delete(victims)
+
+    @property
+    def _room_bytes(self) -> int:
+        """What the writes in flight at once need free before the eviction after each."""
+        return self.file_bytes * self.num_io_threads
+
+    def _fit_cap_to_file_system(self, at_start: bool):
+        """Lowers the cap to the tier's files plus the free space, less the room for the writes in flight (never
+        below one file). At start a cap over that (the default 64 GiB on a small disk) is a warning, not an error:
+        the tier still keeps what fits."""
+        try:
+            free_bytes = free_disk_bytes(self.path)
+        except OSError:
+            return
+        with self._lock:
+            old_cap = self._index.capacity_bytes
+            fits = max(self.file_bytes, self._index.num_bytes + free_bytes - self._room_bytes)
+            if fits >= old_cap:
+                return
+            self._index.capacity_bytes = fits
+            is_first, self._is_cap_lowered = not self._is_cap_lowered, True
+        why = ("kv_disk_gib is more than the file system can hold" if at_start
+               else "the file system is full (writes failed with no space left, even after evicting)")
+        logger.log(logging.WARNING if is_first else logging.DEBUG,
+                   "disk tier: %s under kv_disk_path=%r: cap lowered from %.3f GiB to %.3f GiB (the tier's files "
+                   "%.3f GiB + free %.3f GiB)", why, self.path, old_cap / GiB, fits / GiB,
+                   self._index.num_bytes / GiB, free_bytes / GiB)
 
     def _read(self, handle: DiskRead, i: int, view: memoryview):
         """Block i of a read. Its last block to finish hands the read back to poll() whatever happened: the host
@@ -335,15 +408,36 @@ class DiskStore:
         with self._lock:
             self._counters["blocks_evicted_from_disk"] += len(victims)
 
+    def _make_dirs(self, leaf_dir: str):
+        """The block file's directory. When it is missing the fingerprint's may be too (`nanovllm cache clear`
+        under a running engine): meta.json is written again, so `cache ls` still names the model."""
+        if os.path.isdir(leaf_dir):
+            return
+        os.makedirs(leaf_dir, exist_ok=True)
+        self._write_meta()
+
     def _write_meta(self):
-        """meta.json: what `nanovllm cache ls` shows for this fingerprint (written once, atomically)."""
+        """meta.json: what `nanovllm cache ls` shows for this fingerprint (written once, atomically: a temporary
+        file renamed, removed when the write fails). A failed write (a full disk) is logged, not raised: the blocks
+        do not need it."""
         path = os.path.join(fingerprint_dir(self.path, self.fingerprint.hex), META_FILE)
         if os.path.exists(path):
             return
         tmp = os.path.join(os.path.dirname(path), f".{META_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(dict(self.fingerprint.meta, fingerprint=self.fingerprint.hex), f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(dict(self.fingerprint.meta, fingerprint=self.fingerprint.hex), f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except OSError as error:
+            unlink_quietly(tmp)
+            logger.warning("disk tier: could not write %s (%s); `nanovllm cache ls` will not name this model", path,
+                           error)
+
+
+def free_disk_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still use on the file system that holds path."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 def _touch_file(path: str):

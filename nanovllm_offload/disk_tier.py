@@ -15,13 +15,15 @@ Life of a block (docs/disk_tier.md):
    waiting queue, where the next admission finds them as host hits and copies them to the GPU like any other.
 """
 import dataclasses
+import json
 import logging
 import os
 from typing import TYPE_CHECKING, Protocol
 
+from nanovllm.config import rope_parameters
 from nanovllm.core.hashing import content_hash
 from nanovllm.core.sequence import Sequence
-from nanovllm_offload.disk_fingerprint import kv_fingerprint
+from nanovllm_offload.disk_fingerprint import WEIGHT_HASHES_FILE, kv_fingerprint
 from nanovllm_offload.disk_store import GiB, DiskRead, DiskStore
 from nanovllm_offload.disk_transfers import DiskTransfers
 from nanovllm_offload.host_block_pool import HostBlockPool
@@ -36,7 +38,8 @@ if TYPE_CHECKING:
 # bfloat16 scale per token and kv head; K Hadamard-rotated. Any change to that arrangement must change this string.
 FP8_SCALE_LAYOUT = "fp8-token-head-scales-v1: per (layer, K|V) values then bf16 scale per (token, kv head); K rotated"
 DISK_STAT_KEYS = ("disk_hit_tokens", "disk_loaded_tokens", "disk_skipped_tokens", "blocks_written_to_disk",
-                  "disk_read_bytes", "disk_write_bytes", "disk_corrupt_blocks")
+                  "disk_read_bytes", "disk_write_bytes", "disk_corrupt_blocks", "disk_write_errors",
+                  "blocks_evicted_from_disk")
 logger = logging.getLogger(__name__)
 NO_OWNER = -1  # the owner id a write's or a load's hold on a host block is released under
 
@@ -61,13 +64,14 @@ def open_disk_store(config: "Config", runner, tp_rank: int = 0) -> DiskStore:
     config's), with its read speed probed on what an earlier run left (so the load rule starts from a measurement,
     not the prior)."""
     kv_cache_dtype = {"fp8": "fp8_e4m3"}.get(config.kv_cache_dtype, config.kv_cache_dtype)
+    os.makedirs(config.kv_disk_path, exist_ok=True)  # the weights' digests are kept in it
     fingerprint = kv_fingerprint(
         config.model, dtype=str(runner.dtype).removeprefix("torch."), kv_cache_dtype=kv_cache_dtype,
         block_size=config.kvcache_block_size, num_layers=runner.num_layers, num_kv_heads=runner.num_kv_heads,
         head_dim=runner.head_dim, tp_size=config.tensor_parallel_size, tp_rank=tp_rank, block_bytes=runner.block_bytes,
         kv_scale_layout=FP8_SCALE_LAYOUT if config.is_fp8_kv else None,
-        load_format=config.load_format, seed=config.seed)
-    os.makedirs(config.kv_disk_path, exist_ok=True)
+        load_format=config.load_format, seed=config.seed, model_options=model_options(config),
+        hash_cache_path=os.path.join(config.kv_disk_path, WEIGHT_HASHES_FILE))
     store = DiskStore(config.kv_disk_path, fingerprint, int(config.kv_disk_gib * GiB))
     probe = store.probe_read_speed()
     if probe is not None:
@@ -75,6 +79,18 @@ def open_disk_store(config: "Config", runner, tp_rank: int = 0) -> DiskStore:
         store.poll()  # the probe's handle: nothing to hand back
         log_probe(store, probe if is_done else None)
     return store
+
+
+def model_options(config: "Config") -> dict:
+    """What decides the KV besides the files and the dtypes, as plain JSON data: the rope (its scaling included)
+    and the weights' quantization (config.json's quantization_config, and the engine's quantization option)."""
+    hf = config.hf_config
+    quantization_config = getattr(hf, "quantization_config", None)
+    if hasattr(quantization_config, "to_dict"):
+        quantization_config = quantization_config.to_dict()
+    options = {"rope": rope_parameters(hf), "quantization_config": quantization_config,
+               "quantization": getattr(config, "quantization", None)}
+    return json.loads(json.dumps(options, sort_keys=True, default=repr))
 
 
 def log_probe(store: DiskStore, probe: DiskRead | None):

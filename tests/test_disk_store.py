@@ -319,13 +319,13 @@ def test_a_failed_write_is_counted_and_leaves_nothing(tmp_path, monkeypatch):
     real_write_all = disk_format._write_all
     calls = []
 
-    def disk_full_after_the_header(fd, data):
+    def io_error_after_the_header(fd, data):  # not ENOSPC: a full disk is retried (tests/test_hostile_disk.py)
         calls.append(len(data))
         if len(calls) == 2:
-            raise OSError(28, "No space left on device")
+            raise OSError(5, "Input/output error")
         real_write_all(fd, data)
 
-    monkeypatch.setattr(disk_format, "_write_all", disk_full_after_the_header)
+    monkeypatch.setattr(disk_format, "_write_all", io_error_after_the_header)
     (write,) = write_blocks(store, [4])
     assert not write.is_ok and calls == [HEADER_BYTES, BLOCK_BYTES]
     assert store.stats()["disk_write_errors"] == 1 and store.stats()["blocks_written_to_disk"] == 0

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import close_llm, greedy, random_prompts, tiny_llm_kwargs
+from conftest import close_llm, greedy, random_prompts, smollm2_llm_kwargs, tiny_llm_kwargs
 from nanovllm import LLM, SamplingParams
 
 GOOD = random_prompts((13, 7, 21), seed=70)
@@ -267,3 +267,73 @@ def test_a_models_generation_config_sets_the_sampling_defaults(qwen3_dir, tmp_pa
         LLM(str(model), **tiny_llm_kwargs())
     with pytest.raises(ValueError, match=r"generation_config='nowhere' must be 'auto', 'vllm' or a directory"):
         LLM(str(model), **tiny_llm_kwargs(generation_config="nowhere"))
+
+
+# ---------------------------------------------------------------- a closed engine, two callers at once
+
+
+def test_a_closed_engine_refuses_every_call_with_one_runtime_error(qwen3_dir):
+    """After close() every call that would touch the engine raises the same RuntimeError (it used to raise
+    AttributeError from inside the runner, accept a request, or answer False)."""
+    llm = LLM(qwen3_dir, **tiny_llm_kwargs())
+    llm.close()
+    calls = {
+        "generate": lambda: llm.generate(GOOD, greedy(2), use_tqdm=False),
+        "generate_stream": lambda: list(llm.generate_stream(GOOD, greedy(2))),
+        "chat": lambda: llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False),
+        "step": llm.step,
+        "add_request": lambda: llm.add_request(GOOD[0], greedy(2)),
+        "abort_request": lambda: llm.abort_request(0),
+        "reset_prefix_cache": llm.reset_prefix_cache,
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=rf"LLM\.{name}: the engine is closed"):
+            call()
+    llm.close()  # still safe twice
+
+
+def test_two_threads_calling_generate_at_once_each_get_their_own_tokens(llm, serves_the_same):
+    """The second caller waits for the first (the calls used to interleave schedule() and step() and fail with an
+    IndexError or an AttributeError, or could swap outputs). 20 rounds, each thread its own prompts."""
+    import threading
+    prompts = [random_prompts((9, 17), seed=72), random_prompts((15, 6, 11), seed=73)]
+    params = [greedy(12), greedy(7)]
+    expected = [[o["token_ids"] for o in llm.generate(p, sp, use_tqdm=False)] for p, sp in zip(prompts, params)]
+    for _ in range(20):
+        results, errors = [None, None], []
+        barrier = threading.Barrier(2)
+
+        def run(i):
+            try:
+                barrier.wait()
+                results[i] = [o["token_ids"] for o in llm.generate(prompts[i], params[i], use_tqdm=False)]
+            except BaseException as e:  # noqa: BLE001 (reported below)
+                errors.append(e)
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors and results == expected, errors
+
+
+# ---------------------------------------------------------------- chat messages as OpenAI sends them
+
+
+def test_chat_takes_openai_content_parts_and_names_a_message_with_a_lone_surrogate(smollm2_dir):
+    """Text parts are joined by newlines, as the server (and vLLM) join them: the same tokens as the joined text.
+    A lone surrogate is a ValueError naming the message (it was the tokenizer's TypeError)."""
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color.\nOne word."}]
+    parts = [plain[0], {"role": "user", "content": [{"type": "text", "text": "Name a color."},
+                                                    {"type": "text", "text": "One word."}]}]
+    with LLM(smollm2_dir, **smollm2_llm_kwargs(num_kvcache_blocks=32)) as engine:
+        expected = engine.chat(plain, greedy(3), use_tqdm=False)[0]["token_ids"]
+        assert engine.chat(parts, greedy(3), use_tqdm=False)[0]["token_ids"] == expected
+        assert engine.chat([parts, plain], greedy(3), use_tqdm=False)[0]["token_ids"] == expected
+        bad = [plain[0], {"role": "user", "content": [{"type": "text", "text": "x\ud800"}]}]
+        with pytest.raises(ValueError, match=r"message 1: its 'content' has a lone surrogate '\\ud800' at character 1"):
+            engine.chat(bad, greedy(3), use_tqdm=False)
+        with pytest.raises(ValueError, match=r"message 0 has the content part .*image_url.*only text parts"):
+            engine.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                        greedy(3), use_tqdm=False)
+        assert engine.chat(plain, greedy(3), use_tqdm=False)[0]["token_ids"] == expected

@@ -1,4 +1,8 @@
-"""A model directory's tokenizer (None without tokenizer files), its chat prompts and its EOS token ids."""
+"""A model directory's tokenizer (None without tokenizer files), its chat prompts and its EOS token ids.
+
+Chat messages are rendered here for every caller (LLM.chat, the server, the CLI): OpenAI's content parts are
+joined here, once.
+"""
 import json
 import os
 
@@ -20,6 +24,7 @@ def chat_token_ids(tokenizer, messages: list[dict], model: str, add_generation_p
         raise ValueError(f"model {model!r} has no tokenizer files, so no chat template; pass token ids")
     if not tokenizer.chat_template:
         raise ValueError(f"model {model!r} has no chat template; pass the prompt as text or token ids")
+    messages = template_messages(messages)
     from jinja2 import TemplateError
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -27,6 +32,43 @@ def chat_token_ids(tokenizer, messages: list[dict], model: str, add_generation_p
     except TemplateError as e:
         raise ValueError(f"the chat template refused these messages: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)  # the template already has its special tokens
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI chat messages as a chat template takes them: a content of parts (`[{"type": "text", "text": ...}]`)
+    becomes its texts joined by newlines (as vLLM joins them), None becomes "". ValueError naming the message for
+    one that is not a dict, a part that is not text, or a string that is not valid Unicode (a lone surrogate, which
+    no tokenizer can encode)."""
+    rendered = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"message {i} is {type(message).__name__}, not a dict with 'role' and 'content'")
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "\n".join(_part_text(i, part) for part in content)
+        message = {**message, "content": content or ""}
+        for key, value in message.items():
+            _check_unicode(i, key, value)
+        rendered.append(message)
+    return rendered
+
+
+def _part_text(i: int, part) -> str:
+    is_text = isinstance(part, dict) and part.get("type") == "text"
+    if not is_text or not isinstance(part.get("text") or "", str):
+        raise ValueError(f"message {i} has the content part {str(part)[:80]!r}: only text parts "
+                         f"({{'type': 'text', 'text': ...}}) are supported")
+    return part.get("text") or ""
+
+
+def _check_unicode(i: int, key, value):
+    if not isinstance(value, str):
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"message {i}: its {key!r} has a lone surrogate {value[error.start]!r} at character "
+                         f"{error.start}, which is not valid Unicode text; remove or replace it") from None
 
 
 def eos_token_ids(model: str, hf_config, tokenizer) -> set[int]:

@@ -42,6 +42,11 @@ METRICS = [
     ("host_prefix_hit_tokens", "counter", "Prompt tokens served from the host prefix cache"),
     ("blocks_offloaded", "counter", "Cached KV blocks copied to the host prefix cache"),
     ("blocks_onloaded", "counter", "Host prefix-cache blocks copied back to the GPU"),
+    ("disk_hit_tokens", "counter", "Prompt tokens found in the disk tier (0: no disk tier)"),
+    ("disk_loaded_tokens", "counter", "Prompt tokens loaded from the disk tier instead of prefilled"),
+    ("blocks_written_to_disk", "counter", "KV blocks written to the disk tier"),
+    ("blocks_evicted_from_disk", "counter", "KV block files evicted from the disk tier (cap or full file system)"),
+    ("disk_write_errors", "counter", "Disk tier writes that failed (a full file system's are retried after evicting)"),
 ]
 
 # (name, help, bucket upper bounds in seconds): vLLM's names and buckets; observed when a request finishes, from

@@ -199,12 +199,11 @@ class ChatMessage(_Strict):
     content: str | list[ContentPart] | None = None
 
     def as_template_message(self) -> dict:
+        """The message as plain data; its parts are joined where every caller's are (engine/tokenizer.py)."""
         content = self.content
         if isinstance(content, list):
-            if any(part.type != "text" for part in content):
-                raise APIError(400, "only text content parts are supported", param="messages")
-            content = "\n".join(part.text or "" for part in content)  # as vLLM joins text parts
-        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+            content = [part.model_dump(exclude_none=True) for part in content]
+        return {**(self.model_extra or {}), "role": self.role, "content": content}
 
 
 class ChatCompletionRequest(_SamplingRequest):
