@@ -16,6 +16,8 @@ ALIASES = {"tensor_parallel_size": ("-tp",)}
 HELP = {
     "device": "'auto': cuda when available, else cpu",
     "dtype": "'auto': the checkpoint's dtype on cuda, float32 on cpu",
+    "cpu_threads": "torch's intra-op threads on the CPU (default: chosen from the usable cores, their load and the "
+                   "model's size; OMP_NUM_THREADS also sets it)",
     "load_format": "'dummy': random weights from config.json alone (benchmarks)",
     "max_model_len": "default: the model's max_position_embeddings",
     "kvcache_block_size": "tokens per KV block; default 64 (256 with flash-attn)",
