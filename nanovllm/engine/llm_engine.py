@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.core.memory_plan import GiB, format_breakdown
-from nanovllm.engine.device import resolve_device, with_card_batch_limits
+from nanovllm.engine.device import resolve_device, with_card_batch_limits, with_cpu_host_tier_default
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output import StreamCursor, TextOutput
 from nanovllm.engine.progress import update_bar
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
-        self.config = config = Config(model, **with_card_batch_limits(kwargs))
+        self.config = config = Config(model, **with_cpu_host_tier_default(with_card_batch_limits(kwargs)))
         self.runner = self.workers = self.host_tier = None
         # where the GPU memory went, in bytes (nanovllm/core/memory_plan.py); None on CPU or with kv_cache_memory_bytes
         self.memory_breakdown: dict | None = None
