@@ -153,9 +153,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"two models given: {args.model_path!r} and --model {args.model!r}; pass one")
     try:
         from nanovllm.entrypoints.server import serve
+        from nanovllm.entrypoints.server.app import check_port
     except ImportError as e:
         raise ValueError(f"the server needs FastAPI, uvicorn and prometheus_client ({e}); "
                          f"pip install 'nano-vllm-offload[serve]'") from None
+    check_port(args.host, args.port)  # before the demo model is converted and any model loads
     model = resolve_model(args.model_path or args.model)
     # what a user types: the directory's name, not the absolute path of a converted checkpoint
     name = args.served_model_name or os.path.basename(os.path.normpath(model))
