@@ -392,6 +392,7 @@ class LLMEngine:
         finally:
             self.host_tier.disk = None
             disk.close()
+            self.host_tier.closed_disk_stats = disk.stats()  # with the writes close() finished
 
     def __enter__(self):
         return self
