@@ -231,7 +231,7 @@ class LLMEngine:
         self._observe_prefill()
         if logprob_rows is not None:
             self._attach_logprobs(logprob_rows, *sampled.logprob_lists())
-        updated, finished = self.scheduler.resolve(rows, token_ids)
+        updated, finished = self.scheduler.resolve(rows, token_ids, sampled.ready_time)
         return finished + self.text_output.apply_stop_strings(updated + finished, self.scheduler.finish)
 
     def _attach_logprobs(self, owners: LogprobRows, token_ids: list[list[int]], values: list[list[float]],

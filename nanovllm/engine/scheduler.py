@@ -353,11 +353,12 @@ class Scheduler:
             seq.num_unresolved_tokens += 1
         return rows
 
-    def resolve(self, rows: list[tuple[Sequence, int] | None], token_ids: list[int]):
+    def resolve(self, rows: list[tuple[Sequence, int] | None], token_ids: list[int], now: float | None = None):
         """Fill in the tokens of a finished step (rows from `advance`) and finish sequences on EOS, stop tokens or
-        length. Returns (sequences that got a token and go on, sequences that finished)."""
+        length. Returns (sequences that got a token and go on, sequences that finished). `now`: when the step's
+        tokens were computed (every token of a step arrives at once); None: now."""
         updated, finished = [], []
-        now = time.perf_counter()  # one clock read per step: every token of it arrives now
+        now = time.perf_counter() if now is None else now
         for row, token_id in zip(rows, token_ids):
             if row is None or row[0].is_finished:
                 continue
