@@ -89,10 +89,10 @@ def test_errors_name_the_flags_a_user_typed():
     parser = cli.argparse.ArgumentParser()
     gen = cli.add_generate_parser(parser.add_subparsers())
     message = ("gpu_memory_budget_gib=0 must be > 0; raise max_num_seqs or kv_cache_memory_bytes; device='tpu' is "
-               "not a device; seed=x; min_p=2.0")
+               "not a device; seed=x; min_p=2.0; model='/tmp/max_model_len' is not a directory")
     assert cli.flags_for_fields(message, gen) == (
         "--gpu-memory-gib=0 must be > 0; raise --max-num-seqs or --kv-cache-memory-bytes; --device='tpu' is not a "
-        "device; --seed=x; --min-p=2.0")
+        "device; --seed=x; --min-p=2.0; --model='/tmp/max_model_len' is not a directory")
 
 
 def test_a_directory_where_a_prompt_goes_is_refused(capsys, fake_llm, qwen3_dir):

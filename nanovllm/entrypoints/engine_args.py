@@ -90,14 +90,14 @@ def flags_for_fields(message: str, parser: argparse.ArgumentParser | None) -> st
     """An error message of Config or SamplingParams with the option names a command-line user typed: "max_model_len=9"
     becomes "--max-model-len=9" and "raise gpu_memory_budget_gib" "raise --gpu-memory-gib", for every flag of
     `parser`. A name without an underscore ("device", "seed") is replaced only before "=": as a plain word it may be
-    English."""
+    English; a name inside a path ("/tmp/max_model_len") is left alone."""
     if parser is None:
         return message
     for action in parser._actions:  # argparse keeps no public list of a parser's actions
         flags = [flag for flag in action.option_strings if flag.startswith("--")]
         if not flags or action.dest in ("help", "version"):
             continue
-        pattern = rf"(?<![\w.-]){re.escape(action.dest)}" + (r"\b" if "_" in action.dest else r"(?==)")
+        pattern = rf"(?<![\w./-]){re.escape(action.dest)}" + (r"\b" if "_" in action.dest else r"(?==)")
         message = re.sub(pattern, flags[0], message)
     return message
 

@@ -83,7 +83,9 @@ def choose_num_threads(cpu_threads: int | None, hidden_size: int, num_ranks: int
                        torch_default_num_threads: int) -> tuple[int, str]:
     """(threads, why) for one rank. torch_num_threads is torch's count now: the user's when it differs from both
     torch's default (torch_default_num_threads: one per core of the affinity mask) and what the engine set
-    before. load_1min: the machine's 1-minute load average, the cores other processes keep busy."""
+    before. load_1min: the machine's 1-minute load average, the cores other processes keep busy. It is the whole
+    machine's: in a container on a busy host it also counts work on cores this process never runs on, and the
+    count comes out low (one thread at worst, never more than the cores); cpu_threads sets it then."""
     if cpu_threads is not None:
         return cpu_threads, f"cpu_threads={cpu_threads}"
     for name in THREAD_ENV_VARS:
