@@ -45,8 +45,8 @@ class HostTier:
         self.prefix_cache = prefix_cache  # the pool is also a second-level prefix cache
         self._last_copy_totals = (0.0, 0.0)  # the copy engine's (exposed, copy) seconds at the last observation
         self.disk: DiskTier | None = None  # the tier below (attach_disk); None: no disk tier
-        # the disk tier's counters when the engine closed it: the writes still queued then are done by close, and
-        # stats() after close() counts them (in the run that wrote them, before close, they may read 0)
+        # the disk tier's counters when it was closed (close_disk): the writes still queued then are done by close,
+        # and stats() after close() counts them (in the run that wrote them, before close, they may read 0)
         self.closed_disk_stats: dict | None = None
 
     @classmethod
@@ -184,6 +184,12 @@ class HostTier:
         copy_engine.synchronize()
         self.submit_disk_transfers(copy_engine)
         self.disk.store.wait_idle()
+
+    def close_disk(self):
+        """Finish the disk tier's writes and loads and close it; its counters stay in stats(), those writes counted."""
+        disk, self.disk = self.disk, None
+        disk.close()
+        self.closed_disk_stats = disk.stats()
 
     def poll_disk(self) -> list[Sequence]:
         """Sequences whose disk loads came back (their blocks are host hits now); never blocks."""

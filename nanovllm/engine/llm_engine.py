@@ -390,9 +390,7 @@ class LLMEngine:
                 self.runner.launch(make_plan(self.scheduler.schedule(), self.config.kvcache_block_size)[0])
             self.runner.copy_engine.synchronize()
         finally:
-            self.host_tier.disk = None
-            disk.close()
-            self.host_tier.closed_disk_stats = disk.stats()  # with the writes close() finished
+            self.host_tier.close_disk()
 
     def __enter__(self):
         return self

@@ -354,9 +354,8 @@ class Scheduler:
         return rows
 
     def resolve(self, rows: list[tuple[Sequence, int] | None], token_ids: list[int], now: float | None = None):
-        """Fill in the tokens of a finished step (rows from `advance`) and finish sequences on EOS, stop tokens or
-        length. Returns (sequences that got a token and go on, sequences that finished). `now`: when the step's
-        tokens were computed (every token of a step arrives at once); None: now."""
+        """Fill in the tokens of a finished step (rows from `advance`), all computed at `now` (None: now), and finish
+        sequences on EOS, stop tokens or length. Returns (those that got a token and go on, those that finished)."""
         updated, finished = [], []
         now = time.perf_counter() if now is None else now
         for row, token_id in zip(rows, token_ids):

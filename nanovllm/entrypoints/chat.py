@@ -4,7 +4,6 @@ Its KV is not computed again: the previous turn's prompt and reply are in the pr
 earlier turn the same way every time), so a turn costs its new tokens. Works with piped stdin as with a terminal."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -12,18 +11,15 @@ EXIT_COMMANDS = ("/exit", "/quit")
 RESET_COMMAND = "/reset"
 
 
-def cmd_chat(args: argparse.Namespace) -> int:
-    from nanovllm import LLM, SamplingParams
-    from nanovllm.entrypoints.cli import resolve_model, sampling_options
-    from nanovllm.entrypoints.engine_args import engine_kwargs
-    params = SamplingParams(**sampling_options(args))
-    model = resolve_model(args.model)
-    with LLM(model, **engine_kwargs(args)) as llm:
+def chat_session(model: str, engine_kwargs: dict, params, system: str | None, show_stats: bool) -> int:
+    """`nanovllm chat`: the engine for `model`, then the loop on stdin and stdout."""
+    from nanovllm import LLM
+    with LLM(model, **engine_kwargs) as llm:
         if llm.tokenizer is None or not llm.tokenizer.chat_template:
             raise ValueError(f"model {model!r} has no chat template; `nanovllm generate --no-chat` takes plain "
                              f"prompts")
-        run_chat(llm, params, sys.stdin, sys.stdout, args.system)
-        if args.stats:
+        run_chat(llm, params, sys.stdin, sys.stdout, system)
+        if show_stats:
             print(json.dumps(llm.stats(), indent=1))
     return 0
 

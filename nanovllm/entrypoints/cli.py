@@ -141,6 +141,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from nanovllm import SamplingParams
+    from nanovllm.entrypoints.chat import chat_session
+    params = SamplingParams(**sampling_options(args))
+    return chat_session(resolve_model(args.model), engine_kwargs(args), params, args.system, args.stats)
+
+
 def print_output(llm, prompt, out: dict, as_json: bool):
     if as_json:
         print(json.dumps(out))
@@ -220,7 +227,6 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
 
 
 def add_chat_parser(sub):
-    from nanovllm.entrypoints.chat import cmd_chat
     chat = sub.add_parser("chat", help="talk with the model: one line of stdin per turn, the history kept",
                           formatter_class=HelpFormatter,
                           description="Each line read from stdin is a user turn; the reply streams to stdout. The "
