@@ -1,17 +1,23 @@
-# One command each: `make demo` (the CPU demo), `make test` (the test suite), `make gpu` (the CUDA build and
-# verify_swap.py). Each creates or updates the virtual environment first (scripts/setup_venv.sh).
+# One command each: `make demo` (the CPU demo), `make serve` (the OpenAI-compatible server on 127.0.0.1:8000),
+# `make test` (the test suite), `make gpu` (the CUDA build and verify_swap.py). Each creates or updates the virtual
+# environment first (scripts/setup_venv.sh).
 #   VENV=path       the environment (default .venv)
 #   TORCH=cuda      the CUDA build of torch instead of the CPU one (make gpu sets it)
 #   PROMPT="..."    the demo's question
+#   SERVE_ARGS="..." `nanovllm serve`'s arguments (e.g. "--port 8001"; default: SmolLM2 on port 8000)
 VENV ?= .venv
 TORCH ?= cpu
 PROMPT ?= What is the capital of France?
+SERVE_ARGS ?=
 export VENV TORCH
 
-.PHONY: demo test gpu setup-demo setup-test
+.PHONY: demo serve test gpu setup-demo setup-serve setup-test
 
 demo: setup-demo
 	$(VENV)/bin/nanovllm generate "$(PROMPT)"
+
+serve: setup-serve
+	$(VENV)/bin/nanovllm serve $(SERVE_ARGS)
 
 # the tests run the installed `nanovllm` command too, hence the PATH
 test: setup-test
@@ -23,6 +29,9 @@ gpu: setup-demo
 
 setup-demo:
 	sh scripts/setup_venv.sh convert
+
+setup-serve:
+	sh scripts/setup_venv.sh convert serve
 
 setup-test:
 	sh scripts/setup_venv.sh test

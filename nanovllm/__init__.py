@@ -12,4 +12,7 @@ def __getattr__(name):
     if name == "LLM":
         from nanovllm.llm import LLM
         return LLM
+    if name == "__version__":
+        from nanovllm.version import package_version
+        return package_version()
     raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")

@@ -78,6 +78,10 @@ class Config:
     # None: on when tensor_parallel_size == 1 (the workers need each sampled token before the next step)
     async_scheduling: bool | None = None
     attention_backend: str = "auto"  # the tested ones: triton on cuda, torch on cpu; "flash" only when asked for
+    # torch's intra-op threads on the CPU (per rank). None: the engine's choice from the usable cores, their load
+    # and the model's size, unless OMP_NUM_THREADS, MKL_NUM_THREADS or torch.set_num_threads set it
+    # (nanovllm/utils/cpu_threads.py)
+    cpu_threads: int | None = None
     # --- batch limits
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # a GPU (or budget) under 70 GiB gets vLLM's smaller defaults instead, when these are not passed
@@ -131,7 +135,8 @@ class Config:
         if self.kvcache_block_size is None:
             self.kvcache_block_size = 256 if self.attention_backend == "flash" else 64
         for name in ("kvcache_block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-                     "max_cudagraph_capture_size", "max_model_len", "num_kvcache_blocks", "kv_cache_memory_bytes"):
+                     "max_cudagraph_capture_size", "max_model_len", "num_kvcache_blocks", "kv_cache_memory_bytes",
+                     "cpu_threads"):
             value = getattr(self, name)
             if value is None:
                 continue

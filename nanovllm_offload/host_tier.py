@@ -45,6 +45,9 @@ class HostTier:
         self.prefix_cache = prefix_cache  # the pool is also a second-level prefix cache
         self._last_copy_totals = (0.0, 0.0)  # the copy engine's (exposed, copy) seconds at the last observation
         self.disk: DiskTier | None = None  # the tier below (attach_disk); None: no disk tier
+        # the disk tier's counters when it was closed (close_disk): the writes still queued then are done by close,
+        # and stats() after close() counts them (in the run that wrote them, before close, they may read 0)
+        self.closed_disk_stats: dict | None = None
 
     @classmethod
     def from_config(cls, config: "Config", block_bytes: int, pinned: bool) -> "HostTier | None":
@@ -182,6 +185,12 @@ class HostTier:
         self.submit_disk_transfers(copy_engine)
         self.disk.store.wait_idle()
 
+    def close_disk(self):
+        """Finish the disk tier's writes and loads and close it; its counters stay in stats(), those writes counted."""
+        disk, self.disk = self.disk, None
+        disk.close()
+        self.closed_disk_stats = disk.stats()
+
     def poll_disk(self) -> list[Sequence]:
         """Sequences whose disk loads came back (their blocks are host hits now); never blocks."""
         return self.disk.poll() if self.disk is not None else []
@@ -192,7 +201,7 @@ class HostTier:
 
     def stats(self) -> dict:
         """The pool's size, the disk tier's counters (zeros without one) and the policy's prefill speed now."""
-        disk_stats = self.disk.stats() if self.disk is not None else no_disk_stats()
+        disk_stats = self.disk.stats() if self.disk is not None else self.closed_disk_stats or no_disk_stats()
         stats = dict(num_cpu_blocks=self.num_blocks, **disk_stats)
         if self.policy is not None:
             stats["prefill_tokens_per_s"] = self.policy.prefill_tokens_per_s

@@ -6,8 +6,8 @@
 #
 # Environment:
 #   VENV             where the environment goes (default .venv)
-#   PYTHON           the interpreter that creates it (default: the first of python3, python3.12, python3.11,
-#                    python3.10 that is a Python 3.10-3.12)
+#   PYTHON           the interpreter that creates it (default: the first of python3, python3.14, ..., python3.10
+#                    that is a Python 3.10-3.14)
 #   TORCH            cpu (default) or cuda
 #   TORCH_VERSION    the torch release to install (default 2.13.0)
 #   TORCH_INDEX_URL  PyTorch's CPU wheel index (the URL PyTorch's install page gives for "CPU"; this project writes no
@@ -23,21 +23,21 @@ CUDA_SIZE_NOTE="about 0.5 GB for torch plus about 3 GB of CUDA packages (nvidia-
 say() { echo "setup: $*"; }
 die() { echo "setup: error: $*" >&2; exit 1; }
 
-is_supported_python() {  # Python 3.10-3.12: the range pyproject.toml's requires-python allows
-    "$1" -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 12))' 2>/dev/null
+is_supported_python() {  # Python 3.10-3.14: the range pyproject.toml's requires-python allows
+    "$1" -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 14))' 2>/dev/null
 }
 
 find_python() {
     if [ -n "${PYTHON:-}" ]; then
-        is_supported_python "$PYTHON" || die "PYTHON=$PYTHON is not a Python 3.10-3.12; set PYTHON to one that is"
+        is_supported_python "$PYTHON" || die "PYTHON=$PYTHON is not a Python 3.10-3.14; set PYTHON to one that is"
         echo "$PYTHON"; return
     fi
-    for candidate in python3 python3.12 python3.11 python3.10; do
+    for candidate in python3 python3.14 python3.13 python3.12 python3.11 python3.10; do
         if command -v "$candidate" >/dev/null 2>&1 && is_supported_python "$candidate"; then
             echo "$candidate"; return
         fi
     done
-    die "no Python 3.10-3.12 found (tried python3, python3.12, python3.11, python3.10); set PYTHON=/path/to/python"
+    die "no Python 3.10-3.14 found (tried python3, python3.14 ... python3.10); set PYTHON=/path/to/python"
 }
 
 index_is_reachable() {  # $1: a package index URL; true when its torch page answers within 10 s

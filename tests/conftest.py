@@ -253,6 +253,7 @@ def tiny_llm_kwargs(**overrides) -> dict:
         enable_prefix_caching=True,
         enforce_eager=True,
         seed=0,
+        swap_space=4.0,  # the host tier is off on the CPU unless asked for: the tests cover its logic here
     )
     kw.update(overrides)
     return kw
@@ -270,6 +271,7 @@ def smollm2_llm_kwargs(**overrides) -> dict:
         enable_prefix_caching=True,
         enforce_eager=True,
         seed=0,
+        swap_space=4.0,  # the host tier is off on the CPU unless asked for: the tests cover its logic here
     )
     kw.update(overrides)
     return kw

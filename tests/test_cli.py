@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+import nanovllm
 from nanovllm.config import OPTION_CHOICES, Config
 from nanovllm.entrypoints import cli
 from nanovllm.entrypoints.engine_args import NOT_FLAGS
@@ -67,10 +68,10 @@ TINY = ["--device", "cpu", "--max-model-len", "128", "--kvcache-block-size", "4"
     (["generate", "--prompt-ids", "5,,6"], "--prompt-ids: '' is not an integer"),
     (["generate", "--prompt-ids", "5,-1"], "--prompt-ids: -1 is negative"),
     (["generate", "--prompt-ids", "5,512"], "token id 512 of prompt #0 is outside the vocabulary [0, 512)"),
-    (["generate", "--prompt-ids", ",".join(["5"] * 129)], "more than max_model_len=128"),
+    (["generate", "--prompt-ids", ",".join(["5"] * 129)], "more than --max-model-len=128"),
     (["generate", "x\udcff"], "prompt #0 is not valid UTF-8"),  # argv bytes that are not UTF-8
-    (["generate", "--prompt-ids", "5", "--min-tokens", "9", "--max-tokens", "4"], "min_tokens=9"),
-    (["generate", "--prompt-ids", "5", "--min-p", "2"], "min_p=2.0"),
+    (["generate", "--prompt-ids", "5", "--min-tokens", "9", "--max-tokens", "4"], "--min-tokens=9"),
+    (["generate", "--prompt-ids", "5", "--min-p", "2"], "--min-p=2.0"),
 ])
 def test_bad_prompts_and_options_are_refused_before_the_model_loads(capsys, fake_llm, qwen3_dir, argv, message):
     code, _, err = run(capsys, *argv, "--model", qwen3_dir, *TINY)
@@ -81,7 +82,48 @@ def test_bad_prompts_and_options_are_refused_before_the_model_loads(capsys, fake
 def test_a_bad_engine_option_is_refused_before_the_model_loads(capsys, fake_llm, qwen3_dir):
     code, _, err = run(capsys, "generate", "--prompt-ids", "5", "--model", qwen3_dir, "--device", "cpu",
                        "--kvcache-block-size", "3")
-    assert code == 2 and "kvcache_block_size=3 must be a power of two" in err and fake_llm == []
+    assert code == 2 and "--kvcache-block-size=3 must be a power of two" in err and fake_llm == []
+
+
+def test_errors_name_the_flags_a_user_typed():
+    parser = cli.argparse.ArgumentParser()
+    gen = cli.add_generate_parser(parser.add_subparsers())
+    message = ("gpu_memory_budget_gib=0 must be > 0; raise max_num_seqs or kv_cache_memory_bytes; device='tpu' is "
+               "not a device; seed=x; min_p=2.0; model='/tmp/max_model_len' is not a directory")
+    assert cli.flags_for_fields(message, gen) == (
+        "--gpu-memory-gib=0 must be > 0; raise --max-num-seqs or --kv-cache-memory-bytes; --device='tpu' is not a "
+        "device; --seed=x; --min-p=2.0; --model='/tmp/max_model_len' is not a directory")
+
+
+def test_a_directory_where_a_prompt_goes_is_refused(capsys, fake_llm, qwen3_dir):
+    """`nanovllm generate MODEL "prompt"` (the model where a prompt goes) would answer the path as a prompt."""
+    code, _, err = run(capsys, "generate", qwen3_dir, "hello", *TINY)
+    assert code == 2 and fake_llm == []
+    assert err == f"error: prompt #0 {qwen3_dir!r} is a directory; pass a model with --model {qwen3_dir}\n"
+    code, _, _ = run(capsys, "generate", "--model", qwen3_dir, "hello", *TINY)
+    assert code == 0 and fake_llm[0]["model"] == qwen3_dir
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"nanovllm {nanovllm.__version__}\n"
+
+
+@pytest.mark.parametrize("command, defaults", [
+    ("generate", ["--max-tokens MAX_TOKENS  tokens per answer at most (default: 64)", "(default: 0.9)"]),
+    ("chat", ["tokens per answer at most (default: 256)"]),
+    ("serve", ["TCP port to listen on (default: 8000)", "(default: 127.0.0.1)"]),
+])
+def test_help_shows_the_defaults(capsys, monkeypatch, command, defaults):
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for default in defaults:
+        assert " ".join(default.split()) in text, default
+    assert "(default: None)" not in text and "(default: False)" not in text
 
 
 def test_sampling_flags_reach_sampling_params_and_a_cut_answer_says_so(capsys, fake_llm, qwen3_dir):
@@ -155,6 +197,11 @@ def test_flags_keep_their_types_choices_and_old_spellings():
                       "dtype": "float16", "async_scheduling": False, "max_model_len": 64}
     with pytest.raises(SystemExit):
         parse("--preemption-mode", "sometimes")
+
+
+def test_the_budget_flag_is_spelled_as_in_the_other_tools_and_keeps_its_old_name():
+    assert cli.engine_kwargs(parse("--gpu-memory-gib", "8")) == {"gpu_memory_budget_gib": 8.0}
+    assert cli.engine_kwargs(parse("--gpu-memory-budget-gib", "7.5")) == {"gpu_memory_budget_gib": 7.5}
 
 
 # ------------------------------------------------------------------------------------------------ serve

@@ -77,3 +77,28 @@ def test_server_histograms_in_prometheus_format():
     assert samples["nanovllm_inter_token_latency_seconds_bucket", "0.025"] == 2
     assert samples["nanovllm_inter_token_latency_seconds_bucket", "+Inf"] == 3
     assert abs(samples["nanovllm_inter_token_latency_seconds_sum", None] - 0.53) < 1e-9
+
+
+def test_every_inter_token_gap_is_a_step_in_both_scheduling_modes(qwen3_dir, monkeypatch):
+    """A step that takes STEP_S to compute: each token arrives one step after the one before, the last one too.
+    With asynchronous scheduling on the CPU the host reads a step back only after computing the next one, so
+    stamping tokens at the read-back recorded the last gap as ~0 (and shifted the others by a step)."""
+    import time
+
+    from conftest import tiny_llm_kwargs
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.engine.model_runner import ModelRunner
+    step_s = 0.03
+    launch = ModelRunner.launch
+
+    def slow_launch(self, plan, sample_seqs=None):
+        if plan.num_tokens:
+            time.sleep(step_s)
+        return launch(self, plan, sample_seqs)
+
+    monkeypatch.setattr(ModelRunner, "launch", slow_launch)
+    for asynchronous in (False, True):
+        with LLM(qwen3_dir, **tiny_llm_kwargs(async_scheduling=asynchronous)) as llm:
+            [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+        gaps = out["metrics"]["inter_token_latencies"]
+        assert len(gaps) == 4 and min(gaps) >= 0.8 * step_s, (asynchronous, gaps)

@@ -27,7 +27,7 @@ def test_unknown_torch_build_is_refused_before_the_venv_exists(tmp_path):
 def test_unsupported_python_is_named(tmp_path):
     proc = run_script(tmp_path, PYTHON="/bin/false")
     assert proc.returncode != 0
-    assert "PYTHON=/bin/false is not a Python 3.10-3.12" in proc.stderr
+    assert "PYTHON=/bin/false is not a Python 3.10-3.14" in proc.stderr
     assert not (tmp_path / "venv").exists()
 
 

@@ -43,6 +43,28 @@ def with_card_batch_limits(engine_kwargs: dict) -> dict:
     return {**engine_kwargs, **limits}
 
 
+# the options that ask for the host tier; on the CPU, without one of them (or kv_disk_path, whose hits load into the
+# host pool), there is none (with_cpu_host_tier_default)
+HOST_TIER_OPTIONS = ("swap_space", "preemption_mode", "host_cache_policy")
+
+
+def runs_on_cpu(device_option) -> bool:
+    """Whether the engine will run on the CPU; False for an option Config will refuse (it says why)."""
+    return device_option == "cpu" or (device_option == "auto" and not torch.cuda.is_available())
+
+
+def with_cpu_host_tier_default(engine_kwargs: dict) -> dict:
+    """The engine options with swap_space=0 on the CPU unless they ask for the host tier. On the CPU the "device" KV
+    cache and the host pool are the same RAM: swapping copies a block from one part of it to another, and the host
+    prefix cache keeps a second copy of blocks the KV cache could have kept itself, so the memory does more as a
+    larger KV cache (kv_cache_memory_bytes). The tier still runs there when asked for (its tests do)."""
+    if (any(name in engine_kwargs for name in HOST_TIER_OPTIONS) or engine_kwargs.get("kv_disk_path") is not None
+            or not runs_on_cpu(engine_kwargs.get("device", "auto"))):
+        return engine_kwargs
+    logger.info("CPU: no host tier (host and device memory are the same RAM); pass swap_space to have one")
+    return {**engine_kwargs, "swap_space": 0}
+
+
 def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     """The model's dtype. "auto": float32 on CPU; on CUDA the checkpoint's half type, bfloat16 when it has none, and
     float16 instead of bfloat16 on GPUs before compute capability 8.0 (T4, V100, RTX 20-series), which have no

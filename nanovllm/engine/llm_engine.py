@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from nanovllm.config import Config
 from nanovllm.core.memory_plan import GiB, format_breakdown
 from nanovllm.engine.caller_lock import CallerLock, closing, one_caller, one_caller_stream
-from nanovllm.engine.device import resolve_device, with_card_batch_limits
+from nanovllm.engine.device import resolve_device, with_card_batch_limits, with_cpu_host_tier_default
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output import StreamCursor, TextOutput
 from nanovllm.engine.progress import update_bar
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
         self.caller_lock = CallerLock()  # one caller at a time; none after close (nanovllm/engine/caller_lock.py)
-        self.config = config = Config(model, **with_card_batch_limits(kwargs))
+        self.config = config = Config(model, **with_cpu_host_tier_default(with_card_batch_limits(kwargs)))
         self.runner = self.workers = self.host_tier = None
         # where the GPU memory went, in bytes (nanovllm/core/memory_plan.py); None on CPU or with kv_cache_memory_bytes
         self.memory_breakdown: dict | None = None
@@ -237,7 +237,7 @@ class LLMEngine:
         self._observe_prefill()
         if logprob_rows is not None:
             self._attach_logprobs(logprob_rows, *sampled.logprob_lists())
-        updated, finished = self.scheduler.resolve(rows, token_ids)
+        updated, finished = self.scheduler.resolve(rows, token_ids, sampled.ready_time)
         return finished + self.text_output.apply_stop_strings(updated + finished, self.scheduler.finish)
 
     def _attach_logprobs(self, owners: LogprobRows, token_ids: list[list[int]], values: list[list[float]],
@@ -399,8 +399,7 @@ class LLMEngine:
                 self.runner.launch(make_plan(self.scheduler.schedule(), self.config.kvcache_block_size)[0])
             self.runner.copy_engine.synchronize()
         finally:
-            self.host_tier.disk = None
-            disk.close()
+            self.host_tier.close_disk()
 
     def __enter__(self):
         return self

@@ -1,7 +1,6 @@
 """The model runner: the only owner of model weights, the GPU KV cache and (through the copy engine) the host KV
 cache. It turns a SchedulerOutput into tensors, issues the swap copies, runs the forward pass and samples."""
 import gc
-import os
 from datetime import timedelta
 
 import torch
@@ -24,6 +23,7 @@ from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.utils.compile import set_compile
 from nanovllm.utils.context import reset_context, set_context
+from nanovllm.utils.cpu_threads import set_cpu_threads
 from nanovllm.utils.distributed import tp_size
 from nanovllm.utils.loader import init_dummy_weights, load_weights
 from nanovllm.utils.switches import SWITCHES
@@ -41,9 +41,9 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
             release_stack_reservation(self.device)
             apply_budget(config, self.device)
+        if self.device.type == "cpu":  # the ranks share the usable cores instead of oversubscribing them
+            set_cpu_threads(config.cpu_threads, config.hf_config.hidden_size, config.tensor_parallel_size)
         if config.tensor_parallel_size > 1:
-            if self.device.type == "cpu":  # share the cores instead of oversubscribing them
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method=init_method,
                                     world_size=config.tensor_parallel_size, rank=rank,
                                     timeout=timedelta(minutes=10))

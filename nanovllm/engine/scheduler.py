@@ -353,11 +353,11 @@ class Scheduler:
             seq.num_unresolved_tokens += 1
         return rows
 
-    def resolve(self, rows: list[tuple[Sequence, int] | None], token_ids: list[int]):
-        """Fill in the tokens of a finished step (rows from `advance`) and finish sequences on EOS, stop tokens or
-        length. Returns (sequences that got a token and go on, sequences that finished)."""
+    def resolve(self, rows: list[tuple[Sequence, int] | None], token_ids: list[int], now: float | None = None):
+        """Fill in the tokens of a finished step (rows from `advance`), all computed at `now` (None: now), and finish
+        sequences on EOS, stop tokens or length. Returns (those that got a token and go on, those that finished)."""
         updated, finished = [], []
-        now = time.perf_counter()  # one clock read per step: every token of it arrives now
+        now = time.perf_counter() if now is None else now
         for row, token_id in zip(rows, token_ids):
             if row is None or row[0].is_finished:
                 continue

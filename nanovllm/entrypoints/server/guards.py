@@ -13,8 +13,8 @@ from nanovllm.entrypoints.server.protocol import APIError
 
 logger = logging.getLogger("nanovllm.server")
 
-# Routes that answer without the API key: probes and scrapers
-OPEN_PATHS = ("/health", "/metrics")
+# Routes that answer without the API key: probes and scrapers (/version too, as in vLLM: it tells nothing private)
+OPEN_PATHS = ("/health", "/metrics", "/version")
 
 
 def error_response(error: APIError, headers: dict | None = None) -> JSONResponse:
