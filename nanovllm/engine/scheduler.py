@@ -378,7 +378,10 @@ class Scheduler:
     def _finish_reason(self, seq: Sequence, token_id: int, num_tokens: int) -> str | None:
         """Why seq ends with token_id as its num_tokens-th token, or None."""
         params = seq.sampling_params
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if token_id in params.stop_token_ids:
+            seq.stop_reason = token_id
             return "stop"
         if num_tokens >= seq.max_num_tokens:  # max_tokens generated, or max_model_len reached
             return "length"

@@ -23,8 +23,12 @@ class StepPlan:
     # placeholder_sources[i]; the runner copies it over on the device
     placeholder_rows: list[int] = field(default_factory=list)
     placeholder_sources: list[int] = field(default_factory=list)
-    # (sample row, token ids it may not sample): min_tokens not reached yet (Scheduler.banned_token_ids)
+    # (sample row, token ids it may not sample): min_tokens not reached yet (Scheduler.banned_token_ids), bad words
     banned_token_ids: list[tuple[int, list[int]]] = field(default_factory=list)
+    # logit_bias and bad words (LogitRules.step_rules): (sample row, token ids, biases) added to the logits, and
+    # (sample row, token id, previous step's sample row, token) bans that hold when that row sampled that token
+    logit_bias: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
+    conditional_bans: list[tuple[int, int, int, int]] = field(default_factory=list)
     # logprobs (filled by add_logprob_rows, only for steps of requests that ask for them): the sample rows (of
     # logits_indices) whose raw logprobs are returned, the token rows whose next prompt token's logprobs are
     # returned and those tokens, and the alternatives per row (the step's largest k; -1: no logprobs this step)
