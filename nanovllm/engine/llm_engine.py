@@ -15,13 +15,14 @@ from nanovllm.engine.logit_rules import LogitRules, bad_words_token_ids
 from nanovllm.engine.output import StreamCursor, TextOutput
 from nanovllm.engine.parallel_sampling import PromptRequest, sample_params
 from nanovllm.engine.progress import update_bar
+from nanovllm.engine.request_intake import RequestIntake
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.core.sequence import Sequence
 from nanovllm.engine.step_plan import LogprobRows, add_logprob_rows, make_plan
 from nanovllm.engine.generation_config import default_sampling_options
 from nanovllm.engine.tokenizer import eos_token_ids, load_tokenizer
 from nanovllm.engine.workers import WorkerPool, free_init_method
-from nanovllm.inputs import as_prompt_list, check_prompt, checked_params
+from nanovllm.inputs import checked_params
 from nanovllm.logprobs import position_logprobs
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -46,6 +47,7 @@ class LLMEngine:
             self.close()
             raise
         self.block_bytes = self.runner.block_bytes
+        self.intake = RequestIntake(config, self.tokenizer, self.num_gpu_blocks)
         self.scheduler = Scheduler.from_config(config, self.num_gpu_blocks, self.host_tier,
                                                eos_token_ids(model, config.hf_config, self.tokenizer))
         copy_engine = self.runner.copy_engine
@@ -127,7 +129,7 @@ class LLMEngine:
                              f"sequence; use generate() or generate_stream() for several samples of a prompt")
         token_ids = self._prompt_token_ids(prompt, sampling_params)
         if sampling_params.max_tokens is None:
-            sampling_params.max_tokens = self._room_left(len(token_ids))
+            sampling_params.max_tokens = self.intake.room_left(len(token_ids))
         bad_words = bad_words_token_ids(self.tokenizer, sampling_params.bad_words or [])
         seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
         self.scheduler.add(seq)
@@ -137,58 +139,9 @@ class LLMEngine:
             self._logprob_seq_ids.add(seq.seq_id)
         return seq.seq_id
 
-    def _room_left(self, num_prompt_tokens: int) -> int:
-        """max_tokens=None: up to max_model_len, and no more than the whole GPU KV cache holds."""
-        max_len = min(self.config.max_model_len, self.num_gpu_blocks * self.config.kvcache_block_size)
-        return max(1, max_len - num_prompt_tokens)
-
     def _prompt_token_ids(self, prompt, sampling_params: SamplingParams) -> list[int]:
-        """Validate a request without touching engine state; raises ValueError naming the problem."""
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        token_ids = check_prompt(prompt)
-        if isinstance(token_ids, str):
-            if self.tokenizer is None:
-                raise ValueError(f"model={self.config.model!r} has no tokenizer files; pass prompts as token ids")
-            token_ids = self.tokenizer.encode(token_ids)
-        if not token_ids:
-            raise ValueError("empty prompt: a prompt needs at least one token")
-        max_len = self.config.max_model_len
-        if sampling_params.truncate_prompt_tokens is not None:  # -1: the last max_model_len tokens
-            token_ids = token_ids[-(max_len if sampling_params.truncate_prompt_tokens == -1
-                                    else sampling_params.truncate_prompt_tokens):]
-        vocab = self.config.hf_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        self._check_options(sampling_params)
-        if len(token_ids) > max_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_len}; "
-                             f"shorten it or raise max_model_len")
-        # the last token is sampled and never computed: its KV needs no slot
-        max_tokens = sampling_params.max_tokens or self._room_left(len(token_ids))
-        num_tokens = max(min(len(token_ids) + max_tokens, max_len) - 1, len(token_ids))
-        num_blocks = (num_tokens + self.config.kvcache_block_size - 1) // self.config.kvcache_block_size
-        if num_blocks > self.num_gpu_blocks:
-            raise ValueError(f"request needs {num_blocks} KV blocks ({num_tokens} tokens) but the cache has "
-                             f"{self.num_gpu_blocks}; lower max_tokens or raise num_kvcache_blocks / the KV budget")
-        return token_ids
-
-    def _check_options(self, sampling_params: SamplingParams):
-        """The options checked against this engine: a tokenizer for text options, max_logprobs, the vocabulary."""
-        for name in ("stop", "bad_words"):
-            if getattr(sampling_params, name) and self.tokenizer is None:
-                raise ValueError(f"{name}={getattr(sampling_params, name)!r} needs a tokenizer, and model="
-                                 f"{self.config.model!r} has none; pass token ids (stop_token_ids, logit_bias) instead")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(sampling_params, name)
-            if value is not None and value > self.config.max_logprobs:
-                raise ValueError(f"{name}={value} is more than max_logprobs={self.config.max_logprobs}; ask for "
-                                 f"fewer or raise LLM(max_logprobs=...)")
-        vocab = self.config.hf_config.vocab_size
-        bad = [t for t in sampling_params.logit_bias or () if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {vocab})")
+        """Validate a request without touching engine state (RequestIntake); raises ValueError naming the problem."""
+        return self.intake.prompt_token_ids(prompt, sampling_params)
 
     def abort_request(self, seq_id: int):
         seq = self.requests.pop(seq_id, None)
@@ -316,25 +269,15 @@ class LLMEngine:
         if engine is not None and self.host_tier is not None:
             self.host_tier.observe_copies(engine.take_recent_copies(), engine.copy_seconds, engine.exposed_seconds)
 
-    def _queue(self, prompts, sampling_params) -> list[PromptRequest]:
-        """Validate every request first, then queue them all: a bad one leaves the engine untouched."""
-        prompts = as_prompt_list(prompts)  # one prompt (a string or token ids) or a list of them
-        if sampling_params is None:
-            sampling_params = SamplingParams(**self.default_sampling_options)
-        if not isinstance(sampling_params, list):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts; pass one or one each")
-        # checked again here, not only when built: a SamplingParams may have been changed since (they are mutable,
-        # as in vLLM); each request keeps its own checked copy, so a later change cannot reach it either
-        sampling_params = [checked_params(sp) for sp in sampling_params]
-        token_ids = [self._prompt_token_ids(prompt, sp) for prompt, sp in zip(prompts, sampling_params)]
-        samples = [sample_params(sp) for sp in sampling_params]  # a seed + i out of range fails here
+    def _queue(self, prompts, sampling_params, streaming: bool = False) -> list[PromptRequest]:
+        """Validate every request first, then queue them all: a bad one leaves the engine untouched. Each prompt
+        is tokenized once, then queued as one sequence per sample (parallel_sampling.py)."""
+        pairs = self.intake.checked_batch(prompts, sampling_params, self.default_sampling_options, streaming)
+        token_ids = [self._prompt_token_ids(prompt, sp) for prompt, sp in pairs]
         requests = []
-        for prompt, ids, sp, children in zip(prompts, token_ids, sampling_params, samples):
-            text = check_prompt(prompt)
-            seq_ids = [self.add_request(ids, child) for child in children]  # tokenized once
-            requests.append(PromptRequest(str(seq_ids[0]), text if isinstance(text, str) else None, sp, seq_ids))
+        for (prompt, sp), ids in zip(pairs, token_ids):
+            seq_ids = [self.add_request(ids, child) for child in sample_params(sp)]
+            requests.append(PromptRequest(str(seq_ids[0]), self.intake.prompt_text(prompt), sp, seq_ids))
         return requests
 
     def generate(self, prompts: list[str] | list[list[int]] | str, sampling_params=None,
@@ -374,12 +317,7 @@ class LLMEngine:
         the end (vLLM refuses it with streaming too).
         Closing the generator early aborts the unfinished requests and frees their blocks; a request aborted by
         abort_request meanwhile ends with finish_reason "abort"."""
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params]
-        for sp in params:
-            if isinstance(sp, SamplingParams) and sp.num_samples > sp.n:
-                raise ValueError(f"best_of={sp.best_of} > n={sp.n} cannot stream: the best samples are known only "
-                                 f"at the end; use generate(), or best_of=None")
-        requests = self._queue(prompts, sampling_params)
+        requests = self._queue(prompts, sampling_params, streaming=True)
         places = {seq_id: (i, j) for i, r in enumerate(requests) for j, seq_id in enumerate(r.seq_ids)}
         seq_ids = list(places)
         pending = dict.fromkeys(seq_ids)
