@@ -25,15 +25,16 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-# generate()'s old dict keys: the first sample's fields, the request's prompt_logprobs and metrics
-_SAMPLE_KEYS = ("text", "token_ids", "finish_reason", "logprobs")
-LEGACY_KEYS = (*_SAMPLE_KEYS, "prompt_logprobs", "metrics")
+# generate()'s old dict keys: the first sample's fields, the request's prompt_logprobs and metrics (as a dict)
+LEGACY_KEYS = ("text", "token_ids", "finish_reason", "logprobs", "prompt_logprobs", "metrics")
 
 
-@dataclass
-class RequestOutput:
+@dataclass(eq=False)
+class RequestOutput(dict):
     """One prompt's result: its samples in `outputs` (n of them; with best_of, the n of highest cumulative logprob,
-    best first, as vLLM returns them)."""
+    best first, as vLLM returns them).
+    It is also the dict generate() returned before (LEGACY_KEYS), so `out["text"]`, `json.dumps(out)` and
+    `dict(out)` keep working; that dict is filled once, when the output is built."""
     request_id: str
     prompt: str | None  # the prompt's text; None when it was given as token ids
     prompt_token_ids: list[int]  # after truncate_prompt_tokens
@@ -42,21 +43,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None  # the first sample's timings
 
-    # --- the old dict shape
-    def __getitem__(self, key: str):
-        if key in _SAMPLE_KEYS:
-            return getattr(self.outputs[0], key)
-        if key == "prompt_logprobs":
-            return self.prompt_logprobs
-        if key == "metrics":
-            return None if self.metrics is None else self.metrics.as_dict()
-        raise KeyError(f"{key!r}: a RequestOutput's dict keys are {list(LEGACY_KEYS)}; see its attributes for the rest")
-
-    def __contains__(self, key) -> bool:
-        return key in LEGACY_KEYS
-
-    def get(self, key: str, default=None):
-        return self[key] if key in LEGACY_KEYS else default
-
-    def keys(self) -> tuple[str, ...]:
-        return LEGACY_KEYS
+    def __post_init__(self):
+        first = self.outputs[0]
+        self.update(text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason,
+                    logprobs=first.logprobs, prompt_logprobs=self.prompt_logprobs,
+                    metrics=None if self.metrics is None else self.metrics.as_dict())

@@ -18,6 +18,8 @@ from nanovllm.sampling_params import MAX_LOGPROBS
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1000
 MAX_STOP_TOKEN_IDS = 1024
+# choices in one request (prompts x n): each is an engine request, so one body must not queue without bound
+MAX_CHOICES = 256
 
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_CHARS)]
 
@@ -131,8 +133,12 @@ class _SamplingRequest(_Strict):
                            type="not_found_error", param="model", code="model_not_found")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-        if self.n != 1:
-            raise APIError(400, f"n={self.n}: only n=1 is supported", param="n")
+        if self.n < 1:
+            raise APIError(400, f"n={self.n} must be >= 1", param="n")
+        if self.n * self.num_prompts > MAX_CHOICES:
+            raise APIError(400, f"n={self.n} samples of {self.num_prompts} prompt(s) make "
+                                f"{self.n * self.num_prompts} choices, more than {MAX_CHOICES} in one request; "
+                                f"split the request", param="n")
         for name, changes_nothing in UNSUPPORTED_OPTIONS.items():
             value = (self.model_extra or {}).get(name)
             if value is not None and not changes_nothing(value):
@@ -142,6 +148,10 @@ class _SamplingRequest(_Strict):
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs: alternatives per generated token (0: the token's own only); None: none."""
         return None
+
+    @property
+    def num_prompts(self) -> int:
+        return 1
 
     @staticmethod
     def _check_num_logprobs(name: str, value: int | None):
@@ -156,7 +166,8 @@ class _SamplingRequest(_Strict):
                    "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
                    "stop": self.stop, "stop_token_ids": self.stop_token_ids,
                    "seed": self.seed, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
-                   "include_stop_str_in_output": self.include_stop_str_in_output, "logprobs": self.num_logprobs}
+                   "include_stop_str_in_output": self.include_stop_str_in_output, "logprobs": self.num_logprobs,
+                   "n": self.n}
         return {k: v for k, v in options.items() if v is not None or k == "max_tokens"}
 
     @property
@@ -177,14 +188,18 @@ class CompletionRequest(_SamplingRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-    def single_prompt(self) -> str | list[int]:
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts())
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one (a string or token ids) or a list of them, as OpenAI takes them."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, f"{len(prompt)} prompts in one request: send one prompt per request",
-                               param="prompt")
-            prompt = prompt[0]
-        return prompt
+            return list(prompt)
+        if prompt == []:
+            raise APIError(400, "prompt is an empty list: send a prompt, or a list of prompts", param="prompt")
+        return [prompt]
 
 
 class ContentPart(_Strict):
