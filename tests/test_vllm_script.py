@@ -1,0 +1,126 @@
+"""A script written for vLLM runs unchanged on SmolLM2 (CPU): `from vllm import LLM, SamplingParams` resolves to
+nanovllm here, and the script reads RequestOutput objects, samples n=4 with a seed, ranks best_of, biases logits
+and bans words as it would on vLLM.
+
+Then what the script cannot see: the 4 samples of a prompt hold its full prompt blocks once (exact block counts),
+and each sample is token for token what its seed (seed + i, vLLM's rule) gives when run alone."""
+import sys
+
+import pytest
+
+from conftest import close_llm
+
+# A vLLM script, as a user would write it (vLLM's argument names; the KV budget kept small for the CPU).
+VLLM_SCRIPT = '''
+from vllm import LLM, SamplingParams
+
+llm = LLM(model=MODEL, tokenizer=MODEL, dtype="float", trust_remote_code=False, max_logprobs=5,
+          disable_log_stats=True, seed=0, max_model_len=512, enforce_eager=True, swap_space=0,
+          kv_cache_memory_bytes=64 * 2**20)
+prompts = ["The capital of France is", "Once upon a time"]
+
+outputs = llm.generate(prompts, SamplingParams(n=4, seed=42, temperature=0.8, top_p=0.95, max_tokens=8),
+                       use_tqdm=False)
+for output in outputs:
+    for sample in output.outputs:
+        print(f"{output.prompt!r} [{sample.index}] {sample.text!r} ({sample.finish_reason})")
+
+best = llm.generate(prompts[0], SamplingParams(n=2, best_of=4, seed=7, max_tokens=6, logprobs=1))[0]
+greedy = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
+paris = llm.get_tokenizer().encode(" Paris", add_special_tokens=False)[0]
+biased = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=3, logit_bias={paris: 100.0}))[0]
+banned = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=6, bad_words=["Paris"]))[0]
+'''
+
+
+@pytest.fixture(scope="module")
+def script(smollm2_dir):
+    """The script's variables after it ran; `vllm` is nanovllm while it runs."""
+    import nanovllm
+    saved = sys.modules.get("vllm")
+    sys.modules["vllm"] = nanovllm
+    namespace = {"MODEL": smollm2_dir}
+    try:
+        exec(compile(VLLM_SCRIPT, "vllm_script.py", "exec"), namespace)
+        yield namespace
+    finally:
+        if saved is None:
+            sys.modules.pop("vllm", None)
+        else:
+            sys.modules["vllm"] = saved
+        if "llm" in namespace:
+            close_llm(namespace["llm"])
+
+
+def test_request_outputs_read_as_in_vllm(script):
+    outputs = script["outputs"]
+    assert [o.prompt for o in outputs] == ["The capital of France is", "Once upon a time"]
+    tokenizer = script["llm"].get_tokenizer()
+    for output in outputs:
+        assert output.prompt_token_ids == tokenizer.encode(output.prompt) and output.finished
+        assert [s.index for s in output.outputs] == [0, 1, 2, 3]
+        for sample in output.outputs:
+            assert sample.finish_reason in ("stop", "length") and sample.finished()
+            assert 1 <= len(sample.token_ids) <= 8 and sample.text == tokenizer.decode(
+                sample.token_ids[:-1] if sample.finish_reason == "stop" else sample.token_ids,
+                skip_special_tokens=True)
+            assert sample.logprobs is None and sample.cumulative_logprob is None  # not asked for
+        assert len({tuple(s.token_ids) for s in output.outputs}) > 1  # four seeds, not one sample four times
+        assert output["text"] == output.outputs[0].text  # the old dict shape still reads
+        assert output.metrics.first_token_time >= output.metrics.arrival_time
+
+
+def test_best_of_returns_the_n_most_likely_of_its_samples(script):
+    best = script["best"]
+    assert len(best.outputs) == 2 and [s.index for s in best.outputs] == [0, 1]
+    for sample in best.outputs:
+        assert sample.cumulative_logprob == pytest.approx(
+            sum(entry[token].logprob for entry, token in zip(sample.logprobs, sample.token_ids)))
+    # the 4 samples are seeds 7..10: the two returned are the two of highest cumulative logprob among them
+    from nanovllm import SamplingParams
+    llm = script["llm"]
+    alone = [llm.generate("The capital of France is", SamplingParams(seed=7 + i, max_tokens=6, logprobs=1),
+                          use_tqdm=False)[0].outputs[0] for i in range(4)]
+    ranked = sorted(alone, key=lambda s: s.cumulative_logprob, reverse=True)[:2]
+    assert [s.token_ids for s in best.outputs] == [s.token_ids for s in ranked]
+    assert best.outputs[0].cumulative_logprob >= best.outputs[1].cumulative_logprob
+
+
+def test_logit_bias_and_bad_words(script):
+    paris, greedy = script["paris"], script["greedy"]
+    assert paris in greedy.token_ids  # the model's own answer: " Paris"
+    assert script["biased"].outputs[0].token_ids == [paris] * 3  # +100 wins every step, greedy or not
+    banned = script["banned"].outputs[0]
+    assert paris not in banned.token_ids and "Paris" not in banned.text
+    assert banned.token_ids[:greedy.token_ids.index(paris)] == greedy.token_ids[:greedy.token_ids.index(paris)]
+
+
+def test_the_samples_share_the_prompt_blocks_counted_once(script):
+    """A prompt of 2 full blocks and one token more, 4 samples: 2 shared blocks + 4 own ones (one each, which their
+    first tokens fill), where 4 separate requests would hold 12."""
+    from nanovllm import SamplingParams
+    llm = script["llm"]
+    block_size = llm.config.kvcache_block_size
+    prompt = list(range(1000, 1000 + 2 * block_size + 1))
+    assert llm.reset_prefix_cache()
+    blocks = llm.scheduler.block_manager
+    stream = llm.generate_stream([prompt], SamplingParams(n=4, seed=3, max_tokens=4, ignore_eos=True))
+    first = next(stream)  # after the prefill: the samples hold their blocks
+    seqs = [seq for seq in llm.requests.values() if not seq.is_finished]
+    assert first["index"] == 0 and len(seqs) == 4
+    shared = seqs[0].block_table[:2]
+    assert all(seq.block_table[:2] == shared for seq in seqs)
+    assert [blocks.ref_counts[b] for b in shared] == [4, 4]
+    assert len({seq.block_table[2] for seq in seqs}) == 4 and all(len(seq.block_table) == 3 for seq in seqs)
+    assert blocks.num_blocks - blocks.num_free_blocks == 2 + 4
+    stream.close()
+
+
+def test_the_samples_are_the_seeds_run_alone(script):
+    from nanovllm import SamplingParams
+    llm = script["llm"]
+    params = dict(temperature=0.8, top_p=0.95, max_tokens=8)
+    for output in script["outputs"]:
+        alone = [llm.generate(output.prompt, SamplingParams(seed=42 + i, **params), use_tqdm=False)[0]
+                 .outputs[0].token_ids for i in range(4)]
+        assert [s.token_ids for s in output.outputs] == alone
