@@ -4,6 +4,8 @@ and bans words as it would on vLLM.
 
 Then what the script cannot see: the 4 samples of a prompt hold its full prompt blocks once (exact block counts),
 and each sample is token for token what its seed (seed + i, vLLM's rule) gives when run alone."""
+import pathlib
+import shutil
 import sys
 
 import pytest
@@ -14,7 +16,7 @@ from conftest import close_llm
 VLLM_SCRIPT = '''
 from vllm import LLM, SamplingParams
 
-llm = LLM(model=MODEL, tokenizer=MODEL, dtype="float", trust_remote_code=False, max_logprobs=5,
+llm = LLM(model=MODEL, tokenizer=TOKENIZER, dtype="float", trust_remote_code=False, max_logprobs=5,
           disable_log_stats=True, seed=0, max_model_len=512, enforce_eager=True, swap_space=0,
           kv_cache_memory_bytes=64 * 2**20)
 prompts = ["The capital of France is", "Once upon a time"]
@@ -34,12 +36,17 @@ banned = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=6, ba
 
 
 @pytest.fixture(scope="module")
-def script(smollm2_dir):
-    """The script's variables after it ran; `vllm` is nanovllm while it runs."""
+def script(smollm2_dir, tmp_path_factory):
+    """The script's variables after it ran; `vllm` is nanovllm while it runs. Its tokenizer is a copy of the
+    model's tokenizer files in a directory of their own."""
     import nanovllm
+    tokenizer_dir = tmp_path_factory.mktemp("tokenizer")
+    for path in pathlib.Path(smollm2_dir).iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(path, tokenizer_dir / path.name)
     saved = sys.modules.get("vllm")
     sys.modules["vllm"] = nanovllm
-    namespace = {"MODEL": smollm2_dir}
+    namespace = {"MODEL": smollm2_dir, "TOKENIZER": str(tokenizer_dir)}
     try:
         exec(compile(VLLM_SCRIPT, "vllm_script.py", "exec"), namespace)
         yield namespace
@@ -124,3 +131,41 @@ def test_the_samples_are_the_seeds_run_alone(script):
         alone = [llm.generate(output.prompt, SamplingParams(seed=42 + i, **params), use_tqdm=False)[0]
                  .outputs[0].token_ids for i in range(4)]
         assert [s.token_ids for s in output.outputs] == alone
+
+
+def test_the_llm_options_are_honoured(script, monkeypatch):
+    llm = script["llm"]
+    assert llm.get_tokenizer().name_or_path == script["TOKENIZER"] != script["MODEL"]
+    assert llm.config.dtype == "float32" and llm.config.max_logprobs == 5
+    from nanovllm import SamplingParams
+    with pytest.raises(ValueError, match="logprobs=6 is more than max_logprobs=5"):
+        llm.generate("Hi", SamplingParams(logprobs=6), use_tqdm=False)
+    # disable_log_stats: the progress bar never reads the throughput counters
+    import nanovllm.engine.llm_engine as engine_module
+
+    def no_stats(*args):
+        raise AssertionError("update_bar called")
+    monkeypatch.setattr(engine_module, "update_bar", no_stats)
+    llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=True)
+    monkeypatch.setattr(llm.config, "disable_log_stats", False)
+    with pytest.raises(AssertionError, match="update_bar called"):
+        llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=True)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"trust_remote_code": True}, "runs only its own model code"),
+    ({"tokenizer": "/no/such/dir"}, "tokenizer='/no/such/dir' is not a directory"),
+    ({"max_logprobs": -1}, "max_logprobs=-1 must be an int >= 0"),
+    ({"dtype": "double"}, "dtype='double' must be one of"),
+])
+def test_vllm_options_refused_with_the_reason(smollm2_dir, options, message):
+    from nanovllm.config import Config
+    with pytest.raises(ValueError, match=message):
+        Config(smollm2_dir, **options)
+
+
+@pytest.mark.parametrize("name, dtype", [("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16"),
+                                         ("auto", "auto")])
+def test_dtype_takes_vllms_names(smollm2_dir, name, dtype):
+    from nanovllm.config import Config
+    assert Config(smollm2_dir, dtype=name).dtype == dtype
