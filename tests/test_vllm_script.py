@@ -32,6 +32,7 @@ greedy = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=6))[0
 paris = llm.get_tokenizer().encode(" Paris", add_special_tokens=False)[0]
 biased = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=3, logit_bias={paris: 100.0}))[0]
 banned = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=6, bad_words=["Paris"]))[0]
+no_period = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4, bad_words=["Paris."]))[0]
 '''
 
 
@@ -100,6 +101,20 @@ def test_logit_bias_and_bad_words(script):
     banned = script["banned"].outputs[0]
     assert paris not in banned.token_ids and "Paris" not in banned.text
     assert banned.token_ids[:greedy.token_ids.index(paris)] == greedy.token_ids[:greedy.token_ids.index(paris)]
+
+
+def test_a_bad_word_of_two_tokens_bans_its_second_after_its_first(script):
+    """"Paris." is " Paris" then "." inside a sentence: " Paris" may come, "." may not follow it. Under asynchronous
+    scheduling (the default here) " Paris" is not read back when the next step is scheduled, so the ban is the
+    device's conditional one."""
+    llm, paris, greedy = script["llm"], script["paris"], script["greedy"]
+    assert llm.config.async_scheduling
+    period = llm.get_tokenizer().encode(" Paris.", add_special_tokens=False)
+    assert period[0] == paris and len(period) == 2
+    at = greedy.token_ids.index(paris)
+    assert greedy.token_ids[at + 1] == period[1]  # the model's own answer: " Paris."
+    no_period = script["no_period"].outputs[0]
+    assert no_period.token_ids[:at + 1] == greedy.token_ids[:at + 1] and no_period.token_ids[at + 1] != period[1]
 
 
 def test_the_samples_share_the_prompt_blocks_counted_once(script):
