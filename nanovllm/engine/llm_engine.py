@@ -1,6 +1,5 @@
 """The engine loop: add requests, then step (schedule -> run -> postprocess) until they finish."""
 import atexit
-import itertools
 import logging
 import time
 
@@ -18,12 +17,11 @@ from nanovllm.engine.progress import update_bar
 from nanovllm.engine.request_intake import RequestIntake
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.core.sequence import Sequence
-from nanovllm.engine.step_plan import LogprobRows, add_logprob_rows, make_plan
+from nanovllm.engine.step_plan import add_logprob_rows, make_plan
 from nanovllm.engine.generation_config import default_sampling_options
 from nanovllm.engine.tokenizer import eos_token_ids, load_tokenizer
 from nanovllm.engine.workers import WorkerPool, free_init_method
 from nanovllm.inputs import checked_params
-from nanovllm.logprobs import position_logprobs
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm_offload.disk_tier import open_disk_store
@@ -224,25 +222,9 @@ class LLMEngine:
         token_ids = sampled.tolist()  # waits for the step on the GPU
         self._observe_prefill()
         if logprob_rows is not None:
-            self._attach_logprobs(logprob_rows, *sampled.logprob_lists())
+            logprob_rows.attach(*sampled.logprob_lists(), self.text_output.token_text)
         updated, finished = self.scheduler.resolve(rows, token_ids)
         return finished + self.text_output.apply_stop_strings(updated + finished, self.scheduler.finish)
-
-    def _attach_logprobs(self, owners: LogprobRows, token_ids: list[list[int]], values: list[list[float]],
-                         ranks: list[int]):
-        """Hand a read-back step's logprob rows to their sequences (before resolve, which may finish them: the
-        token a sequence ends with keeps its logprobs; a row whose sequence already finished is dropped, as its
-        token is)."""
-        rows = zip(token_ids, values, ranks)
-        for seq, (ids, row_values, rank) in zip(owners.sample_seqs, rows):
-            if not seq.is_finished:
-                seq.logprobs.append(position_logprobs(ids, row_values, rank, seq.sampling_params.logprobs,
-                                                      self.text_output.token_text))
-                seq.cumulative_logprob += row_values[0]
-        for seq, num_rows in owners.prompt_chunks:
-            num_top = seq.sampling_params.prompt_logprobs
-            seq.prompt_logprobs.extend(position_logprobs(ids, row_values, rank, num_top, self.text_output.token_text)
-                                       for ids, row_values, rank in itertools.islice(rows, num_rows))
 
     def _check_progress(self, out: SchedulerOutput):
         progress = not out.is_empty or out.num_resumed or self._in_flight is not None or self.scheduler.is_finished()

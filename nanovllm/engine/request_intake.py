@@ -55,6 +55,7 @@ class RequestIntake:
 
     def check_options(self, sampling_params: SamplingParams):
         """The options checked against this engine: a tokenizer for text options, max_logprobs, the vocabulary."""
+        vocab = self.config.hf_config.vocab_size
         for name in ("stop", "bad_words"):
             if getattr(sampling_params, name) and self.tokenizer is None:
                 raise ValueError(f"{name}={getattr(sampling_params, name)!r} needs a tokenizer, and model="
@@ -64,7 +65,8 @@ class RequestIntake:
             if value is not None and value > self.config.max_logprobs:
                 raise ValueError(f"{name}={value} is more than max_logprobs={self.config.max_logprobs}; ask for "
                                  f"fewer or raise LLM(max_logprobs=...)")
-        vocab = self.config.hf_config.vocab_size
+            if value is not None and value > vocab:
+                raise ValueError(f"{name}={value} is more than the vocabulary's {vocab} tokens; ask for fewer")
         bad = [t for t in sampling_params.logit_bias or () if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {vocab})")

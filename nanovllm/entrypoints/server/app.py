@@ -120,7 +120,7 @@ def _add_routes(app: FastAPI, engine: EngineLoop, llm: LLM, served_model_name: s
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        body.check(served_model_name)
+        body.check(served_model_name, llm.config.max_logprobs)
         streams = await submit_choices(engine, preparers, llm, [{"prompt": p} for p in body.prompts()],
                                        body.sampling(body.max_tokens))
         reply = streaming.Reply(f"cmpl-{uuid.uuid4().hex}", served_model_name, body.n)
@@ -131,7 +131,7 @@ def _add_routes(app: FastAPI, engine: EngineLoop, llm: LLM, served_model_name: s
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        body.check(served_model_name)
+        body.check(served_model_name, llm.config.max_logprobs)
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         streams = await submit_choices(engine, preparers, llm, [{"messages": body.template_messages()}],
                                        body.sampling(max_tokens))

@@ -127,7 +127,8 @@ class _SamplingRequest(_Strict):
                              f"send text that is valid UTF-8")
         return data
 
-    def check(self, served_model_name: str):
+    def check(self, served_model_name: str, max_logprobs: int = MAX_LOGPROBS):
+        """max_logprobs: the engine's (LLM(max_logprobs=...)), the most logprobs a request may ask for."""
         if self.model is not None and self.model != served_model_name:
             raise APIError(404, f"model {self.model!r} is not served here; this server serves {served_model_name!r}",
                            type="not_found_error", param="model", code="model_not_found")
@@ -154,9 +155,9 @@ class _SamplingRequest(_Strict):
         return 1
 
     @staticmethod
-    def _check_num_logprobs(name: str, value: int | None):
-        if value is not None and not 0 <= value <= MAX_LOGPROBS:
-            raise APIError(400, f"{name}={value} must be in [0, {MAX_LOGPROBS}] (the most this server returns)",
+    def _check_num_logprobs(name: str, value: int | None, max_logprobs: int):
+        if value is not None and not 0 <= value <= max_logprobs:
+            raise APIError(400, f"{name}={value} must be in [0, {max_logprobs}] (the most this server returns)",
                            param=name)
 
     def sampling(self, max_tokens: int | None) -> dict:
@@ -180,9 +181,9 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None  # the legacy API's: top tokens per generated token, besides the chosen one
 
-    def check(self, served_model_name: str):
-        super().check(served_model_name)
-        self._check_num_logprobs("logprobs", self.logprobs)
+    def check(self, served_model_name: str, max_logprobs: int = MAX_LOGPROBS):
+        super().check(served_model_name, max_logprobs)
+        self._check_num_logprobs("logprobs", self.logprobs, max_logprobs)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -228,9 +229,9 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = None  # each generated token's logprob ...
     top_logprobs: int | None = None  # ... and those of this many most likely tokens (needs logprobs)
 
-    def check(self, served_model_name: str):
-        super().check(served_model_name)
-        self._check_num_logprobs("top_logprobs", self.top_logprobs)
+    def check(self, served_model_name: str, max_logprobs: int = MAX_LOGPROBS):
+        super().check(served_model_name, max_logprobs)
+        self._check_num_logprobs("top_logprobs", self.top_logprobs, max_logprobs)
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, f"top_logprobs={self.top_logprobs} needs logprobs=true", param="top_logprobs")
 
