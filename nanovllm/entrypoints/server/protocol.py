@@ -20,6 +20,9 @@ MAX_STOP_STRING_CHARS = 1000
 MAX_STOP_TOKEN_IDS = 1024
 # choices in one request (prompts x n): each is an engine request, so one body must not queue without bound
 MAX_CHOICES = 256
+# logit_bias entries and bad words are applied to every step of the request's rows
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_BAD_WORDS = 64
 
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_CHARS)]
 
@@ -39,7 +42,6 @@ class APIError(Exception):
 UNSUPPORTED_OPTIONS = {
     "best_of": lambda v: v == 1,
     "echo": lambda v: not v,
-    "logit_bias": lambda v: v == {},
     "suffix": lambda v: v == "",
     "tools": lambda v: v == [],
     "functions": lambda v: v == [],
@@ -55,8 +57,6 @@ UNSUPPORTED_OPTIONS = {
     "guided_grammar": lambda v: False,
     "structured_outputs": lambda v: False,
     "allowed_token_ids": lambda v: False,
-    "bad_words": lambda v: v == [],
-    "skip_special_tokens": lambda v: v is True,
     "truncate_prompt_tokens": lambda v: False,
 }
 
@@ -95,8 +95,8 @@ class StreamOptions(_Strict):
 
 class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions. None means the engine's default; top_k, min_p,
-    repetition_penalty, ignore_eos, stop_token_ids, min_tokens and include_stop_str_in_output are vLLM's extensions
-    (send them in the openai client's `extra_body`)."""
+    repetition_penalty, ignore_eos, stop_token_ids, min_tokens, include_stop_str_in_output, bad_words and
+    skip_special_tokens are vLLM's extensions (send them in the openai client's `extra_body`)."""
     model_config = ConfigDict(strict=True, extra="allow")  # other OpenAI options are accepted and ignored, see `check`
 
     model: str | None = None  # None: the served model (vLLM's default)
@@ -114,6 +114,10 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
+    # OpenAI's logit_bias ({"token id": bias}, the ids as JSON strings) and vLLM's bad_words, skip_special_tokens
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+    bad_words: Annotated[list[StopString], Field(max_length=MAX_BAD_WORDS)] | None = None
+    skip_special_tokens: bool | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -168,7 +172,8 @@ class _SamplingRequest(_Strict):
                    "stop": self.stop, "stop_token_ids": self.stop_token_ids,
                    "seed": self.seed, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
                    "include_stop_str_in_output": self.include_stop_str_in_output, "logprobs": self.num_logprobs,
-                   "n": self.n}
+                   "n": self.n, "logit_bias": self.logit_bias, "bad_words": self.bad_words,
+                   "skip_special_tokens": self.skip_special_tokens}
         return {k: v for k, v in options.items() if v is not None or k == "max_tokens"}
 
     @property

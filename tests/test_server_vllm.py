@@ -1,6 +1,7 @@
-"""The server's choices through the official `openai` client: n samples of a prompt and a list of prompts in one
-completion request, streamed and not, numbered prompt-major as OpenAI and vLLM number them. Choice i of a seeded
-request is what the offline engine gives that prompt alone with seed + i."""
+"""vLLM's request options through the official `openai` client. Choices: n samples of a prompt and a list of
+prompts in one completion request, streamed and not, numbered prompt-major as OpenAI and vLLM number them; choice i
+of a seeded request is what the offline engine gives that prompt alone with seed + i. Sampling: logit_bias,
+bad_words and skip_special_tokens as the offline engine applies them."""
 from __future__ import annotations
 
 import pytest
@@ -25,6 +26,10 @@ def served(smollm2_dir):
     """(client, reference): reference[(prompt, i)] is the offline engine's text for the prompt alone with seed + i,
     computed before the server takes the engine over."""
     llm = LLM(smollm2_dir, **smollm2_llm_kwargs())
+    greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS)
+    offline = {"greedy": llm.generate([PROMPTS[0]], greedy, use_tqdm=False)[0].outputs[0],
+               "banned": llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=NUM_TOKENS,
+                                                                   bad_words=["Paris"]), use_tqdm=False)[0].outputs[0]}
     reference = {(p, i): llm.generate([p], SamplingParams(temperature=1.0, max_tokens=NUM_TOKENS, seed=SEED + i,
                                                           ignore_eos=True), use_tqdm=False)[0].outputs[0].text
                  for p in PROMPTS for i in range(3)}
@@ -32,7 +37,7 @@ def served(smollm2_dir):
         with serving(build_app(llm, MODEL)) as port, \
                 openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
                               timeout=120) as client:
-            yield client, reference
+            yield client, reference | offline
     finally:
         close_llm(llm)
 
@@ -88,3 +93,20 @@ def test_chat_n_streamed_and_not(served):
         for choice in chunk.choices:
             streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
     assert streamed == {c.index: c.message.content for c in out.choices}  # same seeds, same samples
+
+
+def test_logit_bias_bad_words_and_skip_special_tokens(served):
+    client, reference = served
+    greedy, banned = reference["greedy"], reference["banned"]
+    paris = greedy.token_ids[0]  # " Paris"
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": NUM_TOKENS, "temperature": 0}
+    out = client.completions.create(logit_bias={str(paris): -100}, **body).choices[0]
+    assert not out.text.startswith(greedy.text[:len(" Paris")])
+    out = client.completions.create(extra_body={"bad_words": ["Paris"]}, **body).choices[0]
+    assert out.text == banned.text and "Paris" not in out.text
+    # EOS (<|im_end|>, id 2) forced twice and not stopping: its text shows only with skip_special_tokens=False
+    forced = {**body, "max_tokens": 2, "logit_bias": {"2": 100}}
+    kept = client.completions.create(extra_body={"ignore_eos": True, "skip_special_tokens": False}, **forced)
+    assert kept.choices[0].text == "<|im_end|><|im_end|>"
+    skipped = client.completions.create(extra_body={"ignore_eos": True}, **forced)
+    assert skipped.choices[0].text == ""
