@@ -67,14 +67,23 @@ def test_bad_words_are_tokenized_alone_and_inside_a_sentence():
     assert bad_words_token_ids(WordTokenizer(), ["bad word", " bad"]) == [[10, 13], [11, 13], [10], [11]]
 
 
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request):
+    """The sampler tests run on the CPU, and on CUDA when there is a GPU (pinned copies, the device's index_put)."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    with torch.device(request.param):
+        yield request.param
+
+
 def greedy_tensors(rows: int) -> SamplingTensors:
     return SamplingTensors(torch.zeros(rows), None, None, None, None, all_greedy=True)
 
 
-def test_the_sampler_adds_biases_and_bans_on_the_device():
+def test_the_sampler_adds_biases_and_bans_on_the_device(device):
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0]])
     ids = Sampler()(logits.clone(), greedy_tensors(2), logit_bias=[(0, [0], [5.0]), (1, [3, 3], [2.0, 2.0])])
-    assert ids.tolist() == [0, 3]  # 0 + 5 beats 3; 0 + 2 + 2 (one entry twice adds twice) beats 3
+    assert ids.device.type == device and ids.tolist() == [0, 3]  # 0 + 5 beats 3; 0 + 2 + 2 (one entry twice adds twice) beats 3
     last_sampled = torch.tensor([8, 4])
     bans = [(0, 3, 1, 4), (1, 0, 0, 7)]  # row 0 loses 3 (row 1 sampled 4); row 1 keeps 0 (row 0 sampled 8, not 7)
     ids = Sampler()(logits.clone(), greedy_tensors(2), last_sampled=last_sampled, conditional_bans=bans)

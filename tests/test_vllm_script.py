@@ -16,7 +16,7 @@ from conftest import close_llm
 VLLM_SCRIPT = '''
 from vllm import LLM, SamplingParams
 
-llm = LLM(model=MODEL, tokenizer=TOKENIZER, dtype="float", trust_remote_code=False, max_logprobs=5,
+llm = LLM(model=MODEL, tokenizer=TOKENIZER, device="cpu", dtype="float", trust_remote_code=False, max_logprobs=5,
           disable_log_stats=True, seed=0, max_model_len=512, enforce_eager=True, swap_space=0,
           kv_cache_memory_bytes=64 * 2**20)
 prompts = ["The capital of France is", "Once upon a time"]

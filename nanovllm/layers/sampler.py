@@ -60,7 +60,7 @@ class Sampler(nn.Module):
         the rest, greedy rows included (vLLM's order); a step without any pays nothing for them."""
         pairs = [(row, i) for row, ids in banned_token_ids for i in ids if i < logits.size(1)]
         if pairs:
-            index = _on_device(torch.tensor(pairs, dtype=torch.long), logits.device)
+            index = _on_device(torch.tensor(pairs, dtype=torch.long, device="cpu"), logits.device)
             logits[index[:, 0], index[:, 1]] = float("-inf")
         if logit_bias:
             logits = add_logit_bias(logits, logit_bias)
@@ -120,8 +120,8 @@ class Sampler(nn.Module):
 
 
 def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on the device; pinned first on CUDA, so the copy does not wait for the forward
-    (asynchronous scheduling)."""
+    """A small host tensor (built on the CPU whatever the default device) on the device; pinned first on CUDA, so
+    the copy does not wait for the forward (asynchronous scheduling)."""
     return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
 
 
@@ -131,8 +131,9 @@ def add_logit_bias(logits: torch.Tensor, logit_bias) -> torch.Tensor:
     ids = [i for _, row_ids, _ in logit_bias for i in row_ids]
     values = [v for _, _, row_values in logit_bias for v in row_values]
     logits = logits.float()
-    index = _on_device(torch.tensor([rows, ids], dtype=torch.long), logits.device)
-    logits.index_put_((index[0], index[1]), _on_device(torch.tensor(values), logits.device), accumulate=True)
+    index = _on_device(torch.tensor([rows, ids], dtype=torch.long, device="cpu"), logits.device)
+    biases = _on_device(torch.tensor(values, dtype=torch.float32, device="cpu"), logits.device)
+    logits.index_put_((index[0], index[1]), biases, accumulate=True)
     return logits
 
 
@@ -142,8 +143,8 @@ def ban_if_sampled(logits: torch.Tensor, conditional_bans, last_sampled: torch.T
     if last_sampled is None:
         raise RuntimeError(f"ban_if_sampled: bans {conditional_bans} wait on tokens of a previous step, and no step "
                            f"sampled")
-    rows, ids, sources, expected = _on_device(torch.tensor(conditional_bans, dtype=torch.long).T.contiguous(),
-                                              logits.device)
+    host = torch.tensor(conditional_bans, dtype=torch.long, device="cpu").T.contiguous()  # [4, K]
+    rows, ids, sources, expected = _on_device(host, logits.device)
     hit = last_sampled[sources].long() == expected
     penalty = torch.where(hit, float("-inf"), 0.0).to(logits.dtype)
     logits.index_put_((rows, ids), penalty, accumulate=True)
