@@ -184,3 +184,24 @@ def test_vllm_options_refused_with_the_reason(smollm2_dir, options, message):
 def test_dtype_takes_vllms_names(smollm2_dir, name, dtype):
     from nanovllm.config import Config
     assert Config(smollm2_dir, dtype=name).dtype == dtype
+
+
+def test_text_options_truncation_and_an_open_max_tokens(script):
+    from nanovllm import SamplingParams
+    llm, prompt = script["llm"], "The capital of France is"
+    tokenizer = llm.get_tokenizer()
+    ids_only = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, detokenize=False), use_tqdm=False)[0]
+    assert ids_only.outputs[0].text == "" and len(ids_only.outputs[0].token_ids) == 3
+    cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=2), use_tqdm=False)
+    assert cut[0].prompt_token_ids == tokenizer.encode(prompt)[-2:]
+    forced = dict(temperature=0, max_tokens=2, ignore_eos=True, logit_bias={tokenizer.eos_token_id: 100})
+    kept = llm.generate(prompt, SamplingParams(skip_special_tokens=False, **forced), use_tqdm=False)[0].outputs[0]
+    assert kept.text == tokenizer.eos_token * 2
+    assert llm.generate(prompt, SamplingParams(**forced), use_tqdm=False)[0].outputs[0].text == ""
+    # max_tokens=None: no limit but max_model_len; here the greedy answer's "." ends it, and is its stop_reason
+    period = tokenizer.encode(" Paris.", add_special_tokens=False)[1]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=None, stop_token_ids=[period]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == period and out.token_ids[-1] == period
+    stopped = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, stop=["."]), use_tqdm=False)[0]
+    assert stopped.outputs[0].stop_reason == "." and stopped.outputs[0].text == " Paris"
