@@ -135,7 +135,13 @@ def test_the_samples_share_the_prompt_blocks_counted_once(script):
     assert [blocks.ref_counts[b] for b in shared] == [4, 4]
     assert len({seq.block_table[2] for seq in seqs}) == 4 and all(len(seq.block_table) == 3 for seq in seqs)
     assert blocks.num_blocks - blocks.num_free_blocks == 2 + 4
-    stream.close()
+    chunks = [first, *stream]  # the stream numbers each sample: "index" the prompt's, "output_index" the sample's
+    for i in range(4):
+        assert sum((c["token_ids"] for c in chunks if c["output_index"] == i), []) == seqs[i].completion_token_ids
+        assert len(seqs[i].completion_token_ids) == 4
+    assert {c["index"] for c in chunks} == {0}
+    with pytest.raises(ValueError, match="best_of=4 > n=2 cannot stream"):
+        next(llm.generate_stream([prompt], SamplingParams(n=2, best_of=4)))
 
 
 def test_the_samples_are_the_seeds_run_alone(script):
