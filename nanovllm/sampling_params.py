@@ -23,8 +23,6 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2]
     frequency_penalty: float = 0.0  # in [-2, 2]
     repetition_penalty: float = 1.0  # > 0
-    n: int = 1  # completions returned per prompt
-    best_of: int | None = None  # sample this many (>= n; None: n) and return the n of highest cumulative logprob
     max_tokens: int | None = 16  # vLLM's default; None: up to max_model_len (and what the KV cache holds)
     min_tokens: int = 0  # until this many tokens are generated, EOS and stop_token_ids are not sampled
     ignore_eos: bool = False
@@ -37,6 +35,9 @@ class SamplingParams:
     # default
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for each prompt token but the first; no prefix-cache hits then
+    # (new fields go last: the order above is the positional one callers may rely on)
+    n: int = 1  # completions returned per prompt
+    best_of: int | None = None  # sample this many (>= n; None: n) and return the n of highest cumulative logprob
     # {token id: bias} added to the raw logits before sampling (greedy too), clamped to [-100, 100] as vLLM does
     logit_bias: dict[int, float] | None = None
     # words that may not be generated: the last token of a word's tokenization is banned where the tokens before it
