@@ -3,9 +3,10 @@
 `LLM` is imported lazily so that the metadata modules (sequence, block manager, scheduler) stay importable without
 torch.
 """
+from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name):

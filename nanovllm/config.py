@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names, resolved by Config
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 HOST_CACHE_POLICIES = ("write_back", "write_through", "off")
@@ -28,7 +29,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names: "fp8"
 # the options that take one of a few values: checked by Config, offered by the CLI's flags
 OPTION_CHOICES = {
     "device": ("auto", "cuda", "cpu"),
-    "dtype": DTYPES,
+    "dtype": DTYPES + tuple(DTYPE_ALIASES),
     "load_format": ("auto", "dummy"),
     "preemption_mode": PREEMPTION_MODES,
     "attention_backend": ATTENTION_BACKENDS,
@@ -122,6 +123,11 @@ class Config:
     # "int8": the LM head's weight (and the input embedding's, one tensor when tied) rounded to int8 at load, with
     # a float32 scale per vocabulary row: half the bytes read by every step's head (1.2 GB of bf16 on Qwen3-8B)
     quantize_lm_head: str | None = None
+    # --- vLLM's LLM(...) options
+    tokenizer: str | None = None  # a tokenizer directory other than the model's (None: the model's own)
+    trust_remote_code: bool = False  # True is refused: this engine runs only its own model code
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default)
+    disable_log_stats: bool = False  # True: generate()'s progress bar shows no throughput figures
     # --- filled in by __post_init__
     hf_config: Any = field(default=None, repr=False)
     architecture: str = ""
@@ -130,6 +136,7 @@ class Config:
     def __post_init__(self):
         self._check_model_dir()
         self._check_generation_config()
+        self._check_vllm_options()
         for name, choices in OPTION_CHOICES.items():
             _check_choice(name, getattr(self, name), choices)
         if self.kvcache_block_size is None:
@@ -219,6 +226,25 @@ class Config:
         if self.tensor_parallel_size > 1:
             raise ValueError(f"kv_disk_path needs tensor_parallel_size=1 (got {self.tensor_parallel_size}): each rank "
                              f"would need its own store and agreement on every hit; drop kv_disk_path or use TP 1")
+
+    def _check_vllm_options(self):
+        """trust_remote_code, tokenizer, max_logprobs, disable_log_stats and dtype's other names."""
+        if self.trust_remote_code is not False:
+            raise ValueError(f"trust_remote_code={self.trust_remote_code!r}: this engine runs only its own model code "
+                             f"(nanovllm/models/) and never a checkpoint's Python files; leave it False")
+        if self.tokenizer is not None:
+            if not isinstance(self.tokenizer, (str, os.PathLike)) or not os.path.isdir(self.tokenizer):
+                raise ValueError(f"tokenizer={self.tokenizer!r} is not a directory; pass a local tokenizer directory "
+                                 f"(or None: the model's)")
+            self.tokenizer = os.fspath(self.tokenizer)
+        if not isinstance(self.max_logprobs, numbers.Integral) or isinstance(self.max_logprobs, bool) \
+                or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an int >= 0")
+        self.max_logprobs = int(self.max_logprobs)
+        if not isinstance(self.disable_log_stats, bool):
+            raise ValueError(f"disable_log_stats={self.disable_log_stats!r} must be True or False")
+        if isinstance(self.dtype, str):
+            self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
 
     def _check_kv_cache_dtype(self):
         if self.kv_cache_dtype == "auto":

@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 
 FLOAT32_MAX = 3.4028234663852886e38  # a temperature above it is infinite on the device: every logit becomes NaN
 FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal: a repetition penalty below it is 0 or subnormal
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most alternatives a request may ask for
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs (LLM(max_logprobs=...)): the most alternatives a request may ask for
+MAX_LOGIT_BIAS = 100.0  # OpenAI's and vLLM's bound on a logit_bias value
 
 
 @dataclass(slots=True)
@@ -22,7 +23,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2]
     frequency_penalty: float = 0.0  # in [-2, 2]
     repetition_penalty: float = 1.0  # > 0
-    max_tokens: int = 16  # vLLM's default
+    max_tokens: int | None = 16  # vLLM's default; None: up to max_model_len (and what the KV cache holds)
     min_tokens: int = 0  # until this many tokens are generated, EOS and stop_token_ids are not sampled
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None  # end with finish_reason "stop"; the token stays in token_ids
@@ -34,10 +35,22 @@ class SamplingParams:
     # default
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for each prompt token but the first; no prefix-cache hits then
+    # (new fields go last: the order above is the positional one callers may rely on)
+    n: int = 1  # completions returned per prompt
+    best_of: int | None = None  # sample this many (>= n; None: n) and return the n of highest cumulative logprob
+    # {token id: bias} added to the raw logits before sampling (greedy too), clamped to [-100, 100] as vLLM does
+    logit_bias: dict[int, float] | None = None
+    # words that may not be generated: the last token of a word's tokenization is banned where the tokens before it
+    # were just generated (vLLM's rule; each word is tokenized with and without a leading space)
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
+    detokenize: bool = True  # False: token ids only, the text stays ""
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: the last max_model_len)
 
     def __post_init__(self):
         # numpy / torch-free integers become Python ints
-        for name in ("top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs"):
+        for name in ("n", "best_of", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs",
+                     "truncate_prompt_tokens"):
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool):
                 setattr(self, name, int(value))
@@ -62,16 +75,19 @@ class SamplingParams:
                              f"[{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (1 disables)")
         if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**64):
             raise ValueError(f"seed={self.seed!r} must be None or an int in [-2**63, 2**64) (a torch generator's)")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1, or None (up to max_model_len)")
+        max_tokens = math.inf if self.max_tokens is None else self.max_tokens
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens!r} must be an int in [0, max_tokens={self.max_tokens}]")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-                raise ValueError(f"{name}={value!r} must be None or an int in [0, {MAX_LOGPROBS}] (vLLM's "
-                                 f"max_logprobs; 0 gives the chosen token's log-probability only)")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"{name}={value!r} must be None or an int >= 0 (at most the engine's max_logprobs, "
+                                 f"default {MAX_LOGPROBS}; 0 gives the chosen token's log-probability only)")
+        self._check_parallel_sampling()
+        self._check_token_options()
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             value = getattr(self, name)
             if isinstance(value, (str, float)) or value not in (True, False):  # 0 / 1 and numpy bools pass
                 raise ValueError(f"{name}={value!r} must be True or False")
@@ -84,6 +100,39 @@ class SamplingParams:
         if ids is None or isinstance(self.stop_token_ids, str) or not all(_is_int(i) and i >= 0 for i in ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a list of token ids (ints >= 0)")
         self.stop_token_ids = [int(i) for i in ids]
+        if self.stop and not self.detokenize:
+            raise ValueError(f"stop={self.stop!r} matches text, and detokenize=False makes none; pass stop_token_ids "
+                             f"or detokenize=True")
+
+    def _check_parallel_sampling(self):
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n={self.n!r} must be an int >= 1")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise ValueError(f"best_of={self.best_of!r} must be None or an int >= n={self.n}")
+
+    def _check_token_options(self):
+        """logit_bias, bad_words and truncate_prompt_tokens; token ids against the vocabulary are the engine's to
+        check. logit_bias keys may be strings of digits, as JSON sends them."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias={self.logit_bias!r} must be a dict {{token id: bias}}")
+            bias = {}
+            for token_id, value in self.logit_bias.items():
+                if isinstance(token_id, str) and token_id.isdigit():
+                    token_id = int(token_id)
+                if not _is_int(token_id) or token_id < 0:
+                    raise ValueError(f"logit_bias key {token_id!r} must be a token id (an int >= 0)")
+                if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+                    raise ValueError(f"logit_bias[{token_id}]={value!r} must be a finite number")
+                bias[int(token_id)] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(value)))
+            self.logit_bias = bias or None
+        words = _as_list(self.bad_words)
+        if words is None or not all(isinstance(w, str) for w in words):
+            raise ValueError(f"bad_words={self.bad_words!r} must be a string or a list of strings")
+        self.bad_words = [w for w in words if w.strip()] or None
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k >= 1 or k == -1)):
+            raise ValueError(f"truncate_prompt_tokens={k!r} must be None, an int >= 1, or -1 (max_model_len)")
 
     def clone(self) -> "SamplingParams":
         """A checked, independent copy (vLLM's name): the engine takes one per request, so a field changed after
@@ -94,6 +143,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated for the prompt: best_of, or n."""
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def has_penalties(self) -> bool:

@@ -17,7 +17,8 @@ PACKAGES = ("nanovllm", "nanovllm_offload")
 # module's layer.
 LAYERS = [
     # metadata, request checks; a request's options and its logprobs' type (vLLM's modules)
-    ("floor", ["nanovllm.core", "nanovllm.sampling_params", "nanovllm.inputs", "nanovllm.logprobs"]),
+    ("floor", ["nanovllm.core", "nanovllm.sampling_params", "nanovllm.inputs", "nanovllm.logprobs",
+               "nanovllm.outputs"]),
     ("config", ["nanovllm.config", "nanovllm.utils"]),
     ("offload", ["nanovllm_offload"]),  # the host tier: the floor, torch, config types
     ("kernels", ["nanovllm.kernels"]),
@@ -31,8 +32,8 @@ LAYERS = [
 UNIT_DEPTH = {"nanovllm": 2, "nanovllm_offload": 1}
 TORCH_FREE = ["nanovllm.core.*", "nanovllm.sampling_params", "nanovllm.inputs", "nanovllm.logprobs", "nanovllm.config",
               "nanovllm.utils.quant_spec",
-              "nanovllm.engine.scheduler", "nanovllm.engine.step_plan", "nanovllm.engine.output",
-              "nanovllm.engine.penalties",
+              "nanovllm.outputs", "nanovllm.engine.scheduler", "nanovllm.engine.step_plan", "nanovllm.engine.output",
+              "nanovllm.engine.penalties", "nanovllm.engine.logit_rules", "nanovllm.engine.parallel_sampling",
               "nanovllm_offload.host_block_pool",
               "nanovllm_offload.policy", "nanovllm_offload.host_memory", "nanovllm_offload.host_tier"]
 

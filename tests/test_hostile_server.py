@@ -23,7 +23,7 @@ pytest.importorskip("fastapi")
 from conftest import close_llm, serving, smollm2_llm_kwargs  # noqa: E402
 from nanovllm import LLM  # noqa: E402
 from nanovllm.entrypoints.server import DEFAULT_MAX_REQUEST_BYTES, build_app  # noqa: E402
-from nanovllm.entrypoints.server import app as app_module  # noqa: E402
+from nanovllm.entrypoints.server import choices as choices_module  # noqa: E402
 from nanovllm.entrypoints.server.app import check_serve_args  # noqa: E402
 from nanovllm.entrypoints.server.protocol import (  # noqa: E402
     MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS)
@@ -207,7 +207,7 @@ def test_a_lone_surrogate_is_a_400_on_a_connection_that_stays_usable(server, whe
 def test_an_internal_error_is_a_500_on_a_connection_that_stays_usable(server, monkeypatch, caplog):
     def broken_prepare(*args, **kwargs):
         raise RuntimeError("a bug")
-    monkeypatch.setattr(app_module, "prepare", broken_prepare)
+    monkeypatch.setattr(choices_module, "prepare", broken_prepare)  # where a request's choices are prepared
     body = json.dumps(completion()).encode()
     with caplog.at_level(logging.ERROR, logger="nanovllm.server"):
         status, _, data, next_status = keep_alive_pair(server, "POST", "/v1/completions", body)

@@ -29,6 +29,7 @@ from nanovllm.entrypoints.server import build_app  # noqa: E402
 API_KEY = "test-key"
 MODEL = "smollm2"
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are"]
+VOCAB_SIZE = 49152  # SmolLM2's
 NUM_TOKENS = 8  # per completion in the concurrency tests; ignore_eos makes every answer exactly this long
 IGNORE_EOS = {"ignore_eos": True}  # vLLM's extension, sent through the openai client's extra_body
 # per prompt, penalties that change its greedy NUM_TOKENS tokens (repetition_penalty is vLLM's extension)
@@ -286,8 +287,9 @@ LONG_PROMPT = "hello " * 600  # > max_model_len=512 tokens
     (dict(prompt=LONG_PROMPT), "max_model_len"),
     (dict(prompt=""), "empty prompt"),
     (dict(prompt=[10**9]), "outside the vocabulary"),
-    (dict(prompt=["a", "b"]), "one prompt per request"),
-    (dict(n=2), "n=2"),
+    (dict(prompt=[]), "prompt is an empty list"),
+    (dict(n=0), "n=0 must be >= 1"),
+    (dict(n=257), "more than 256 in one request"),
     (dict(logprobs=21), "logprobs=21 must be in [0, 20]"),
     (dict(logprobs=-1), "logprobs=-1"),
     (dict(presence_penalty=2.5), "presence_penalty=2.5 must be in [-2, 2]"),
@@ -295,7 +297,8 @@ LONG_PROMPT = "hello " * 600  # > max_model_len=512 tokens
     (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty=0.0 must be > 0"),
     (dict(extra_body={"guided_choice": ["a", "b"]}), "guided_choice"),
     (dict(extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
-    (dict(extra_body={"skip_special_tokens": False}), "skip_special_tokens"),
+    (dict(logit_bias={"x": 1}), "logit_bias key 'x' must be a token id"),
+    (dict(logit_bias={str(VOCAB_SIZE): 1}), f"logit_bias names token id {VOCAB_SIZE}"),
     (dict(max_tokens=512), "and max_tokens=512 make 513, more than max_model_len=512"),  # "Hi": 1 token
     (dict(extra_body={"min_tokens": 8}), "min_tokens=8 must be an int in [0, max_tokens=4]"),
     (dict(temperature=1e39), "temperature"),  # inf in float32: it once crashed the step of every request

@@ -46,11 +46,13 @@ class Sequence:
         self.num_unresolved_tokens = 0
         self.sample_row = -1
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's)
         self.output_text: str | None = None  # set when a stop string cut the text
         # SamplingParams.logprobs / prompt_logprobs: one dict {token_id: Logprob} per resolved completion token,
         # and per prompt token (None for the first); filled as steps are read back
         self.logprobs: list | None = None if sampling_params.logprobs is None else []
         self.prompt_logprobs: list | None = None if sampling_params.prompt_logprobs is None else [None]
+        self.cumulative_logprob = 0.0  # the sum of `logprobs`' chosen entries (best_of ranks samples by it)
         # prompt positions whose logprobs a launched step computes (position p gives token p + 1's); a recompute
         # after preemption starts past them, so no prompt token gets its logprobs twice
         self.num_prompt_logprobs_planned = 0

@@ -1,6 +1,5 @@
 """The engine loop: add requests, then step (schedule -> run -> postprocess) until they finish."""
 import atexit
-import itertools
 import logging
 import time
 
@@ -12,16 +11,19 @@ from nanovllm.core.memory_plan import GiB, format_breakdown
 from nanovllm.engine.caller_lock import CallerLock, closing, one_caller, one_caller_stream
 from nanovllm.engine.device import resolve_device, with_card_batch_limits, with_cpu_host_tier_default
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.logit_rules import LogitRules, bad_words_token_ids
 from nanovllm.engine.output import StreamCursor, TextOutput
+from nanovllm.engine.parallel_sampling import PromptRequest, sample_params
 from nanovllm.engine.progress import update_bar
+from nanovllm.engine.request_intake import RequestIntake
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.core.sequence import Sequence
-from nanovllm.engine.step_plan import LogprobRows, add_logprob_rows, make_plan
+from nanovllm.engine.step_plan import add_logprob_rows, make_plan
 from nanovllm.engine.generation_config import default_sampling_options
 from nanovllm.engine.tokenizer import eos_token_ids, load_tokenizer
 from nanovllm.engine.workers import WorkerPool, free_init_method
-from nanovllm.inputs import as_prompt_list, check_prompt, checked_params
-from nanovllm.logprobs import position_logprobs
+from nanovllm.inputs import checked_params
+from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm_offload.disk_tier import open_disk_store
 from nanovllm_offload.host_tier import HostTier
@@ -36,7 +38,7 @@ class LLMEngine:
         self.runner = self.workers = self.host_tier = None
         # where the GPU memory went, in bytes (nanovllm/core/memory_plan.py); None on CPU or with kv_cache_memory_bytes
         self.memory_breakdown: dict | None = None
-        self.tokenizer = load_tokenizer(model)
+        self.tokenizer = load_tokenizer(config.tokenizer or model)
         self.default_sampling_options = default_sampling_options(config.model, config.generation_config)
         self.text_output = TextOutput(self.tokenizer)
         try:
@@ -45,6 +47,7 @@ class LLMEngine:
             self.close()
             raise
         self.block_bytes = self.runner.block_bytes
+        self.intake = RequestIntake(config, self.tokenizer, self.num_gpu_blocks)
         self.scheduler = Scheduler.from_config(config, self.num_gpu_blocks, self.host_tier,
                                                eos_token_ids(model, config.hf_config, self.tokenizer))
         copy_engine = self.runner.copy_engine
@@ -54,6 +57,7 @@ class LLMEngine:
         self._num_empty_steps = 0
         self._in_flight = None  # (rows, SampledTokens, LogprobRows | None) of the launched step not read back yet
         self._logprob_seq_ids: set[int] = set()  # requests that asked for logprobs: steps without any skip them
+        self.logit_rules = LogitRules()  # requests with a logit_bias or bad words
         # prefill speed for the policy: prompt tokens and rows of the steps launched since the last read-back, which
         # waits for them on the GPU; the time between two read-backs is theirs (with asynchronous scheduling the
         # host's own time for a step overlaps the GPU's, so a step's wall time would be its predecessor's)
@@ -118,49 +122,33 @@ class LLMEngine:
     # --- requests
     @one_caller
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
+        """Queue one sequence; returns its seq id (step() returns it when it finishes). n > 1 and best_of need
+        generate() or generate_stream(), which gather the samples of a prompt."""
         sampling_params = checked_params(sampling_params)
-        seq = Sequence(self._prompt_token_ids(prompt, sampling_params), sampling_params,
-                       self.config.kvcache_block_size)
+        if sampling_params.num_samples > 1:
+            raise ValueError(f"n={sampling_params.n}, best_of={sampling_params.best_of}: add_request queues one "
+                             f"sequence; use generate() or generate_stream() for several samples of a prompt")
+        token_ids = self._prompt_token_ids(prompt, sampling_params)
+        if sampling_params.max_tokens is None:
+            sampling_params.max_tokens = self.intake.room_left(len(token_ids))
+        bad_words = bad_words_token_ids(self.tokenizer, sampling_params.bad_words or [])
+        seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
         self.scheduler.add(seq)
         self.requests[seq.seq_id] = seq
+        self.logit_rules.add(seq, bad_words)
         if seq.logprobs is not None or seq.prompt_logprobs is not None:
             self._logprob_seq_ids.add(seq.seq_id)
         return seq.seq_id
 
     def _prompt_token_ids(self, prompt, sampling_params: SamplingParams) -> list[int]:
-        """Validate a request without touching engine state; raises ValueError naming the problem."""
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        token_ids = check_prompt(prompt)
-        if isinstance(token_ids, str):
-            if self.tokenizer is None:
-                raise ValueError(f"model={self.config.model!r} has no tokenizer files; pass prompts as token ids")
-            token_ids = self.tokenizer.encode(token_ids)
-        if not token_ids:
-            raise ValueError("empty prompt: a prompt needs at least one token")
-        vocab = self.config.hf_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        if sampling_params.stop and self.tokenizer is None:
-            raise ValueError(f"stop={sampling_params.stop!r} needs a tokenizer to match text, and model="
-                             f"{self.config.model!r} has none; pass stop_token_ids instead")
-        max_len = self.config.max_model_len
-        if len(token_ids) > max_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_len}; "
-                             f"shorten it or raise max_model_len")
-        # the last token is sampled and never computed: its KV needs no slot
-        num_tokens = max(min(len(token_ids) + sampling_params.max_tokens, max_len) - 1, len(token_ids))
-        num_blocks = (num_tokens + self.config.kvcache_block_size - 1) // self.config.kvcache_block_size
-        if num_blocks > self.num_gpu_blocks:
-            raise ValueError(f"request needs {num_blocks} KV blocks ({num_tokens} tokens) but the cache has "
-                             f"{self.num_gpu_blocks}; lower max_tokens or raise num_kvcache_blocks / the KV budget")
-        return token_ids
+        """Validate a request without touching engine state (RequestIntake); raises ValueError naming the problem."""
+        return self.intake.prompt_token_ids(prompt, sampling_params)
 
     @one_caller
     def abort_request(self, seq_id: int):
         seq = self.requests.pop(seq_id, None)
         self._logprob_seq_ids.discard(seq_id)
+        self.logit_rules.discard(seq_id)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
         if seq is not None:  # also a request that finished in a step whose caller was interrupted
@@ -201,6 +189,8 @@ class LLMEngine:
         self._check_progress(out)
         plan, sample_seqs = make_plan(out, self.config.kvcache_block_size)
         plan.banned_token_ids = self.scheduler.banned_token_ids(sample_seqs)
+        plan.logit_bias, bans, plan.conditional_bans = self.logit_rules.step_rules(sample_seqs)
+        plan.banned_token_ids += bans
         logprob_rows = add_logprob_rows(plan, out, sample_seqs) if self._logprob_seq_ids else None
         if self.workers is not None:
             self.workers.send("run", plan)
@@ -218,6 +208,8 @@ class LLMEngine:
         self._observe_copies()
         self.runner.release([seq.seq_id for seq in finished])
         self._logprob_seq_ids.difference_update(seq.seq_id for seq in finished)
+        for seq in finished:
+            self.logit_rules.discard(seq.seq_id)
         finished, self._unclaimed = self._unclaimed + finished, []
         return finished
 
@@ -236,24 +228,9 @@ class LLMEngine:
         token_ids = sampled.tolist()  # waits for the step on the GPU
         self._observe_prefill()
         if logprob_rows is not None:
-            self._attach_logprobs(logprob_rows, *sampled.logprob_lists())
+            logprob_rows.attach(*sampled.logprob_lists(), self.text_output.token_text)
         updated, finished = self.scheduler.resolve(rows, token_ids, sampled.ready_time)
         return finished + self.text_output.apply_stop_strings(updated + finished, self.scheduler.finish)
-
-    def _attach_logprobs(self, owners: LogprobRows, token_ids: list[list[int]], values: list[list[float]],
-                         ranks: list[int]):
-        """Hand a read-back step's logprob rows to their sequences (before resolve, which may finish them: the
-        token a sequence ends with keeps its logprobs; a row whose sequence already finished is dropped, as its
-        token is)."""
-        rows = zip(token_ids, values, ranks)
-        for seq, (ids, row_values, rank) in zip(owners.sample_seqs, rows):
-            if not seq.is_finished:
-                seq.logprobs.append(position_logprobs(ids, row_values, rank, seq.sampling_params.logprobs,
-                                                      self.text_output.token_text))
-        for seq, num_rows in owners.prompt_chunks:
-            num_top = seq.sampling_params.prompt_logprobs
-            seq.prompt_logprobs.extend(position_logprobs(ids, row_values, rank, num_top, self.text_output.token_text)
-                                       for ids, row_values, rank in itertools.islice(rows, num_rows))
 
     def _check_progress(self, out: SchedulerOutput):
         progress = not out.is_empty or out.num_resumed or self._in_flight is not None or self.scheduler.is_finished()
@@ -280,38 +257,37 @@ class LLMEngine:
         if engine is not None and self.host_tier is not None:
             self.host_tier.observe_copies(engine.take_recent_copies(), engine.copy_seconds, engine.exposed_seconds)
 
-    def _queue(self, prompts, sampling_params) -> list[int]:
-        """Validate every request first, then queue them all: a bad one leaves the engine untouched."""
-        prompts = as_prompt_list(prompts)  # one prompt (a string or token ids) or a list of them
-        if sampling_params is None:
-            sampling_params = SamplingParams(**self.default_sampling_options)
-        if not isinstance(sampling_params, list):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts; pass one or one each")
-        # checked again here, not only when built: a SamplingParams may have been changed since (they are mutable,
-        # as in vLLM); each request keeps its own checked copy, so a later change cannot reach it either
-        sampling_params = [checked_params(sp) for sp in sampling_params]
-        for prompt, sp in zip(prompts, sampling_params):
-            self._prompt_token_ids(prompt, sp)
-        return [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+    def _queue(self, prompts, sampling_params, streaming: bool = False) -> list[PromptRequest]:
+        """Validate every request first, then queue them all: a bad one leaves the engine untouched. Each prompt
+        is tokenized once, then queued as one sequence per sample (parallel_sampling.py)."""
+        pairs = self.intake.checked_batch(prompts, sampling_params, self.default_sampling_options, streaming)
+        token_ids = [self._prompt_token_ids(prompt, sp) for prompt, sp in pairs]
+        requests = []
+        for (prompt, sp), ids in zip(pairs, token_ids):
+            seq_ids = [self.add_request(ids, child) for child in sample_params(sp)]
+            requests.append(PromptRequest(str(seq_ids[0]), self.intake.prompt_text(prompt), sp, seq_ids))
+        return requests
 
     @one_caller
-    def generate(self, prompts: list[str] | list[list[int]] | str, sampling_params=None, use_tqdm: bool = True):
-        """Run prompts to completion; returns {"text", "token_ids", "finish_reason", "logprobs", "prompt_logprobs"}
-        per prompt, in input order (the logprobs None unless SamplingParams asked for them)."""
-        seq_ids = self._queue(prompts, sampling_params)
+    def generate(self, prompts: list[str] | list[list[int]] | str, sampling_params=None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion; returns one RequestOutput per prompt, in input order (nanovllm/outputs.py:
+        `.outputs[i].text`, `.token_ids`, ...; `out["text"]` and the other keys of the old dicts still work)."""
+        requests = self._queue(prompts, sampling_params)
+        request_of = {seq_id: request for request in requests for seq_id in request.seq_ids}
+        seq_ids = list(request_of)
         pending = set(seq_ids)
         self._generating.update(seq_ids)
-        bar = tqdm(total=len(seq_ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         last = (time.perf_counter(), self.stats())
         try:
             while pending:
                 finished = self._keep_others(self.step(), pending)
-                done = [s.seq_id for s in finished]
-                pending.difference_update(done)
-                bar.update(len(done))
-                if use_tqdm:
+                pending.difference_update(s.seq_id for s in finished)
+                # the bar counts prompts: one is done when its last sample is
+                bar.update(len({request_of[s.seq_id].request_id for s in finished
+                                if not pending.intersection(request_of[s.seq_id].seq_ids)}))
+                if use_tqdm and not self.config.disable_log_stats:
                     last = update_bar(bar, last, self.stats, len(self.scheduler.swapped))
         finally:
             bar.close()
@@ -319,30 +295,35 @@ class LLMEngine:
             if pending:  # interrupted (e.g. Ctrl-C): free what the unfinished requests hold, forget the finished
                 for seq_id in seq_ids:
                     self.abort_request(seq_id)
-        return [self.output(self.requests.pop(seq_id)) for seq_id in seq_ids]
+        return [self.text_output.request_output(r.request_id, r.prompt, [self.requests.pop(i) for i in r.seq_ids],
+                                                r.params) for r in requests]
 
     @one_caller_stream
     def generate_stream(self, prompts: list[str] | list[list[int]] | str, sampling_params=None):
-        """Like generate, but yields {"index", "token_ids", "text", "finish_reason", "logprobs", "prompt_logprobs"}
-        with the new tokens, text and logprobs of a request as soon as a step produces them; finish_reason is None
-        until its last chunk, prompt_logprobs None after its first.
+        """Like generate, but yields {"index", "output_index", "token_ids", "text", "finish_reason", "logprobs",
+        "prompt_logprobs"} with the new tokens, text and logprobs of a sample as soon as a step produces them
+        ("index": the prompt's, "output_index": the sample's, 0..n-1); finish_reason is None until its last chunk,
+        prompt_logprobs None after its first. best_of > n is refused: which samples are returned is known only at
+        the end (vLLM refuses it with streaming too).
         Closing the generator early aborts the unfinished requests and frees their blocks; a request aborted by
         abort_request meanwhile ends with finish_reason "abort"."""
-        seq_ids = self._queue(prompts, sampling_params)
+        requests = self._queue(prompts, sampling_params, streaming=True)
+        places = {seq_id: (i, j) for i, r in enumerate(requests) for j, seq_id in enumerate(r.seq_ids)}
+        seq_ids = list(places)
         pending = dict.fromkeys(seq_ids)
         self._generating.update(seq_ids)
         cursor = StreamCursor(self.text_output, seq_ids)
         try:
             while pending:
                 self._keep_others(self.step(), pending)
-                for i, seq_id in enumerate(seq_ids):
+                for seq_id, (i, j) in places.items():
                     if seq_id not in pending:
                         continue
                     seq = self.requests.get(seq_id)
                     if seq is None:  # aborted by abort_request
                         del pending[seq_id]
-                        yield {"index": i, "token_ids": [], "text": "", "finish_reason": "abort", "logprobs": None,
-                               "prompt_logprobs": None}
+                        yield {"index": i, "output_index": j, "token_ids": [], "text": "", "finish_reason": "abort",
+                               "logprobs": None, "prompt_logprobs": None}
                         continue
                     chunk = cursor.chunk(seq, i)
                     if chunk is None:
@@ -350,13 +331,14 @@ class LLMEngine:
                     if seq.is_finished:
                         del pending[seq_id]
                         self.requests.pop(seq_id)
-                    yield chunk
+                    yield {**chunk, "output_index": j}
         finally:
             self._generating.difference_update(seq_ids)
             for seq_id in pending:
                 self.abort_request(seq_id)
 
-    def output(self, seq: Sequence) -> dict:
+    def output(self, seq: Sequence) -> RequestOutput:
+        """A finished sequence of add_request as a RequestOutput of one sample."""
         return self.text_output.output(seq)
 
     def _stream_text(self, seq: Sequence) -> str:  # the server's stream reads it

@@ -16,7 +16,6 @@ from nanovllm.config import budget_bytes
 from nanovllm.core.memory_plan import GiB
 from nanovllm.layers.logprobs import chosen_and_top, raw_logprobs
 from nanovllm.layers.sampler import SamplingTensors
-from nanovllm.sampling_params import MAX_LOGPROBS
 from nanovllm.utils.context import AttentionMetadata, reset_context, set_context
 from nanovllm.utils.switches import SWITCHES
 
@@ -148,7 +147,7 @@ def _peak_bytes(runner, num_tokens: int, seq_len: int, num_rows: int, sample: bo
                                   torch.full((rows,), 50, dtype=torch.int64, device=device),
                                   torch.full((rows,), 0.9, device=device), None, None, all_greedy=False)
         logprobs = raw_logprobs(logits)
-        chosen_and_top(logprobs, runner.sampler(logits, tensors), MAX_LOGPROBS)
+        chosen_and_top(logprobs, runner.sampler(logits, tensors), min(runner.config.max_logprobs, logits.size(1)))
         del logprobs
     del logits
     torch.cuda.synchronize(device)

@@ -208,7 +208,8 @@ class ModelRunner:
         logprobs = raw_logprobs(logits[rows]) if rows is not None else None  # before the masks and penalties
         st = self.sampling_tensors(sample_seqs)
         penalties = step_penalties(sample_seqs, st.penalized_rows, st.penalty_batch is None)  # None: no penalty
-        self._last_sampled = self.sampler(logits, st, plan.banned_token_ids, penalties, self._last_sampled)
+        self._last_sampled = self.sampler(logits, st, plan.banned_token_ids, penalties, self._last_sampled,
+                                          plan.logit_bias, plan.conditional_bans)
         if logprobs is not None:
             sample_logprobs = chosen_and_top(logprobs, self._last_sampled[rows], plan.num_top_logprobs)
             prompt_logprobs = _cat_rows(sample_logprobs, prompt_logprobs)

@@ -1,8 +1,11 @@
-"""What a request shows: its text (detokenised, cut at a stop string) and the pieces a stream sends. The engine
-calls `TextOutput` after each read-back; the scheduler only sees token ids."""
+"""What a request shows: its text (detokenised, cut at a stop string), its RequestOutput (nanovllm/outputs.py)
+and the pieces a stream sends. The engine calls `TextOutput` after each read-back; the scheduler only sees token
+ids."""
 from collections.abc import Callable
 
 from nanovllm.core.sequence import Sequence
+from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.sampling_params import SamplingParams
 
 
 class TextOutput:
@@ -21,10 +24,10 @@ class TextOutput:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def detokenize(self, token_ids: list[int]) -> str:
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     @staticmethod
     def text_token_ids(seq: Sequence) -> list[int]:
@@ -34,10 +37,37 @@ class TextOutput:
         stopped_by_token = seq.finish_reason == "stop" and seq.output_text is None
         return ids[:-1] if stopped_by_token and not seq.sampling_params.include_stop_str_in_output else ids
 
-    def output(self, seq: Sequence) -> dict:
-        text = seq.output_text if seq.output_text is not None else self.detokenize(self.text_token_ids(seq))
-        return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
-                "logprobs": seq.logprobs, "prompt_logprobs": seq.prompt_logprobs, "metrics": seq.metrics.as_dict()}
+    def text(self, seq: Sequence) -> str:
+        """seq's text as generate() returns it: "" with detokenize=False, cut at a stop string."""
+        params = seq.sampling_params
+        if not params.detokenize:
+            return ""
+        if seq.output_text is not None:
+            return seq.output_text
+        return self.detokenize(self.text_token_ids(seq), params.skip_special_tokens)
+
+    def completion(self, seq: Sequence, index: int = 0, with_logprobs: bool | None = None) -> CompletionOutput:
+        """seq as one sample; with_logprobs (default: whether seq computes them) shows its logprobs and their sum."""
+        show = seq.logprobs is not None if with_logprobs is None else with_logprobs
+        return CompletionOutput(index, self.text(seq), seq.completion_token_ids,
+                                seq.cumulative_logprob if show else None, seq.logprobs if show else None,
+                                seq.finish_reason, seq.stop_reason)
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        """One sequence as a request of one sample (add_request's requests, the server's)."""
+        return self.request_output(str(seq.seq_id), None, [seq], seq.sampling_params)
+
+    def request_output(self, request_id: str, prompt: str | None, seqs: list[Sequence],
+                       params: SamplingParams) -> RequestOutput:
+        """A request's samples as one RequestOutput. `params` are the request's own (n, best_of, logprobs): with
+        best_of > n, the n samples of highest cumulative logprob are returned, best first (vLLM 0.x's rule)."""
+        if params.best_of is not None and params.best_of > params.n:
+            seqs = sorted(seqs, key=lambda seq: seq.cumulative_logprob, reverse=True)[:params.n]  # stable on ties
+        with_logprobs = params.logprobs is not None
+        first = seqs[0]
+        return RequestOutput(request_id, prompt, first.token_ids[:first.num_prompt_tokens], first.prompt_logprobs,
+                             [self.completion(seq, i, with_logprobs) for i, seq in enumerate(seqs)],
+                             all(seq.is_finished for seq in seqs), first.metrics)
 
     def apply_stop_strings(self, seqs: list[Sequence], finish: Callable[[Sequence, str], None]) -> list[Sequence]:
         """Ends each sequence whose text now holds a stop string, its text cut before the first match (after it
@@ -49,11 +79,12 @@ class TextOutput:
             params = seq.sampling_params
             if not params.stop or self.tokenizer is None or seq.num_completion_tokens <= params.min_tokens:
                 continue
-            text = self.detokenize(self.text_token_ids(seq))
+            text = self.detokenize(self.text_token_ids(seq), params.skip_special_tokens)
             match = self._first_stop(seq, text)
             if match is None:
                 continue
             cut, stop = match
+            seq.stop_reason = stop
             seq.output_text = text[:cut + len(stop)] if params.include_stop_str_in_output else text[:cut]
             if seq.is_finished:
                 seq.finish_reason = "stop"
@@ -68,14 +99,15 @@ class TextOutput:
         """(index, stop string) of the earliest stop string in seq's text, or None. With min_tokens, a match must end
         after the text of the first min_tokens tokens (as in vLLM)."""
         params = seq.sampling_params
-        start = len(self.detokenize(seq.completion_token_ids[:params.min_tokens])) if params.min_tokens else 0
+        start = len(self.detokenize(seq.completion_token_ids[:params.min_tokens], params.skip_special_tokens)) \
+            if params.min_tokens else 0
         matches = [(i, stop) for stop in params.stop if (i := text.find(stop, max(start - len(stop) + 1, 0))) >= 0]
         return min(matches, key=lambda match: match[0]) if matches else None
 
     def stream_text(self, seq: Sequence) -> str:
         """The text that is safe to send: all of it once finished; before that, without a trailing partial
         character and without a tail that could still become a stop string."""
-        text = self.output(seq)["text"]
+        text = self.text(seq)
         if seq.is_finished:
             return text
         text = text.rstrip("\ufffd")

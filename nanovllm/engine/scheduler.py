@@ -107,7 +107,7 @@ class Scheduler:
             self._resume_swapped(out)
         out.new_gpu_block_ids = self.block_manager.new_gpu_block_ids
         out.swap_out = last_copy_per_host_block(out.swap_out)
-        self._one_token_rows_first(out)
+        out.one_token_rows_first()
         self._last_out = out
         return out
 
@@ -189,19 +189,6 @@ class Scheduler:
             self.stats.blocks_swapped_in += len(copies)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-
-    @staticmethod
-    def _one_token_rows_first(out: SchedulerOutput):
-        """Batch order of a mixed step: rows computing one token (decodes) first, prompt chunks after, each in
-        scheduling order. The runner then sends the leading rows through the decode kernel and only the rest
-        through the prefill kernel, whose query tiles would be almost empty for one-token rows."""
-        num_one = out.num_new_tokens.count(1)
-        if out.num_new_tokens[:num_one].count(1) == num_one:
-            return  # already in order (every decode-only step)
-        order = sorted(range(len(out.seqs)), key=lambda i: out.num_new_tokens[i] != 1)  # stable
-        out.seqs = [out.seqs[i] for i in order]
-        out.num_new_tokens = [out.num_new_tokens[i] for i in order]
-        out.samples = [out.samples[i] for i in order]
 
     def _hold_arriving(self) -> set[int]:
         """Ids of the running sequences to leave out of this step because their KV copies have not landed; none
@@ -378,7 +365,10 @@ class Scheduler:
     def _finish_reason(self, seq: Sequence, token_id: int, num_tokens: int) -> str | None:
         """Why seq ends with token_id as its num_tokens-th token, or None."""
         params = seq.sampling_params
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if token_id in params.stop_token_ids:
+            seq.stop_reason = token_id
             return "stop"
         if num_tokens >= seq.max_num_tokens:  # max_tokens generated, or max_model_len reached
             return "length"

@@ -31,6 +31,18 @@ class SchedulerOutput:
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.num_new_tokens)
 
+    def one_token_rows_first(self):
+        """Batch order of a mixed step: rows computing one token (decodes) first, prompt chunks after, each in
+        scheduling order. The runner then sends the leading rows through the decode kernel and only the rest
+        through the prefill kernel, whose query tiles would be almost empty for one-token rows."""
+        num_one = self.num_new_tokens.count(1)
+        if self.num_new_tokens[:num_one].count(1) == num_one:
+            return  # already in order (every decode-only step)
+        order = sorted(range(len(self.seqs)), key=lambda i: self.num_new_tokens[i] != 1)  # stable
+        self.seqs = [self.seqs[i] for i in order]
+        self.num_new_tokens = [self.num_new_tokens[i] for i in order]
+        self.samples = [self.samples[i] for i in order]
+
 
 @dataclass
 class SchedulerStats:

@@ -1,9 +1,11 @@
 """One step flattened to plain lists: what every tensor-parallel rank needs to run it (plain Python; no torch)."""
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanovllm.engine.scheduler_output import SchedulerOutput
 from nanovllm.core.sequence import PLACEHOLDER_TOKEN, Sequence
+from nanovllm.logprobs import position_logprobs
 
 
 @dataclass
@@ -23,8 +25,12 @@ class StepPlan:
     # placeholder_sources[i]; the runner copies it over on the device
     placeholder_rows: list[int] = field(default_factory=list)
     placeholder_sources: list[int] = field(default_factory=list)
-    # (sample row, token ids it may not sample): min_tokens not reached yet (Scheduler.banned_token_ids)
+    # (sample row, token ids it may not sample): min_tokens not reached yet (Scheduler.banned_token_ids), bad words
     banned_token_ids: list[tuple[int, list[int]]] = field(default_factory=list)
+    # logit_bias and bad words (LogitRules.step_rules): (sample row, token ids, biases) added to the logits, and
+    # (sample row, token id, previous step's sample row, token) bans that hold when that row sampled that token
+    logit_bias: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
+    conditional_bans: list[tuple[int, int, int, int]] = field(default_factory=list)
     # logprobs (filled by add_logprob_rows, only for steps of requests that ask for them): the sample rows (of
     # logits_indices) whose raw logprobs are returned, the token rows whose next prompt token's logprobs are
     # returned and those tokens, and the alternatives per row (the step's largest k; -1: no logprobs this step)
@@ -67,6 +73,21 @@ class LogprobRows:
     @property
     def num_sample_rows(self) -> int:
         return len(self.sample_seqs)
+
+    def attach(self, token_ids: list[list[int]], values: list[list[float]], ranks: list[int],
+               decode: Callable[[int], str | None]):
+        """Hand a read-back step's logprob rows to their sequences (before resolve, which may finish them: the
+        token a sequence ends with keeps its logprobs; a row whose sequence already finished is dropped, as its
+        token is). A sampled token's logprob also adds to its sequence's cumulative_logprob."""
+        rows = zip(token_ids, values, ranks)
+        for seq, (ids, row_values, rank) in zip(self.sample_seqs, rows):
+            if not seq.is_finished:
+                seq.logprobs.append(position_logprobs(ids, row_values, rank, seq.sampling_params.logprobs, decode))
+                seq.cumulative_logprob += row_values[0]
+        for seq, num_rows in self.prompt_chunks:
+            num_top = seq.sampling_params.prompt_logprobs
+            seq.prompt_logprobs.extend(position_logprobs(ids, row_values, rank, num_top, decode)
+                                       for ids, row_values, rank in itertools.islice(rows, num_rows))
 
 
 def add_logprob_rows(plan: StepPlan, out: SchedulerOutput, sample_seqs: list[Sequence]) -> LogprobRows | None:

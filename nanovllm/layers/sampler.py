@@ -51,17 +51,21 @@ class Sampler(nn.Module):
         self.use_triton = SWITCHES.triton_sampler
 
     def forward(self, logits: torch.Tensor, st: SamplingTensors, banned_token_ids=(), penalties=None,
-                last_sampled: torch.Tensor | None = None) -> torch.Tensor:
-        """banned_token_ids: (row, token ids) that row may not sample (min_tokens); logits is masked in place.
+                last_sampled: torch.Tensor | None = None, logit_bias=(), conditional_bans=()) -> torch.Tensor:
+        """banned_token_ids: (row, token ids) that row may not sample (min_tokens, bad words); logits is masked in
+        place. logit_bias: (row, token ids, biases) added to the logits (then float32, as vLLM adds them);
+        conditional_bans: (row, token id, source row, token): banned when last_sampled[source row] is that token.
         penalties: the step's PenaltyRows (nanovllm/engine/penalties.py) or None; its tokens that the host has not
-        read back yet are in last_sampled, the previous step's sampled ids. Penalties apply before the rest, greedy
-        rows included (vLLM's order)."""
+        read back yet are in last_sampled, the previous step's sampled ids. Bans, biases and penalties apply before
+        the rest, greedy rows included (vLLM's order); a step without any pays nothing for them."""
         pairs = [(row, i) for row, ids in banned_token_ids for i in ids if i < logits.size(1)]
         if pairs:
-            index = torch.tensor(pairs, dtype=torch.long)
-            if logits.is_cuda:  # pinned, so the copy does not wait for the forward (asynchronous scheduling)
-                index = index.pin_memory().to(logits.device, non_blocking=True)
+            index = _on_device(torch.tensor(pairs, dtype=torch.long, device="cpu"), logits.device)
             logits[index[:, 0], index[:, 1]] = float("-inf")
+        if logit_bias:
+            logits = add_logit_bias(logits, logit_bias)
+        if conditional_bans:
+            ban_if_sampled(logits, conditional_bans, last_sampled)
         if penalties is not None:
             if st.penalty_batch is None:  # this step's PenaltyRows holds the prompts (step_penalties)
                 st.penalty_batch = BatchPenalties(penalties, logits.device)
@@ -113,6 +117,37 @@ class Sampler(nn.Module):
                            str(e).splitlines()[0] if str(e) else "")
             self.use_triton = False
             return None
+
+
+def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor (built on the CPU whatever the default device) on the device; pinned first on CUDA, so
+    the copy does not wait for the forward (asynchronous scheduling)."""
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
+def add_logit_bias(logits: torch.Tensor, logit_bias) -> torch.Tensor:
+    """logits [B, V] -> float32 logits with each (row, token ids, biases) entry's biases added."""
+    rows = [row for row, ids, _ in logit_bias for _ in ids]
+    ids = [i for _, row_ids, _ in logit_bias for i in row_ids]
+    values = [v for _, _, row_values in logit_bias for v in row_values]
+    logits = logits.float()
+    index = _on_device(torch.tensor([rows, ids], dtype=torch.long, device="cpu"), logits.device)
+    biases = _on_device(torch.tensor(values, dtype=torch.float32, device="cpu"), logits.device)
+    logits.index_put_((index[0], index[1]), biases, accumulate=True)
+    return logits
+
+
+def ban_if_sampled(logits: torch.Tensor, conditional_bans, last_sampled: torch.Tensor | None):
+    """Mask (row, token) where the previous step sampled `expected` at `source` (in place): -inf is added there and
+    0 elsewhere, so two entries for one logit need no order."""
+    if last_sampled is None:
+        raise RuntimeError(f"ban_if_sampled: bans {conditional_bans} wait on tokens of a previous step, and no step "
+                           f"sampled")
+    host = torch.tensor(conditional_bans, dtype=torch.long, device="cpu").T.contiguous()  # [4, K]
+    rows, ids, sources, expected = _on_device(host, logits.device)
+    hit = last_sampled[sources].long() == expected
+    penalty = torch.where(hit, float("-inf"), 0.0).to(logits.dtype)
+    logits.index_put_((rows, ids), penalty, accumulate=True)
 
 
 ARGMAX_CHUNK = 1024  # vocabulary entries per partial argmax

@@ -19,11 +19,11 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.entrypoints.server import streaming
-from nanovllm.entrypoints.server.engine_loop import EngineError, EngineLoop, RequestStream
+from nanovllm.entrypoints.server.choices import submit_choices
+from nanovllm.entrypoints.server.engine_loop import EngineError, EngineLoop
 from nanovllm.entrypoints.server.guards import APIKeyCheck, BodySizeLimit, InternalErrors, error_response
 from nanovllm.entrypoints.server.info_routes import add_info_routes
 from nanovllm.entrypoints.server.metrics import METRICS_CONTENT_TYPE, format_metrics
-from nanovllm.entrypoints.server.prepare import prepare
 from nanovllm.entrypoints.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
@@ -126,43 +126,27 @@ def _add_routes(app: FastAPI, engine: EngineLoop, llm: LLM, served_model_name: s
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        body.check(served_model_name)
-        stream = await _submit(engine, preparers, llm, prompt=body.single_prompt(),
-                               sampling=body.sampling(body.max_tokens))
-        reply = streaming.Reply(f"cmpl-{uuid.uuid4().hex}", served_model_name)
-        watch = streaming.ClientWatch(engine, stream, request)
+        body.check(served_model_name, llm.config.max_logprobs)
+        streams = await submit_choices(engine, preparers, llm, [{"prompt": p} for p in body.prompts()],
+                                       body.sampling(body.max_tokens))
+        reply = streaming.Reply(f"cmpl-{uuid.uuid4().hex}", served_model_name, body.n)
+        watch = streaming.ClientWatch(engine, streams, request)
         if body.stream:
-            return streaming.sse_response(streaming.completion_chunks(reply, stream, body.include_usage), watch)
-        return streaming.completion_response(reply, stream, await streaming.collect(stream, watch))
+            return streaming.sse_response(streaming.completion_chunks(reply, streams, body.include_usage), watch)
+        return streaming.completion_response(reply, streams, await streaming.collect(streams, watch))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        body.check(served_model_name)
+        body.check(served_model_name, llm.config.max_logprobs)
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
-        stream = await _submit(engine, preparers, llm, messages=body.template_messages(),
-                               sampling=body.sampling(max_tokens))
-        reply = streaming.Reply(f"chatcmpl-{uuid.uuid4().hex}", served_model_name)
-        watch = streaming.ClientWatch(engine, stream, request)
+        streams = await submit_choices(engine, preparers, llm, [{"messages": body.template_messages()}],
+                                       body.sampling(max_tokens))
+        reply = streaming.Reply(f"chatcmpl-{uuid.uuid4().hex}", served_model_name, body.n)
+        watch = streaming.ClientWatch(engine, streams, request)
         if body.stream:
             return streaming.sse_response(
-                streaming.chat_chunks(reply, stream, body.include_usage, body.top_logprobs or 0), watch)
-        return streaming.chat_response(reply, stream, await streaming.collect(stream, watch), body.top_logprobs or 0)
-
-
-async def _submit(engine: EngineLoop, preparers: ThreadPoolExecutor, llm: LLM, **inputs) -> RequestStream:
-    """Prepare the request in a worker thread (tokenizing can take seconds: never on the engine loop's thread),
-    then hand it to the loop."""
-    try:
-        request = await asyncio.get_running_loop().run_in_executor(preparers, lambda: prepare(llm, **inputs))
-    except ValueError as e:  # the message names the problem
-        engine.count_rejected()
-        raise APIError(400, str(e)) from None
-    try:
-        return await engine.submit(request)
-    except ValueError as e:  # the engine's own validation
-        raise APIError(400, str(e)) from None
-    except EngineError as e:  # the engine is broken (see EngineLoop._step)
-        raise APIError(503, str(e), type="server_error") from None
+                streaming.chat_chunks(reply, streams, body.include_usage, body.top_logprobs or 0), watch)
+        return streaming.chat_response(reply, streams, await streaming.collect(streams, watch), body.top_logprobs or 0)
 
 
 # ------------------------------------------------------------------------------------------------ entry point

@@ -18,6 +18,11 @@ from nanovllm.sampling_params import MAX_LOGPROBS
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1000
 MAX_STOP_TOKEN_IDS = 1024
+# choices in one request (prompts x n): each is an engine request, so one body must not queue without bound
+MAX_CHOICES = 256
+# logit_bias entries and bad words are applied to every step of the request's rows
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_BAD_WORDS = 64
 
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_CHARS)]
 
@@ -37,7 +42,6 @@ class APIError(Exception):
 UNSUPPORTED_OPTIONS = {
     "best_of": lambda v: v == 1,
     "echo": lambda v: not v,
-    "logit_bias": lambda v: v == {},
     "suffix": lambda v: v == "",
     "tools": lambda v: v == [],
     "functions": lambda v: v == [],
@@ -53,8 +57,6 @@ UNSUPPORTED_OPTIONS = {
     "guided_grammar": lambda v: False,
     "structured_outputs": lambda v: False,
     "allowed_token_ids": lambda v: False,
-    "bad_words": lambda v: v == [],
-    "skip_special_tokens": lambda v: v is True,
     "truncate_prompt_tokens": lambda v: False,
 }
 
@@ -93,8 +95,8 @@ class StreamOptions(_Strict):
 
 class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions. None means the engine's default; top_k, min_p,
-    repetition_penalty, ignore_eos, stop_token_ids, min_tokens and include_stop_str_in_output are vLLM's extensions
-    (send them in the openai client's `extra_body`)."""
+    repetition_penalty, ignore_eos, stop_token_ids, min_tokens, include_stop_str_in_output, bad_words and
+    skip_special_tokens are vLLM's extensions (send them in the openai client's `extra_body`)."""
     model_config = ConfigDict(strict=True, extra="allow")  # other OpenAI options are accepted and ignored, see `check`
 
     model: str | None = None  # None: the served model (vLLM's default)
@@ -112,6 +114,10 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
+    # OpenAI's logit_bias ({"token id": bias}, the ids as JSON strings) and vLLM's bad_words, skip_special_tokens
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+    bad_words: Annotated[list[StopString], Field(max_length=MAX_BAD_WORDS)] | None = None
+    skip_special_tokens: bool | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -125,14 +131,19 @@ class _SamplingRequest(_Strict):
                              f"send text that is valid UTF-8")
         return data
 
-    def check(self, served_model_name: str):
+    def check(self, served_model_name: str, max_logprobs: int = MAX_LOGPROBS):
+        """max_logprobs: the engine's (LLM(max_logprobs=...)), the most logprobs a request may ask for."""
         if self.model is not None and self.model != served_model_name:
             raise APIError(404, f"model {self.model!r} is not served here; this server serves {served_model_name!r}",
                            type="not_found_error", param="model", code="model_not_found")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-        if self.n != 1:
-            raise APIError(400, f"n={self.n}: only n=1 is supported", param="n")
+        if self.n < 1:
+            raise APIError(400, f"n={self.n} must be >= 1", param="n")
+        if self.n * self.num_prompts > MAX_CHOICES:
+            raise APIError(400, f"n={self.n} samples of {self.num_prompts} prompt(s) make "
+                                f"{self.n * self.num_prompts} choices, more than {MAX_CHOICES} in one request; "
+                                f"split the request", param="n")
         for name, changes_nothing in UNSUPPORTED_OPTIONS.items():
             value = (self.model_extra or {}).get(name)
             if value is not None and not changes_nothing(value):
@@ -143,10 +154,14 @@ class _SamplingRequest(_Strict):
         """SamplingParams.logprobs: alternatives per generated token (0: the token's own only); None: none."""
         return None
 
+    @property
+    def num_prompts(self) -> int:
+        return 1
+
     @staticmethod
-    def _check_num_logprobs(name: str, value: int | None):
-        if value is not None and not 0 <= value <= MAX_LOGPROBS:
-            raise APIError(400, f"{name}={value} must be in [0, {MAX_LOGPROBS}] (the most this server returns)",
+    def _check_num_logprobs(name: str, value: int | None, max_logprobs: int):
+        if value is not None and not 0 <= value <= max_logprobs:
+            raise APIError(400, f"{name}={value} must be in [0, {max_logprobs}] (the most this server returns)",
                            param=name)
 
     def sampling(self, max_tokens: int | None) -> dict:
@@ -156,7 +171,9 @@ class _SamplingRequest(_Strict):
                    "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
                    "stop": self.stop, "stop_token_ids": self.stop_token_ids,
                    "seed": self.seed, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
-                   "include_stop_str_in_output": self.include_stop_str_in_output, "logprobs": self.num_logprobs}
+                   "include_stop_str_in_output": self.include_stop_str_in_output, "logprobs": self.num_logprobs,
+                   "n": self.n, "logit_bias": self.logit_bias, "bad_words": self.bad_words,
+                   "skip_special_tokens": self.skip_special_tokens}
         return {k: v for k, v in options.items() if v is not None or k == "max_tokens"}
 
     @property
@@ -169,22 +186,26 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None  # the legacy API's: top tokens per generated token, besides the chosen one
 
-    def check(self, served_model_name: str):
-        super().check(served_model_name)
-        self._check_num_logprobs("logprobs", self.logprobs)
+    def check(self, served_model_name: str, max_logprobs: int = MAX_LOGPROBS):
+        super().check(served_model_name, max_logprobs)
+        self._check_num_logprobs("logprobs", self.logprobs, max_logprobs)
 
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-    def single_prompt(self) -> str | list[int]:
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts())
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one (a string or token ids) or a list of them, as OpenAI takes them."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, f"{len(prompt)} prompts in one request: send one prompt per request",
-                               param="prompt")
-            prompt = prompt[0]
-        return prompt
+            return list(prompt)
+        if prompt == []:
+            raise APIError(400, "prompt is an empty list: send a prompt, or a list of prompts", param="prompt")
+        return [prompt]
 
 
 class ContentPart(_Strict):
@@ -212,9 +233,9 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = None  # each generated token's logprob ...
     top_logprobs: int | None = None  # ... and those of this many most likely tokens (needs logprobs)
 
-    def check(self, served_model_name: str):
-        super().check(served_model_name)
-        self._check_num_logprobs("top_logprobs", self.top_logprobs)
+    def check(self, served_model_name: str, max_logprobs: int = MAX_LOGPROBS):
+        super().check(served_model_name, max_logprobs)
+        self._check_num_logprobs("top_logprobs", self.top_logprobs, max_logprobs)
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, f"top_logprobs={self.top_logprobs} needs logprobs=true", param="top_logprobs")
 

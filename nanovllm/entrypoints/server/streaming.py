@@ -11,83 +11,85 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from nanovllm.entrypoints.server.choices import merged_events, usage
 from nanovllm.entrypoints.server.engine_loop import Delta, EngineError, EngineLoop, RequestStream
 from nanovllm.entrypoints.server.openai_logprobs import chat_logprobs, completion_logprobs
 from nanovllm.entrypoints.server.protocol import APIError
 
 
-def usage(stream: RequestStream, num_completion_tokens: int) -> dict:
-    return {"prompt_tokens": stream.num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": stream.num_prompt_tokens + num_completion_tokens}
-
-
 @dataclass
 class Reply:
-    """What every response object of one request shares."""
+    """What every response object of one request shares; `n`: samples per prompt (choices come prompt-major)."""
     id: str
     model: str
+    n: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def body(self, choice: dict, object: str = "text_completion", **extra) -> dict:
-        return {"id": self.id, "object": object, "created": self.created, "model": self.model,
-                "choices": [choice] if choice else [], **extra}
+    def body(self, choices: list[dict], object: str = "text_completion", **extra) -> dict:
+        return {"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
 
 
-async def collect(stream: RequestStream, watch: ClientWatch) -> Delta:
-    """Wait for a request's last Delta (non-streaming responses)."""
-    last = None
+async def collect(streams: list[RequestStream], watch: ClientWatch) -> list[Delta]:
+    """Wait for each request's last Delta (non-streaming responses)."""
+    lasts: list[Delta | None] = [None] * len(streams)
     try:
-        async for last in stream.events():
-            pass
+        async for index, delta in merged_events(streams):
+            lasts[index] = delta
     finally:
         watch.close()
-    return last
+    return lasts
 
 
-def completion_response(reply: Reply, stream: RequestStream, last: Delta) -> dict:
-    logprobs = None if last.final_logprobs is None else completion_logprobs(last.final_logprobs)
-    choice = {"index": 0, "text": last.final_text, "logprobs": logprobs, "finish_reason": last.finish_reason}
-    return reply.body(choice, usage=usage(stream, last.num_completion_tokens))
+def completion_response(reply: Reply, streams: list[RequestStream], lasts: list[Delta]) -> dict:
+    choices = [{"index": i, "text": last.final_text, "finish_reason": last.finish_reason,
+                "logprobs": None if last.final_logprobs is None else completion_logprobs(last.final_logprobs)}
+               for i, last in enumerate(lasts)]
+    return reply.body(choices, usage=usage(streams, sum(last.num_completion_tokens for last in lasts), reply.n))
 
 
-def chat_response(reply: Reply, stream: RequestStream, last: Delta, num_top_logprobs: int = 0) -> dict:
-    logprobs = None if last.final_logprobs is None else chat_logprobs(last.final_logprobs, num_top_logprobs)
-    choice = {"index": 0, "message": {"role": "assistant", "content": last.final_text}, "logprobs": logprobs,
-              "finish_reason": last.finish_reason}
-    return reply.body(choice, object="chat.completion", usage=usage(stream, last.num_completion_tokens))
+def chat_response(reply: Reply, streams: list[RequestStream], lasts: list[Delta], num_top_logprobs: int = 0) -> dict:
+    choices = [{"index": i, "message": {"role": "assistant", "content": last.final_text},
+                "logprobs": None if last.final_logprobs is None else chat_logprobs(last.final_logprobs,
+                                                                                    num_top_logprobs),
+                "finish_reason": last.finish_reason} for i, last in enumerate(lasts)]
+    return reply.body(choices, object="chat.completion",
+                      usage=usage(streams, sum(last.num_completion_tokens for last in lasts), reply.n))
 
 
-async def completion_chunks(reply: Reply, stream: RequestStream, include_usage: bool) -> AsyncIterator[dict]:
-    num_tokens = text_offset = 0  # text_offset: where the next token's text starts (legacy logprobs)
-    async for delta in stream.events():
+async def completion_chunks(reply: Reply, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[dict]:
+    num_tokens = [0] * len(streams)
+    text_offsets = [0] * len(streams)  # per choice: where its next token's text starts (legacy logprobs)
+    async for i, delta in merged_events(streams):
         if delta.finish_reason == "abort":
             return
-        num_tokens = delta.num_completion_tokens
+        num_tokens[i] = delta.num_completion_tokens
         logprobs = None
         if delta.logprobs is not None:
-            logprobs = completion_logprobs(delta.logprobs, text_offset)
-            text_offset += sum(map(len, logprobs["tokens"]))
-        yield reply.body({"index": 0, "text": delta.text, "logprobs": logprobs,
-                                "finish_reason": delta.finish_reason})
+            logprobs = completion_logprobs(delta.logprobs, text_offsets[i])
+            text_offsets[i] += sum(map(len, logprobs["tokens"]))
+        yield reply.body([{"index": i, "text": delta.text, "logprobs": logprobs,
+                           "finish_reason": delta.finish_reason}])
     if include_usage:
-        yield reply.body({}, usage=usage(stream, num_tokens))
+        yield reply.body([], usage=usage(streams, sum(num_tokens), reply.n))
 
 
-async def chat_chunks(reply: Reply, stream: RequestStream, include_usage: bool,
+async def chat_chunks(reply: Reply, streams: list[RequestStream], include_usage: bool,
                       num_top_logprobs: int = 0) -> AsyncIterator[dict]:
     chunk = "chat.completion.chunk"
-    yield reply.body({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None}, object=chunk)
-    num_tokens = 0
-    async for delta in stream.events():
+    for i in range(len(streams)):  # each choice opens with its role, as vLLM sends it
+        yield reply.body([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None}], object=chunk)
+    num_tokens = [0] * len(streams)
+    async for i, delta in merged_events(streams):
         if delta.finish_reason == "abort":
             return
-        num_tokens = delta.num_completion_tokens
+        num_tokens[i] = delta.num_completion_tokens
         logprobs = None if delta.logprobs is None else chat_logprobs(delta.logprobs, num_top_logprobs)
-        yield reply.body({"index": 0, "delta": {"content": delta.text} if delta.text else {},
-                                "logprobs": logprobs, "finish_reason": delta.finish_reason}, object=chunk)
+        yield reply.body([{"index": i, "delta": {"content": delta.text} if delta.text else {},
+                           "logprobs": logprobs, "finish_reason": delta.finish_reason}], object=chunk)
     if include_usage:
-        yield reply.body({}, object=chunk, usage=usage(stream, num_tokens))
+        yield reply.body([], object=chunk, usage=usage(streams, sum(num_tokens), reply.n))
 
 
 def sse_response(chunks: AsyncIterator[dict], watch: ClientWatch) -> StreamingResponse:
@@ -105,21 +107,24 @@ def sse_response(chunks: AsyncIterator[dict], watch: ClientWatch) -> StreamingRe
 
 
 class ClientWatch:
-    """Aborts a request when its client disconnects, streaming or not. A task reads the ASGI receive channel, which
-    says `http.disconnect` once the client is gone (the body has been read already). Started by the handler, so it
-    also covers a streaming response whose body never ran; `close()` when the response is done, or left early."""
+    """Aborts a request's engine requests (one per choice) when its client disconnects, streaming or not. A task
+    reads the ASGI receive channel, which says `http.disconnect` once the client is gone (the body has been read
+    already). Started by the handler, so it also covers a streaming response whose body never ran; `close()` when
+    the response is done, or left early."""
 
-    def __init__(self, engine: EngineLoop, stream: RequestStream, request: Request):
+    def __init__(self, engine: EngineLoop, streams: list[RequestStream], request: Request):
         self.engine = engine
-        self.stream = stream
+        self.streams = streams
         self.task = asyncio.create_task(self._watch(request))
 
     async def _watch(self, request: Request):
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        self.engine.abort(self.stream)
+        for stream in self.streams:
+            self.engine.abort(stream)
 
     def close(self):
         self.task.cancel()
-        if not self.stream.is_finished:
-            self.engine.abort(self.stream)
+        for stream in self.streams:
+            if not stream.is_finished:
+                self.engine.abort(stream)
