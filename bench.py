@@ -131,16 +131,17 @@ class HostTimer:
         return totals[0], totals[1]
 
 
-def step_plan(num_decode: int, context_len: int, prefill_len: int, block_size: int, num_prompts: int = 1) -> StepPlan:
+def step_plan(num_decode: int, context_len: int, prefill_len: int, block_size: int, num_prompts: int = 1,
+              vocab_size: int = 10001) -> StepPlan:
     """`num_decode` decode rows with `context_len` tokens each, then (prefill_len > 0) `num_prompts` prompts of
-    prefill_len new tokens each; every sequence in its own consecutive blocks."""
+    prefill_len new tokens each; every sequence in its own consecutive blocks; token ids below vocab_size."""
     plan, next_block = StepPlan(), 0
     rng = random.Random(0)  # token ids as the seed workload draws them: the GEMMs' power draw depends on the data
     rows = [(context_len - 1, 1)] * num_decode + ([(0, prefill_len)] * num_prompts if prefill_len else [])
     for start, n in rows:
         table = list(range(next_block, next_block - (-(start + n) // block_size)))
         next_block += len(table)
-        plan.input_ids += [rng.randint(0, 10000) for _ in range(n)]
+        plan.input_ids += [rng.randint(0, min(10000, vocab_size - 1)) for _ in range(n)]
         plan.positions += list(range(start, start + n))
         plan.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
         plan.query_lens.append(n)
@@ -158,7 +159,8 @@ def profile_step(runner, num_decode: int, prefill_len: int = 0, context_len: int
     from torch.profiler import ProfilerActivity, profile
 
     from nanovllm.layers.sampler import SamplingTensors
-    plan = step_plan(num_decode, context_len, prefill_len, runner.block_size, num_prompts)
+    plan = step_plan(num_decode, context_len, prefill_len, runner.block_size, num_prompts,
+                     runner.config.hf_config.vocab_size)
     name = f"step: {num_decode} decode rows (context {context_len}) + {num_prompts} x {prefill_len}-token prompts"
     if sum(len(t) for t in plan.block_tables) > runner.kv_cache.size(0):
         print(f"{name}: does not fit in the KV cache; skipped")
@@ -169,7 +171,8 @@ def profile_step(runner, num_decode: int, prefill_len: int = 0, context_len: int
 
     def step():
         with torch.inference_mode():
-            runner.sampler(runner._forward(plan), sampling)
+            logits, _ = runner._forward(plan)  # (sampled rows' logits, prompt logprobs)
+            runner.sampler(logits, sampling)
     for _ in range(3):
         step()
     sync()
