@@ -88,10 +88,6 @@ class Scheduler:
         """Waiting sequences that are out of the queue while their prefix is read from disk."""
         return self.host_tier.num_disk_waiting if self.host_tier is not None else 0
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped) + self.num_disk_waiting
-
     def schedule(self) -> SchedulerOutput:
         """One step: copies for the host prefix cache, then the running sequences (preempting when blocks run out),
         then new prefills and swap-ins, which wait while anything was preempted this step."""

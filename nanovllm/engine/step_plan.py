@@ -64,10 +64,6 @@ class LogprobRows:
     sample_seqs: list[Sequence] = field(default_factory=list)
     prompt_chunks: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, num rows)
 
-    @property
-    def num_sample_rows(self) -> int:
-        return len(self.sample_seqs)
-
 
 def add_logprob_rows(plan: StepPlan, out: SchedulerOutput, sample_seqs: list[Sequence]) -> LogprobRows | None:
     """Extend the plan with the rows whose logprobs this step returns; None when no row asks for any. Each
