@@ -207,11 +207,12 @@ def run(llm, args):
     stats = llm.stats()
     print(f"shape={args.shape} seqs={args.num_seqs} tp={args.tensor_parallel_size} backend={llm.runner.backend.name} "
           f"gpu_blocks={stats['num_gpu_blocks']} preemptions={stats['preemptions']}")
-    print(f"Total: {num_tokens} tok, Time: {seconds:.2f} s, Throughput: {num_tokens / seconds:.0f} tok/s, "
+    print(f"Total: {num_tokens} tok, Time: {seconds:.2f} s, "
+          f"Throughput: {num_tokens / seconds:.0f} tok/s, "
           f"host time per decode step: {1e3 * timer.seconds / max(timer.num_steps, 1):.3f} ms "
           f"over {timer.num_steps} steps")
-    print(f"TTFT p50 {lat['ttft_p50']:.3f} s, p99 {lat['ttft_p99']:.3f} s; inter-token p50 {1e3 * lat['itl_p50']:.2f} ms, "
-          f"p99 {1e3 * lat['itl_p99']:.2f} ms")
+    print(f"TTFT p50 {lat['ttft_p50']:.3f} s, p99 {lat['ttft_p99']:.3f} s; "
+          f"inter-token p50 {1e3 * lat['itl_p50']:.2f} ms, p99 {1e3 * lat['itl_p99']:.2f} ms")
     prep_ms = 1e3 * (timer.seconds - timer.postprocess_seconds) / max(timer.num_steps, 1)
     post_ms = 1e3 * timer.postprocess_seconds / max(timer.num_steps, 1)
     print(f"  of which scheduling + input preparation {prep_ms:.3f} ms, advance + read-back {post_ms:.3f} ms")

@@ -565,7 +565,7 @@ def test_cli_generate_token_ids(qwen3_dir):
     r = run_cli("generate", "--model", qwen3_dir, "--prompt-ids", ",".join(map(str, prompt)),
                 "--max-tokens", "6", "--ignore-eos", "--json", *TINY_CLI)
     assert r.returncode == 0, r.stderr
-    [line] = [l for l in r.stdout.splitlines() if l.startswith("{")]
+    [line] = [text for text in r.stdout.splitlines() if text.startswith("{")]
     out = json.loads(line)
     assert out["token_ids"] == hf_greedy(qwen3_dir, [prompt], 6)[0], out
     assert out["finish_reason"] == "length"

@@ -300,7 +300,8 @@ class Scheduler:
             return
         num_blocks = len(self.block_manager.computed_block_ids(seq))
         pool = self.host_tier.pool
-        why = (f"the host pool holds {pool.num_blocks} blocks, fewer than its {num_blocks}" if num_blocks > pool.num_blocks
+        why = (f"the host pool holds {pool.num_blocks} blocks, fewer than its {num_blocks}"
+               if num_blocks > pool.num_blocks
                else f"the host pool has {pool.num_free_blocks} of {pool.num_blocks} blocks free")
         logger.warning("seq %d was to be swapped out but is recomputed: %s; raise swap_space (counted in stats()"
                        "['swap_fallback_recomputes'], said once)", seq.seq_id, why)

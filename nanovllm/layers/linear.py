@@ -34,11 +34,6 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, output_size, bias, None)
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 

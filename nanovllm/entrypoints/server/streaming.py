@@ -37,7 +37,7 @@ async def collect(stream: RequestStream, watch: ClientWatch) -> Delta:
     """Wait for a request's last Delta (non-streaming responses)."""
     last = None
     try:
-        async for last in stream.events():
+        async for last in stream.events():  # noqa: B007 (the loop keeps the last one)
             pass
     finally:
         watch.close()
