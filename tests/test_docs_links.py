@@ -1,5 +1,5 @@
-"""Relative links in README.md, docs/*.md and the benchmark log reach a file that exists and, with #anchor, a heading or an
-`<a id>` in it (GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens)."""
+"""Relative links in README.md, docs/*.md and the benchmark log reach a file that exists and, with #anchor, a
+heading or an `<a id>` in it (GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens)."""
 import re
 from pathlib import Path
 

@@ -102,7 +102,7 @@ GPU_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_on_cuda_the_pool_is_registered_and_copies_from_it_are_asynchronous():
     proc = subprocess.run([sys.executable, "-c", GPU_SCRIPT], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

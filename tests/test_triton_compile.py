@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="needs triton (the test-triton extra)")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernels")
 
 COMPILE_ALL = r"""

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels need a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"  # the CPU interpreter (TRITON_INTERPRET=1) can be used by overriding this
 NUM_LAYERS, LAYER = 3, 1
