@@ -43,9 +43,9 @@ ids_of = ids  # for tests whose locals shadow `ids`
 # ---------------------------------------------------------------- sampling
 
 
-@pytest.fixture(scope="class")
-def sampling_llm(qwen2_dir):
-    llm = LLM(qwen2_dir, **tiny_llm_kwargs())
+@pytest.fixture(scope="class", params=[True, False], ids=["async", "sync"])
+def sampling_llm(qwen2_dir, request):
+    llm = LLM(qwen2_dir, **tiny_llm_kwargs(async_scheduling=request.param))
     yield llm
     close_llm(llm)
 
@@ -310,9 +310,9 @@ class TestStopStrings:
 # ---------------------------------------------------------------- bad input
 
 
-@pytest.fixture(scope="class")
-def bad_input_llm(llama_dir):
-    llm = LLM(llama_dir, **tiny_llm_kwargs())
+@pytest.fixture(scope="class", params=[True, False], ids=["async", "sync"])
+def bad_input_llm(llama_dir, request):
+    llm = LLM(llama_dir, **tiny_llm_kwargs(async_scheduling=request.param))
     yield llm
     close_llm(llm)
 
