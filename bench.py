@@ -131,16 +131,17 @@ class HostTimer:
         return totals[0], totals[1]
 
 
-def step_plan(num_decode: int, context_len: int, prefill_len: int, block_size: int, num_prompts: int = 1) -> StepPlan:
+def step_plan(num_decode: int, context_len: int, prefill_len: int, block_size: int, num_prompts: int = 1,
+              vocab_size: int = 10001) -> StepPlan:
     """`num_decode` decode rows with `context_len` tokens each, then (prefill_len > 0) `num_prompts` prompts of
-    prefill_len new tokens each; every sequence in its own consecutive blocks."""
+    prefill_len new tokens each; every sequence in its own consecutive blocks; token ids below vocab_size."""
     plan, next_block = StepPlan(), 0
     rng = random.Random(0)  # token ids as the seed workload draws them: the GEMMs' power draw depends on the data
     rows = [(context_len - 1, 1)] * num_decode + ([(0, prefill_len)] * num_prompts if prefill_len else [])
     for start, n in rows:
         table = list(range(next_block, next_block - (-(start + n) // block_size)))
         next_block += len(table)
-        plan.input_ids += [rng.randint(0, 10000) for _ in range(n)]
+        plan.input_ids += [rng.randint(0, min(10000, vocab_size - 1)) for _ in range(n)]
         plan.positions += list(range(start, start + n))
         plan.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
         plan.query_lens.append(n)
@@ -158,7 +159,8 @@ def profile_step(runner, num_decode: int, prefill_len: int = 0, context_len: int
     from torch.profiler import ProfilerActivity, profile
 
     from nanovllm.layers.sampler import SamplingTensors
-    plan = step_plan(num_decode, context_len, prefill_len, runner.block_size, num_prompts)
+    plan = step_plan(num_decode, context_len, prefill_len, runner.block_size, num_prompts,
+                     runner.config.hf_config.vocab_size)
     name = f"step: {num_decode} decode rows (context {context_len}) + {num_prompts} x {prefill_len}-token prompts"
     if sum(len(t) for t in plan.block_tables) > runner.kv_cache.size(0):
         print(f"{name}: does not fit in the KV cache; skipped")
@@ -169,7 +171,8 @@ def profile_step(runner, num_decode: int, prefill_len: int = 0, context_len: int
 
     def step():
         with torch.inference_mode():
-            runner.sampler(runner._forward(plan), sampling)
+            logits, _ = runner._forward(plan)  # (sampled rows' logits, prompt logprobs)
+            runner.sampler(logits, sampling)
     for _ in range(3):
         step()
     sync()
@@ -204,11 +207,12 @@ def run(llm, args):
     stats = llm.stats()
     print(f"shape={args.shape} seqs={args.num_seqs} tp={args.tensor_parallel_size} backend={llm.runner.backend.name} "
           f"gpu_blocks={stats['num_gpu_blocks']} preemptions={stats['preemptions']}")
-    print(f"Total: {num_tokens} tok, Time: {seconds:.2f} s, Throughput: {num_tokens / seconds:.0f} tok/s, "
+    print(f"Total: {num_tokens} tok, Time: {seconds:.2f} s, "
+          f"Throughput: {num_tokens / seconds:.0f} tok/s, "
           f"host time per decode step: {1e3 * timer.seconds / max(timer.num_steps, 1):.3f} ms "
           f"over {timer.num_steps} steps")
-    print(f"TTFT p50 {lat['ttft_p50']:.3f} s, p99 {lat['ttft_p99']:.3f} s; inter-token p50 {1e3 * lat['itl_p50']:.2f} ms, "
-          f"p99 {1e3 * lat['itl_p99']:.2f} ms")
+    print(f"TTFT p50 {lat['ttft_p50']:.3f} s, p99 {lat['ttft_p99']:.3f} s; "
+          f"inter-token p50 {1e3 * lat['itl_p50']:.2f} ms, p99 {1e3 * lat['itl_p99']:.2f} ms")
     prep_ms = 1e3 * (timer.seconds - timer.postprocess_seconds) / max(timer.num_steps, 1)
     post_ms = 1e3 * timer.postprocess_seconds / max(timer.num_steps, 1)
     print(f"  of which scheduling + input preparation {prep_ms:.3f} ms, advance + read-back {post_ms:.3f} ms")

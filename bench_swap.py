@@ -5,7 +5,7 @@
     python bench_swap.py --scenario rtx4070 --scale 0.25 --plot
     python bench_swap.py --scenario chat                 # multi-turn chat: the host tier as a prefix cache
     python bench_swap.py --scenario rtx4070 chat --simulate   # the scheduler alone, on CPU, in seconds
-    python bench_swap.py --scenario laptop-reasoning laptop-agent   # inside an 8 GiB budget (benchmarks/bench_laptop.py)
+    python bench_swap.py --scenario laptop-reasoning laptop-agent   # in an 8 GiB budget (benchmarks/bench_laptop.py)
     python bench_swap.py --scenario laptop-agent-restart             # the disk tier across a process restart
 
 Modes: unpressured (no KV cap), recompute, swap, auto (all three capped). The workload is nano-vllm's bench.py:
@@ -13,8 +13,10 @@ random.seed(0), prompt and output lengths uniform in [100, 1024], prompt ids uni
 cache is off in these four modes, so that they compare preemption alone.
 "chat": 128 conversations x 4 turns sharing a 2048-token system prompt, Qwen3-8B shape, 20 GiB of GPU KV; modes
 no_host_tier (recompute, no host pool) and host_tier (64 GiB host pool: prefix cache + swap).
-"laptop-reasoning", "laptop-agent": an 8 GB laptop's workloads inside gpu_memory_budget_gib=8 (benchmarks/bench_laptop.py).
-"laptop-agent-restart": laptop-agent split by a process restart after turn 4; modes cold and disk (benchmarks/bench_restart.py).
+"laptop-reasoning", "laptop-agent": an 8 GB laptop's workloads inside gpu_memory_budget_gib=8
+(benchmarks/bench_laptop.py).
+"laptop-agent-restart": laptop-agent split by a process restart after turn 4; modes cold and disk
+(benchmarks/bench_restart.py).
 --gpu-memory-gib N runs any scenario as if the GPU had N GiB (gpu_memory_budget_gib).
 """
 import argparse
@@ -188,7 +190,8 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
             scheduler.add(seq)
         while not scheduler.is_finished():
             out = scheduler.schedule()
-            _check_progress(counts, out.is_empty, f"{scenario}/{mode} ({scheduler.block_manager.num_blocks} GPU blocks)")
+            _check_progress(counts, out.is_empty,
+                            f"{scenario}/{mode} ({scheduler.block_manager.num_blocks} GPU blocks)")
             counts["steps"] += 1
             counts["decode_steps"] += out.is_decode_only
             counts["batch_rows"] += len(out.seqs)

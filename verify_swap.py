@@ -59,7 +59,8 @@ def check_kv_roundtrip(model, cuda, **overrides):
         engine.swap_out(list(zip(src, cpu)))
         engine.swap_in(list(zip(cpu, dst)))
         engine.synchronize()
-        bits = lambda t: t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+        def bits(t):
+            return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
         for s, c, d in zip(src, cpu, dst):
             assert torch.equal(bits(host[c]), bits(kv[s].cpu())), f"gpu block {s} -> host block {c} differs"
             assert torch.equal(bits(kv[d]), bits(kv[s])), f"gpu block {s} -> host -> gpu block {d} differs"
@@ -248,7 +249,7 @@ def main():
             budget = [] if args.gpu_memory_gib is None else ["--gpu-memory-gib", str(args.gpu_memory_gib)]
             proc = subprocess.run([sys.executable, __file__, args.model, "--run-one", name, *budget],
                                   capture_output=True, text=True, timeout=args.timeout)
-            lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
             result = json.loads(lines[-1]) if lines else {"ok": False, "detail": proc.stderr.strip()[-2000:]}
         except subprocess.TimeoutExpired:
             result = {"ok": False, "detail": f"timed out after {args.timeout} s (deadlock?)"}

@@ -5,8 +5,9 @@
 ignore_eos; modes recompute, swap, auto.
 "laptop-agent": 4 agent sessions x 8 turns after a 2,048-token shared system prompt; each turn appends a tool output
 of 500-3,000 tokens and generates 200-800 (random.Random(3)); modes no_host_tier and host_tier (16 GiB host pool).
-"laptop-agent-restart": laptop-agent split by a process restart after turn 4 (benchmarks/bench_restart.py): a "before" process
-runs turns 1-4 with the disk tier and saves the histories; a fresh process per mode runs turns 5-8 from them, cold
+"laptop-agent-restart": laptop-agent split by a process restart after turn 4 (benchmarks/bench_restart.py): a
+"before" process runs turns 1-4 with the disk tier and saves the histories; a fresh process per mode runs turns 5-8
+from them, cold
 (no disk tier: the history is recomputed) or disk (the same kv_disk_path: the engine loads or recomputes per hit).
 
 Steps are at most 2,048 tokens (max_num_batched_tokens) and at most 256 sequences (reasoning) or 16 (agent) run at

@@ -55,5 +55,5 @@ def _unregister_pages(cudart, ptr: int):
 
 def _check(result, call: str, num_bytes: int):
     if int(result) != 0:
-        raise RuntimeError(f"{call} of {num_bytes / GiB:.2f} GiB failed with cudaError {int(result)} (a lower swap_space may fit the "
-                           f"host's limit on locked memory, see `ulimit -l`)")
+        raise RuntimeError(f"{call} of {num_bytes / GiB:.2f} GiB failed with cudaError {int(result)} "
+                           f"(a lower swap_space may fit the host's limit on locked memory, see `ulimit -l`)")

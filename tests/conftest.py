@@ -19,10 +19,23 @@ import random
 
 # hermetic: every model here is on local disk; never ask a hub (also for the CLI subprocesses)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# one intra-op thread per test process (each pytest-xdist worker, each engine subprocess): the tests' tensors are
+# tiny, and a second thread per op only waits for a core that another worker holds (5-12x slower on a busy 2-core
+# machine). Set before torch is imported; OMP_NUM_THREADS=N overrides it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
 
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu skip, saying why, where CUDA is not available."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu: needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture

@@ -13,20 +13,21 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("nanovllm", "nanovllm_offload")
 
-# lowest first; a module may import modules of its own layer or of a lower one. The longest matching prefix names a
-# module's layer.
+# lowest first; a module may import modules of its own layer or of a lower one. A pattern "a.b.*" holds the package
+# a.b and every module under it, a pattern without ".*" holds exactly that module; the longest matching pattern names
+# a module's layer. A module no pattern holds fails test_every_module_has_a_layer: give it a layer here.
 LAYERS = [
     # metadata, request checks; a request's options and its logprobs' type (vLLM's modules)
-    ("floor", ["nanovllm.core", "nanovllm.sampling_params", "nanovllm.inputs", "nanovllm.logprobs",
+    ("floor", ["nanovllm.core.*", "nanovllm.sampling_params", "nanovllm.inputs", "nanovllm.logprobs",
                "nanovllm.outputs"]),
-    ("config", ["nanovllm.config", "nanovllm.utils"]),
-    ("offload", ["nanovllm_offload"]),  # the host tier: the floor, torch, config types
-    ("kernels", ["nanovllm.kernels"]),
-    ("layers", ["nanovllm.layers"]),
-    ("models", ["nanovllm.models"]),
-    ("engine", ["nanovllm.engine"]),
+    ("config", ["nanovllm.config", "nanovllm.utils.*"]),
+    ("offload", ["nanovllm_offload.*"]),  # the host tier: the floor, torch, config types
+    ("kernels", ["nanovllm.kernels.*"]),
+    ("layers", ["nanovllm.layers.*"]),
+    ("models", ["nanovllm.models.*"]),
+    ("engine", ["nanovllm.engine.*"]),
     ("llm", ["nanovllm.llm", "nanovllm"]),  # `nanovllm` is the package's __init__: LLM and SamplingParams
-    ("entrypoints", ["nanovllm.entrypoints"]),
+    ("entrypoints", ["nanovllm.entrypoints.*"]),
 ]
 # the unit whose cycles count as package cycles: a subpackage, or a top-level module
 UNIT_DEPTH = {"nanovllm": 2, "nanovllm_offload": 1}
@@ -73,12 +74,23 @@ def import_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
     return graph
 
 
+def matches(module: str, pattern: str) -> bool:
+    if pattern.endswith(".*"):
+        return module == pattern[:-2] or module.startswith(pattern[:-1])
+    return module == pattern
+
+
 def layer_of(module: str) -> int:
-    best = max(((len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
-                if module == prefix or module.startswith(prefix + ".")), default=None)
+    best = max(((len(pattern), i) for i, (_, patterns) in enumerate(LAYERS) for pattern in patterns
+                if matches(module, pattern)), default=None)
     if best is None:
         raise AssertionError(f"{module} is in no layer: add it to LAYERS in {__file__}")
     return best[1]
+
+
+def modules_without_layer(root: pathlib.Path = ROOT) -> list[str]:
+    return [module for module in sorted(module_files(root))
+            if not any(matches(module, pattern) for _, patterns in LAYERS for pattern in patterns)]
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
@@ -137,8 +149,6 @@ def violations(root: pathlib.Path = ROOT) -> list[str]:
     return found
 
 
-# known violations that another change under way removes (the server split breaks the CLI <-> server cycle);
-# delete an entry once it no longer occurs
 def test_imports_run_downward_without_cycles():
     assert violations() == []
 
@@ -149,8 +159,7 @@ def test_imports_run_downward_without_cycles():
     ("nanovllm_offload/host_kv_cache.py", "from nanovllm.engine import scheduler"),  # offload -> engine
 ])
 def test_a_planted_violation_is_found(tmp_path, plant):
-    for package in PACKAGES:
-        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    copy_packages(tmp_path)
     path, line = plant
     with open(tmp_path / path, "a") as f:
         f.write(f"\n{line}\n")
@@ -158,13 +167,20 @@ def test_a_planted_violation_is_found(tmp_path, plant):
 
 
 def test_every_module_has_a_layer():
-    for module in import_graph():
-        layer_of(module)
+    assert modules_without_layer() == []
+
+
+@pytest.mark.parametrize("path", ["nanovllm/planted.py", "nanovllm/newpackage/__init__.py"])
+def test_a_module_outside_every_layer_is_found(tmp_path, path):
+    """The package's own name holds only its __init__: a new top-level module or package must be given a layer."""
+    copy_packages(tmp_path)
+    (tmp_path / path).parent.mkdir(exist_ok=True)
+    (tmp_path / path).write_text("import nanovllm.core.sequence\n")
+    assert modules_without_layer(tmp_path) == [path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")]
 
 
 def test_the_metadata_floor_imports_without_torch():
-    modules = [m for pattern in TORCH_FREE for m in module_files(ROOT)
-               if m == pattern or (pattern.endswith(".*") and m.startswith(pattern[:-1]))]
+    modules = [m for pattern in TORCH_FREE for m in module_files(ROOT) if matches(m, pattern)]
     code = ("import sys\nsys.modules['torch'] = None\nsys.modules['transformers'] = None\n"
             + "".join(f"import {m}\n" for m in modules)
             + "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\nprint('ok')\n")
@@ -174,22 +190,49 @@ def test_the_metadata_floor_imports_without_torch():
 
 
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
+# Files are judged by job, not by lines: a file over MAX_FILE_LINES names here the one job that keeps it whole.
+LONG_FILES: dict[str, str] = {}
+# A function over MAX_FUNCTION_LINES names here why it is one piece.
+LONG_FUNCTIONS = {
+    "nanovllm.kernels.decode_attention._decode_kernel":
+        "a Triton kernel: its loads, split-K loop and stores share registers and masks",
+    "nanovllm.kernels.paged_common.attend_tile":
+        "a Triton device function inlined into both attention kernels: one tile's online softmax",
+    "nanovllm.kernels.prefill_attention._prefill_kernel":
+        "a Triton kernel: its loads, causal loop and stores share registers and masks",
+}
+
+
+def sizes(root: pathlib.Path = ROOT) -> tuple[dict[str, int], dict[str, int]]:
+    """Lines per production file and per function (methods as module.Class.method), nested ones included."""
+    file_lines, function_lines = {}, {}
+    for module, path in module_files(root).items():
+        text = path.read_text()
+        file_lines[module] = text.count("\n")
+        tree = ast.parse(text)
+        for parent in ast.walk(tree):
+            prefix = module if parent is tree else None
+            if isinstance(parent, ast.ClassDef):
+                prefix = f"{module}.{parent.name}"
+            elif isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                prefix = f"{module}.{parent.name}"
+            for node in ast.iter_child_nodes(parent):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and prefix is not None:
+                    function_lines[f"{prefix}.{node.name}"] = node.end_lineno - node.lineno + 1
+    return file_lines, function_lines
 
 
 def oversized(root: pathlib.Path = ROOT) -> list[str]:
-    """Production files over 400 lines and functions over 60. Triton kernels (@triton.jit) are excepted: each says
-    in a comment why it is one piece (a kernel's loads, loop and stores share registers and masks)."""
-    found = []
-    for module, path in module_files(root).items():
-        text = path.read_text()
-        if text.count("\n") > MAX_FILE_LINES:
-            found.append(f"{module}: {text.count(chr(10))} lines")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                is_kernel = any("jit" in ast.unparse(d) for d in node.decorator_list)
-                length = node.end_lineno - node.lineno + 1
-                if length > MAX_FUNCTION_LINES and not is_kernel:
-                    found.append(f"{module}.{node.name}: {length} lines")
+    """Files over 400 lines and functions over 60 that no allow-list names, and allow-list entries that are no
+    longer long (an allow-list that outlives its reason would excuse the next long function of that name)."""
+    file_lines, function_lines = sizes(root)
+    found = [f"{m}: {n} lines" for m, n in sorted(file_lines.items()) if n > MAX_FILE_LINES and m not in LONG_FILES]
+    found += [f"{f}: {n} lines" for f, n in sorted(function_lines.items())
+              if n > MAX_FUNCTION_LINES and f not in LONG_FUNCTIONS]
+    found += [f"{m}: allowed in LONG_FILES but {file_lines.get(m, 0)} lines" for m in LONG_FILES
+              if file_lines.get(m, 0) <= MAX_FILE_LINES]
+    found += [f"{f}: allowed in LONG_FUNCTIONS but {function_lines.get(f, 0)} lines" for f in LONG_FUNCTIONS
+              if function_lines.get(f, 0) <= MAX_FUNCTION_LINES]
     return found
 
 
@@ -197,10 +240,23 @@ def test_files_and_functions_stay_small():
     assert oversized() == []
 
 
-def test_an_oversized_function_is_found(tmp_path):
-    copy = tmp_path / "repo"
-    shutil.copytree(ROOT / "nanovllm", copy / "nanovllm")
-    shutil.copytree(ROOT / "nanovllm_offload", copy / "nanovllm_offload")
-    body = "".join(f"    x{i} = {i}\n" for i in range(61))
-    (copy / "nanovllm" / "core" / "planted.py").write_text(f"def planted():\n{body}")
-    assert oversized(copy) == ["nanovllm.core.planted.planted: 62 lines"]
+def copy_packages(root: pathlib.Path) -> pathlib.Path:
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, root / package, ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def test_an_oversized_function_and_file_are_found(tmp_path):
+    copy = copy_packages(tmp_path)
+    body = "".join(f"        x{i} = {i}\n" for i in range(61))
+    (copy / "nanovllm" / "core" / "planted.py").write_text(f"class Planted:\n    def method(self):\n{body}")
+    (copy / "nanovllm" / "core" / "long.py").write_text("x = 1\n" * 401)
+    assert oversized(copy) == ["nanovllm.core.long: 401 lines", "nanovllm.core.planted.Planted.method: 62 lines"]
+
+
+def test_a_stale_allowance_is_found(tmp_path, monkeypatch):
+    monkeypatch.setitem(LONG_FUNCTIONS, "nanovllm.core.sequence.Sequence.__init__", "planted")
+    monkeypatch.setitem(LONG_FILES, "nanovllm.core.sequence", "planted")
+    found = oversized()
+    assert any(f.startswith("nanovllm.core.sequence.Sequence.__init__: allowed") for f in found), found
+    assert any(f.startswith("nanovllm.core.sequence: allowed") for f in found), found

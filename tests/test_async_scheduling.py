@@ -1,5 +1,8 @@
 """async_scheduling=True: step N+1 is scheduled while step N runs, sampled tokens come back one step late. The
-outputs must be exactly those of the synchronous engine, under every path that touches the pending tokens."""
+outputs must be exactly those of the synchronous engine, under every path that touches the pending tokens.
+
+Asynchronous scheduling is the default, so every comparison pins both sides (async_scheduling=False against True);
+test_a_planted_async_lag_fails_the_comparison shows that the comparison sees a bug of the asynchronous side alone."""
 import pytest
 
 from conftest import close_llm, greedy, random_prompts, smollm2_llm_kwargs, tiny_llm_kwargs
@@ -8,13 +11,46 @@ from nanovllm import LLM, SamplingParams
 PROMPTS = random_prompts([3, 17, 40, 9, 33, 21])
 
 
-def generate(model_dir, prompts, params, **kwargs):
+def generate(model_dir, prompts, params, plant=None, **kwargs):
     llm = LLM(model_dir, **kwargs)
     try:
+        if plant is not None:
+            plant(llm)
         outs = llm.generate(prompts, params, use_tqdm=False)
         return [(o["token_ids"], o["finish_reason"], o["text"]) for o in outs], llm.stats()
     finally:
         close_llm(llm)
+
+
+def sync_and_async(model_dir, prompts, params, llm_kwargs, plant=None):
+    """(the synchronous engine's outputs, the asynchronous engine's outputs, the asynchronous engine's stats)."""
+    sync, _ = generate(model_dir, prompts, params, plant, **{**llm_kwargs, "async_scheduling": False})
+    got, stats = generate(model_dir, prompts, params, plant, **{**llm_kwargs, "async_scheduling": True})
+    return sync, got, stats
+
+
+def lag_one_step_when_async(llm):
+    """A planted bug of asynchronous scheduling: each sequence is given the token sampled one step before."""
+    if not llm.config.async_scheduling:
+        return
+    resolve, previous = llm.scheduler.resolve, {}
+
+    def lagged(rows, token_ids):
+        late = []
+        for row, token_id in zip(rows, token_ids):
+            seq_id = None if row is None else row[0].seq_id
+            late.append(previous.get(seq_id, token_id))
+            previous[seq_id] = token_id
+        return resolve(rows, late)
+    llm.scheduler.resolve = lagged
+
+
+def test_a_planted_async_lag_fails_the_comparison(qwen3_dir):
+    sync, got, _ = sync_and_async(qwen3_dir, PROMPTS, greedy(20), tiny_llm_kwargs(), plant=lag_one_step_when_async)
+    assert got != sync
+    unplanted, _ = generate(qwen3_dir, PROMPTS, greedy(20), lag_one_step_when_async,
+                            **tiny_llm_kwargs(async_scheduling=False))
+    assert unplanted == sync  # the plant touches the asynchronous engine only
 
 
 @pytest.mark.parametrize("pressure", [{}, dict(num_kvcache_blocks=24, preemption_mode="recompute"),
@@ -22,9 +58,7 @@ def generate(model_dir, prompts, params, **kwargs):
                                       dict(max_num_batched_tokens=16)])
 def test_async_equals_sync(tiny_dirs, pressure):
     for family in ("qwen3", "llama"):
-        sync, _ = generate(tiny_dirs[family], PROMPTS, greedy(20), **tiny_llm_kwargs(**pressure))
-        got, stats = generate(tiny_dirs[family], PROMPTS, greedy(20),
-                              **tiny_llm_kwargs(async_scheduling=True, **pressure))
+        sync, got, stats = sync_and_async(tiny_dirs[family], PROMPTS, greedy(20), tiny_llm_kwargs(**pressure))
         assert got == sync, family
         if pressure.get("preemption_mode") == "swap":
             assert stats["preemptions_swap"] > 0 and stats["recomputed_tokens"] == 0
@@ -32,31 +66,28 @@ def test_async_equals_sync(tiny_dirs, pressure):
 
 def test_async_stops_on_tokens_and_mixed_lengths_like_sync(qwen3_dir):
     sync_params = [greedy(20), greedy(3), greedy(12), greedy(1), greedy(20), greedy(7)]
-    sync, _ = generate(qwen3_dir, PROMPTS, sync_params, **tiny_llm_kwargs())
+    first, _ = generate(qwen3_dir, PROMPTS, sync_params, **tiny_llm_kwargs(async_scheduling=False))
     # stop on a token the synchronous run produced mid-way: the asynchronous run has already sampled past it
-    stop_token = sync[0][0][5]
+    stop_token = first[0][0][5]
     params = [greedy(20, stop_token_ids=[stop_token])] + sync_params[1:]
-    sync, _ = generate(qwen3_dir, PROMPTS, params, **tiny_llm_kwargs())
-    got, _ = generate(qwen3_dir, PROMPTS, params, **tiny_llm_kwargs(async_scheduling=True))
+    sync, got, _ = sync_and_async(qwen3_dir, PROMPTS, params, tiny_llm_kwargs())
     assert got == sync
     assert got[0][1] == "stop" and got[0][0][-1] == stop_token and len(got[0][0]) <= 6
 
 
 def test_async_seeded_sampling_equals_sync(qwen3_dir):
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
-    sync, _ = generate(qwen3_dir, PROMPTS, params, **tiny_llm_kwargs())
-    got, _ = generate(qwen3_dir, PROMPTS, params, **tiny_llm_kwargs(async_scheduling=True))
+    sync, got, _ = sync_and_async(qwen3_dir, PROMPTS, params, tiny_llm_kwargs())
     assert got == sync
 
 
 def test_async_stop_strings_and_eos_on_smollm2(smollm2_dir):
     prompts = ["The capital of France is", "Once upon a time", "List three colors:"]
     base, _ = generate(smollm2_dir, prompts, SamplingParams(temperature=0, max_tokens=24),
-                       **smollm2_llm_kwargs())
+                       **smollm2_llm_kwargs(async_scheduling=False))
     stop = base[1][2].split()[3]  # a word from the middle of the second answer
     params = SamplingParams(temperature=0, max_tokens=24, stop=[stop])
-    sync, _ = generate(smollm2_dir, prompts, params, **smollm2_llm_kwargs())
-    got, _ = generate(smollm2_dir, prompts, params, **smollm2_llm_kwargs(async_scheduling=True))
+    sync, got, _ = sync_and_async(smollm2_dir, prompts, params, smollm2_llm_kwargs())
     assert got == sync and got[1][1] == "stop" and stop not in got[1][2]
 
 
@@ -85,7 +116,7 @@ def test_async_preempt_between_steps_before_the_token_is_read_back(qwen3_dir, mo
     recompute prefill ends on it; the runner must fill it in from the step in flight (it reached the embedding as
     -1 before)."""
     prompts = random_prompts([10, 14])
-    ref, _ = generate(qwen3_dir, prompts, greedy(8), **tiny_llm_kwargs())
+    ref, _ = generate(qwen3_dir, prompts, greedy(8), **tiny_llm_kwargs(async_scheduling=False))
     llm = LLM(qwen3_dir, **tiny_llm_kwargs(async_scheduling=True, swap_space=swap_space))
     try:
         seq_ids = [llm.add_request(p, greedy(8)) for p in prompts]
@@ -162,9 +193,8 @@ def test_async_penalties_equal_sync(qwen3_dir, pressure):
                  dict(presence_penalty=-2.0, frequency_penalty=-2.0), {},
                  dict(repetition_penalty=0.5, frequency_penalty=-0.5)]
     params = [greedy(20, **kw) for kw in penalties]
-    plain, _ = generate(qwen3_dir, PROMPTS, greedy(20), **tiny_llm_kwargs(**pressure))
-    sync, _ = generate(qwen3_dir, PROMPTS, params, **tiny_llm_kwargs(async_scheduling=False, **pressure))
-    got, stats = generate(qwen3_dir, PROMPTS, params, **tiny_llm_kwargs(async_scheduling=True, **pressure))
+    plain, _ = generate(qwen3_dir, PROMPTS, greedy(20), **tiny_llm_kwargs(async_scheduling=False, **pressure))
+    sync, got, stats = sync_and_async(qwen3_dir, PROMPTS, params, tiny_llm_kwargs(**pressure))
     assert got == sync
     assert [s == p for s, p in zip(sync, plain)] == [not kw for kw in penalties]  # each penalty changed its output
     if "preemption_mode" in pressure:

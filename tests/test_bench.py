@@ -41,3 +41,18 @@ def test_a_failed_variant_makes_the_comparison_fail(monkeypatch, capsys):
     ok = subprocess.CompletedProcess([], 0, "Throughput: 100 tok/s", "")
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: ok)
     assert bench.run_variants(["", "NANOVLLM_DECODE_TILE=64,32,2,4"], 1) == 0
+
+
+def test_profile_step_runs_decode_and_mixed_steps(qwen3_dir, capsys):
+    """bench.py --profile-decode 3:16 and --profile-mixed 2:8x2 on CPU: the steps run through the sampler (it was
+    handed the forward's (logits, prompt logprobs) pair and failed) and the line with the timing is printed."""
+    llm = LLM(qwen3_dir, **tiny_llm_kwargs())
+    try:
+        bench.profile_step(llm.runner, 3, context_len=16, num_iters=2)
+        bench.profile_step(llm.runner, 2, prefill_len=8, context_len=16, num_iters=2, num_prompts=2)
+    finally:
+        close_llm(llm)
+    out = capsys.readouterr().out
+    assert "step: 3 decode rows (context 16) + 1 x 0-token prompts: " in out
+    assert "step: 2 decode rows (context 16) + 2 x 8-token prompts: " in out
+    assert out.count("ms per step back to back") == 2

@@ -1,12 +1,12 @@
-"""Relative links in README.md and docs/*.md reach a file that exists and, with #anchor, a heading or an
-`<a id>` in it (GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens)."""
+"""Relative links in README.md, docs/*.md and the benchmark log reach a file that exists and, with #anchor, a
+heading or an `<a id>` in it (GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens)."""
 import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "log.md"]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6} +(.+?) *$", re.M)
 HTML_ID = re.compile(r'<a id="([^"]+)">')

@@ -61,7 +61,7 @@ def read_blocks(page: Path) -> list[Block]:
     blocks = []
     for match in FENCE.finditer(source):
         line = source.count("\n", 0, match.start()) + 1
-        before = [l for l in source[:match.start()].splitlines() if l.strip()]
+        before = [line for line in source[:match.start()].splitlines() if line.strip()]
         marker = MARKER.search(before[-1]) if before else None
         blocks.append(Block(page, line, match.group(1).lower(), match.group(2),
                             marker.group(1) if marker else None,
@@ -103,7 +103,7 @@ def test_markers_are_known_and_give_reasons():
 def test_command_blocks_are_tagged():
     for block in BLOCKS:
         if not block.lang:
-            first = next((l for l in block.text.splitlines() if l.strip()), "")
+            first = next((line for line in block.text.splitlines() if line.strip()), "")
             assert not COMMAND_START.match(first), f"{block.where}: an untagged block of commands; tag it ```bash"
 
 

@@ -43,9 +43,9 @@ ids_of = ids  # for tests whose locals shadow `ids`
 # ---------------------------------------------------------------- sampling
 
 
-@pytest.fixture(scope="class")
-def sampling_llm(qwen2_dir):
-    llm = LLM(qwen2_dir, **tiny_llm_kwargs())
+@pytest.fixture(scope="class", params=[True, False], ids=["async", "sync"])
+def sampling_llm(qwen2_dir, request):
+    llm = LLM(qwen2_dir, **tiny_llm_kwargs(async_scheduling=request.param))
     yield llm
     close_llm(llm)
 
@@ -310,9 +310,9 @@ class TestStopStrings:
 # ---------------------------------------------------------------- bad input
 
 
-@pytest.fixture(scope="class")
-def bad_input_llm(llama_dir):
-    llm = LLM(llama_dir, **tiny_llm_kwargs())
+@pytest.fixture(scope="class", params=[True, False], ids=["async", "sync"])
+def bad_input_llm(llama_dir, request):
+    llm = LLM(llama_dir, **tiny_llm_kwargs(async_scheduling=request.param))
     yield llm
     close_llm(llm)
 
@@ -565,7 +565,7 @@ def test_cli_generate_token_ids(qwen3_dir):
     r = run_cli("generate", "--model", qwen3_dir, "--prompt-ids", ",".join(map(str, prompt)),
                 "--max-tokens", "6", "--ignore-eos", "--json", *TINY_CLI)
     assert r.returncode == 0, r.stderr
-    [line] = [l for l in r.stdout.splitlines() if l.startswith("{")]
+    [line] = [text for text in r.stdout.splitlines() if text.startswith("{")]
     out = json.loads(line)
     assert out["token_ids"] == hf_greedy(qwen3_dir, [prompt], 6)[0], out
     assert out["finish_reason"] == "length"

@@ -212,7 +212,7 @@ def test_triton_fp8_kernels_match_the_torch_backend():
     """The store kernel writes the torch backend's bytes (on a GPU exactly; Triton's interpreter rounds a value
     that carries into the next binade, and e5m2, wrongly, so there a few bytes differ), and the decode and prefill
     kernels read FP8 values and scales in place as the torch backend's dequantized reference does."""
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs triton (the test-triton extra)")
     res = _run(KERNELS)
     exact = torch.cuda.is_available()
     for kvd in ("fp8_e4m3", "fp8_e5m2"):
@@ -272,7 +272,7 @@ def test_fused_rope_store_writes_fp8_as_the_unfused_path():
     and quantized v as the torch path (rope, then rotation, then the torch backend's store) does: no stored value
     off by more than one e4m3 step on a GPU (the rotation's rounding may flip an FP8 rounding), and in the
     interpreter, whose FP8 conversion gets a rounding that carries into the next binade wrong, at most 3%."""
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs triton (the test-triton extra)")
     res = _run(ROPE_STORE)
     for dtype in ("torch.float32", "torch.float16"):
         assert res.pop(dtype + "/other_layer_untouched"), res

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.subprocess]  # each engine runs in its own subprocess
 
 PROMPT_LENS = (5, 40, 130, 300, 17, 77)
 MAX_TOKENS = 48

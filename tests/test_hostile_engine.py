@@ -15,9 +15,10 @@ from nanovllm import LLM, SamplingParams
 GOOD = random_prompts((13, 7, 21), seed=70)
 
 
-@pytest.fixture(scope="module")
-def llm(qwen3_dir):
-    engine = LLM(qwen3_dir, **tiny_llm_kwargs())
+@pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])
+def llm(qwen3_dir, request):
+    """One engine per scheduling mode, shared by the module's tests."""
+    engine = LLM(qwen3_dir, **tiny_llm_kwargs(async_scheduling=request.param))
     yield engine
     close_llm(engine)
 

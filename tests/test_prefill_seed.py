@@ -143,7 +143,7 @@ with LLM(sys.argv[1], device="cuda", dtype="float32", kvcache_block_size=16, max
 """
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_a_cuda_engine_starts_from_a_measured_prefill_speed(qwen3_dir):
     proc = subprocess.run([sys.executable, "-c", GPU_RUN, qwen3_dir], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

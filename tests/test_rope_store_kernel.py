@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="needs triton (the test-triton extra)")
 
 CHECK = r"""
 import torch

@@ -127,7 +127,8 @@ def test_filtered_rows_are_sampled_in_chunks_with_the_same_draws(monkeypatch):
     min_ps = torch.full((batch,), 0.01)
     calls = []
     filtered = Sampler._filtered_sample
-    monkeypatch.setattr(Sampler, "_filtered_sample", lambda self, x, st: calls.append(x.size(0)) or filtered(self, x, st))
+    monkeypatch.setattr(Sampler, "_filtered_sample",
+                        lambda self, x, st: calls.append(x.size(0)) or filtered(self, x, st))
 
     def draw():
         generators = [torch.Generator(logits.device).manual_seed(100 + i) for i in range(batch)]

@@ -3,10 +3,7 @@
 Block size 4 throughout; `run_step` samples token 7 for every sequence that completes its prompt."""
 import pytest
 
-from metadata_factories import BLOCK_SIZE, check, make_scheduler, make_seq, run_step, run_step_async
-from nanovllm.engine.scheduler import Scheduler
-from nanovllm_offload.host_tier import HostTier
-from nanovllm_offload.policy import PreemptionPolicy
+from metadata_factories import check, make_scheduler, make_seq, run_step, run_step_async
 
 
 def test_prefill_then_decode_with_exact_blocks():

@@ -27,7 +27,7 @@ def run_random_workload(seed: int):
         s.kv_ready = kv_ready
     prefix = [rng.randrange(1, 500) for _ in range(12)]
     pending = []
-    for i in range(rng.randint(10, 20)):
+    for _ in range(rng.randint(10, 20)):
         body = [rng.randrange(1, 500) for _ in range(rng.randint(1, 12))]
         pending.append(make_seq(token_ids=(prefix if rng.random() < 0.5 else []) + body,
                                 max_tokens=rng.randint(1, 16)))
@@ -35,7 +35,7 @@ def run_random_workload(seed: int):
     aborted = []
     shadow = ShadowKV()
     asynchronous, in_flight = seed % 5 >= 2, []  # the engine's loop: step N-1 is read back after N is launched
-    for step in range(2000):
+    for _ in range(2000):
         if pending and rng.random() < 0.3:
             s.add(pending.pop(0))
         if s.running and rng.random() < 0.1:  # force a preemption of a random running sequence

@@ -32,13 +32,17 @@ def test_unsupported_python_is_named(tmp_path):
 
 
 def test_makefile_targets_call_the_script():
-    dry_run = subprocess.run(["make", "-n", "demo", "test", "gpu", "VENV=/v"], cwd=ROOT, capture_output=True,
-                             text=True)
+    dry_run = subprocess.run(["make", "-n", "demo", "test", "test-fast", "lint", "gpu", "VENV=/v"], cwd=ROOT,
+                             capture_output=True, text=True)
     if dry_run.returncode != 0 and "No such file" in dry_run.stderr:
         import pytest
         pytest.skip("no make here")
-    lines = dry_run.stdout.splitlines()
-    assert "sh scripts/setup_venv.sh convert" in lines and "sh scripts/setup_venv.sh test" in lines
+    lines = dry_run.stdout.replace("\\\n\t", "").splitlines()  # a recipe's continued lines joined
+    assert "sh scripts/setup_venv.sh convert" in lines and "sh scripts/setup_venv.sh test test-triton" in lines
+    assert "sh scripts/setup_venv.sh test" in lines  # test-fast and lint: without triton
     assert "/v/bin/nanovllm generate \"What is the capital of France?\"" in lines
-    assert any(line.endswith("/v/bin/python -m pytest tests/ -q") for line in lines)
+    assert any(line.endswith("/v/bin/python -m pytest tests/ -q -n auto") for line in lines)
+    fast = [line for line in lines if 'not slow and not subprocess and not gpu and not docs' in line]
+    assert len(fast) == 1 and "-m pytest tests/ -q -n auto" in fast[0], lines
+    assert "/v/bin/ruff check ." in lines and "/v/bin/vulture" in lines
     assert "/v/bin/python verify_swap.py" in lines

@@ -94,7 +94,7 @@ def test_failed_tp_start_leaves_no_process_group(qwen3_dir, tmp_path):
     weights = load_file(bad / "model.safetensors")
     weights.pop("model.norm.weight")
     save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(Exception):
+    with pytest.raises((ValueError, RuntimeError), match="lacks weights"):  # rank 0's, or a worker's with its traceback
         LLM(str(bad), **tiny_llm_kwargs(tensor_parallel_size=2, async_scheduling=False))
     assert not dist.is_initialized()
     outs, _ = run(qwen3_dir, tiny_llm_kwargs(), prompts=PROMPTS[:1], max_tokens=4)

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="needs triton (the test-triton extra)")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernels")
 
 COMPILE_ALL = r"""
@@ -53,8 +53,8 @@ def compile_only(self, *args, grid, warmup, **kwargs):
     kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
     assert kernel is not None and kernel.asm.get("cubin"), self.fn.__name__
     shared = kernel.metadata.shared
-    assert shared <= SHARED_LIMIT_BYTES, (f"{self.fn.__name__} needs {shared} bytes of shared memory on sm_{TARGET_CC}, "
-                                          f"over {SHARED_LIMIT_BYTES}: {kwargs}")
+    assert shared <= SHARED_LIMIT_BYTES, (f"{self.fn.__name__} needs {shared} bytes of shared memory on "
+                                          f"sm_{TARGET_CC}, over {SHARED_LIMIT_BYTES}: {kwargs}")
     compiled.add(self.fn.__name__)
     return kernel
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="needs triton (the test-triton extra)")
 
 SAMPLER = """
 import json

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels need a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"  # the CPU interpreter (TRITON_INTERPRET=1) can be used by overriding this
 NUM_LAYERS, LAYER = 3, 1
@@ -135,7 +135,7 @@ PREFILL_BATCH = [(0, 1), (13, 37), (500, 1), (77, 300), (259, 5), (0, 130), (16,
 
 def _run_prefill(dtype, head_dim, block_size, num_heads, num_kv_heads, batch=PREFILL_BATCH):
     torch.manual_seed(1)
-    prefixes, qlens = zip(*batch)
+    _, qlens = zip(*batch)
     seq_lens = [p + n for p, n in batch]
     tables, num_blocks = make_block_tables(seq_lens, block_size)
     _, k_cache, v_cache = make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)

@@ -44,7 +44,6 @@ def num_blocks_for_budget(config: Config, block_bytes: int, device: torch.device
             measured["card_bytes"], config.gpu_memory_utilization, measured["weights_bytes"],
             measured["activation_peak_bytes"], measured["graph_pool_bytes"], measured["non_torch_bytes"],
             block_bytes, max_blocks)
-        breakdown["old_rule_kv"] = measured.get("old_rule_kv_bytes", 0)  # what the replaced rule gave (the log)
     else:
         num_blocks = cpu_kv_blocks(block_bytes, max_blocks)
     if num_ranks > 1:

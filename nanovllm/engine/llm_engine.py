@@ -103,9 +103,8 @@ class LLMEngine:
         if self.memory_breakdown is None:
             return
         self.memory_breakdown["graph_pools_measured"] = self.runner.graph_pool_bytes_measured
-        logger.info("%s; graph pools measured after capture %.2f GiB; the previous sizing rule gave %.2f GiB of KV",
-                    format_breakdown(self.memory_breakdown), self.runner.graph_pool_bytes_measured / GiB,
-                    self.memory_breakdown.get("old_rule_kv", 0) / GiB)
+        logger.info("%s; graph pools measured after capture %.2f GiB", format_breakdown(self.memory_breakdown),
+                    self.runner.graph_pool_bytes_measured / GiB)
 
     def _call(self, method: str, *args):
         """Run a runner method on every rank; returns rank 0's result."""

@@ -14,13 +14,13 @@ import torch
 
 from nanovllm.config import budget_bytes
 from nanovllm.core.memory_plan import GiB
+from nanovllm.engine.cuda_graph import MAX_MIXED_GRAPH_TOKENS
 from nanovllm.layers.logprobs import chosen_and_top, raw_logprobs
 from nanovllm.layers.sampler import SamplingTensors
 from nanovllm.utils.context import AttentionMetadata, reset_context, set_context
 from nanovllm.utils.switches import SWITCHES
 
 logger = logging.getLogger(__name__)
-MAX_PIECEWISE_GRAPH_TOKENS = 2048  # model_runner.py's MIXED_GRAPH_TOKENS[-1]
 
 
 def non_torch_bytes(device: torch.device) -> int:
@@ -108,22 +108,18 @@ def profile_memory(runner) -> dict:
     seq_len = min(config.max_num_batched_tokens, config.max_model_len)
     num_tokens = seq_len * min(config.max_num_batched_tokens // seq_len, config.max_num_seqs)
     activation_peak = _peak_bytes(runner, num_tokens, seq_len, config.max_num_seqs, sample=True)
-    # the rule this replaced, on the same run, for the record: it took the peak off a `total - free` that already
-    # held the allocator's cached activations (and ignored the budget and the graph pools)
-    free, total = torch.cuda.mem_get_info(device)
-    old_rule_kv_bytes = int(total * config.gpu_memory_utilization - (total - free) - activation_peak)
     graph_pools = 0
     if uses_cuda_graphs(runner):
         decode_rows = min(config.max_num_seqs, config.max_cudagraph_capture_size)
         piecewise = 0 if SWITCHES.piecewise_graphs == "0" else min(config.max_num_batched_tokens,
-                                                                   MAX_PIECEWISE_GRAPH_TOKENS)
+                                                                   MAX_MIXED_GRAPH_TOKENS)
         graph_tokens = max(decode_rows, piecewise)
         graph_pools = _peak_bytes(runner, graph_tokens, min(graph_tokens, config.max_model_len), 1, sample=False)
     torch.cuda.empty_cache()
     apply_budget(config, device)
     return dict(card_bytes=card_bytes(config, device), weights_bytes=weights_bytes,
                 activation_peak_bytes=activation_peak, graph_pool_bytes=graph_pools,
-                non_torch_bytes=non_torch_bytes(device), old_rule_kv_bytes=old_rule_kv_bytes)
+                non_torch_bytes=non_torch_bytes(device))
 
 
 def _peak_bytes(runner, num_tokens: int, seq_len: int, num_rows: int, sample: bool) -> int:

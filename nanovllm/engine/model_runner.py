@@ -12,6 +12,7 @@ from nanovllm.engine.kv_cache import num_blocks_for_budget
 from nanovllm.engine.memory_profile import apply_budget, profile_memory, release_stack_reservation
 from nanovllm.engine.penalties import penalized_rows, step_penalties
 from nanovllm.engine.prefill_probe import measure_prefill_tokens_per_s
+from nanovllm.engine.cuda_graph import MIXED_GRAPH_TOKENS
 from nanovllm.engine.device import resolve_device, resolve_dtype
 from nanovllm.engine.step_inputs import SampledTokens, prepare_step_inputs
 from nanovllm.engine.step_plan import StepPlan
@@ -355,7 +356,7 @@ class ModelRunner:
             self.graphs[size] = graph
         return pool
 
-    MIXED_GRAPH_TOKENS = (16, 32, 64, 128, 192) + tuple(range(256, 2049, 256))  # padding: at most 25% from 256 up
+    MIXED_GRAPH_TOKENS = MIXED_GRAPH_TOKENS  # owned by cuda_graph.py
 
     def _capture_mixed_graphs(self, pool, capture: bool = True):
         """Piecewise graphs for prefill and mixed steps of up to 2,048 tokens (larger steps are GPU-bound and run

@@ -6,8 +6,10 @@ import time
 
 import torch
 
+from nanovllm.engine.cuda_graph import MAX_MIXED_GRAPH_TOKENS
+
 logger = logging.getLogger(__name__)
-PROBE_MAX_TOKENS = 2048  # model_runner.py's MIXED_GRAPH_TOKENS[-1]: a step this size replays the largest graph
+PROBE_MAX_TOKENS = MAX_MIXED_GRAPH_TOKENS  # a step this size replays the largest graph
 PROBE_NUM_SEQS = 4  # a few fresh sequences, as the first admissions after a restart bring
 
 

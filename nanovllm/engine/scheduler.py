@@ -88,10 +88,6 @@ class Scheduler:
         """Waiting sequences that are out of the queue while their prefix is read from disk."""
         return self.host_tier.num_disk_waiting if self.host_tier is not None else 0
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped) + self.num_disk_waiting
-
     def schedule(self) -> SchedulerOutput:
         """One step: copies for the host prefix cache, then the running sequences (preempting when blocks run out),
         then new prefills and swap-ins, which wait while anything was preempted this step."""
@@ -291,7 +287,8 @@ class Scheduler:
             return
         num_blocks = len(self.block_manager.computed_block_ids(seq))
         pool = self.host_tier.pool
-        why = (f"the host pool holds {pool.num_blocks} blocks, fewer than its {num_blocks}" if num_blocks > pool.num_blocks
+        why = (f"the host pool holds {pool.num_blocks} blocks, fewer than its {num_blocks}"
+               if num_blocks > pool.num_blocks
                else f"the host pool has {pool.num_free_blocks} of {pool.num_blocks} blocks free")
         logger.warning("seq %d was to be swapped out but is recomputed: %s; raise swap_space (counted in stats()"
                        "['swap_fallback_recomputes'], said once)", seq.seq_id, why)

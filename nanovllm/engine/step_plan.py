@@ -70,10 +70,6 @@ class LogprobRows:
     sample_seqs: list[Sequence] = field(default_factory=list)
     prompt_chunks: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, num rows)
 
-    @property
-    def num_sample_rows(self) -> int:
-        return len(self.sample_seqs)
-
     def attach(self, token_ids: list[list[int]], values: list[list[float]], ranks: list[int],
                decode: Callable[[int], str | None]):
         """Hand a read-back step's logprob rows to their sequences (before resolve, which may finish them: the

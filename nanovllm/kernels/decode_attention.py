@@ -11,8 +11,8 @@ sequence's end exit at once. With a single split the first kernel writes the out
 The launch order: a sequence's kv heads side by side in the grid (programs running together read neighbouring bytes
 of the same cache rows, since a token's row holds every kv head) and rows longest context first (no long row starts
 last and leaves the GPU to a few programs). Together, and with per-row splits, they beat the plain (row, head) grid in
-batch order and cutting the table width in every engine measurement (docs/benchmarks_archive.md: the decode launch
-order, per-row decode splits).
+batch order and cutting the table width in every engine measurement (the benchmark log's runs of the launch order
+and of per-row splits).
 """
 
 import dataclasses

@@ -8,9 +8,9 @@ tiers is one copy of `block_bytes` and needs nothing else.
 - FP8 (`"fp8"` = `"fp8_e4m3"`, `"fp8_e5m2"`): the cache is raw bytes, uint8[num_blocks, block_bytes]. Inside a
   block, each (layer, K or V) is one run of `block_size * num_kv_heads * head_dim` FP8 values followed by
   `block_size * num_kv_heads` bfloat16 scales, one per token and kv head: x ~= fp8 * scale, scale = amax / FP8_MAX
-  of that token's head vector rounded up to a power of two (quantize_fp8 says why). The scales live inside the block, so a block that goes to the host (or disk) and
-  comes back brings them along byte for byte, and a token's scale is written once, with its values (a decode step
-  appends tokens to a block without touching the ones before).
+  of that token's head vector rounded up to a power of two (quantize_fp8 says why). The scales live inside the
+  block, so a block that goes to the host (or disk) and comes back brings them along byte for byte, and a token's
+  scale is written once, with its values (a decode step appends tokens to a block without touching the ones before).
   K is stored rotated by a normalised Hadamard matrix H (the kernels rotate q by the same H before q . k; H is
   orthogonal, so scores are unchanged): the rotation spreads the few large channels of K over all channels, which
   is what keeps FP8's 3-bit mantissa from costing accuracy (docs/how_it_works.md, "FP8 KV").

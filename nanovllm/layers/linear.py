@@ -81,12 +81,6 @@ class LinearBase(nn.Module):
         return self.quant_method.apply(self, x, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_spec: QuantSpec | None = None,
-                 prefix: str = ""):
-        super().__init__(input_size, output_size, bias, None, quant_spec, prefix)
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 

@@ -1,0 +1,55 @@
+"""Names vulture (dead-code finder, run by .ci/run) reports as unused that are used where it cannot see: by name
+through a string, by a framework, or as part of an interface. Each entry says who uses it. A real dead name is
+deleted, never listed here. This file is read by vulture, never imported."""
+# ruff: noqa
+_ = object()
+
+# LLMEngine._call runs these runner methods on every rank by name (_call("allocate_kv_cache", ...))
+_.num_kv_blocks_for_budget
+_.allocate_kv_cache
+_.allocate_host_cache
+_.capture_cuda_graphs
+# scheduler stats counters, read through dataclasses.asdict into stats() and the server's metrics
+_.blocks_onloaded
+blocks_onloaded
+# the module's __getattr__: Python calls it for a missing attribute (lazy imports)
+__getattr__
+# reprlib.Repr's settings, read by reprlib
+_.maxstring
+_.maxother
+# tuning switches read by name from the NANOVLLM_* environment variables (nanovllm/utils/switches.py)
+prefill_tile
+decode_tile
+# FastAPI calls the route handlers and exception handlers its decorators register
+health
+chat_completions
+on_api_error
+on_validation_error
+on_http_error
+on_engine_error
+# a pydantic validator, called by pydantic
+_._utf8_only
+# signal.signal's handler signature
+signum
+# verify_swap.py runs each check by name: globals()[f"check_{name}"]
+check_fp8_kv_roundtrip
+check_fp8_resume_mid_decode
+check_counters
+check_bandwidth
+check_tp2
+# a Triton kernel's signature shared with its variants (bench_gemm.py's split-K kernel ignores K)
+K
+# pytest reads module-level pytestmark; fixtures used for their setup and teardown only
+pytestmark
+serves_good
+serves_the_same
+_.serves_good
+# uvicorn reads Server.should_exit
+_.should_exit
+# tests/flash_attn_standin.py stands in for flash_attn: its signatures are flash_attn's, parameters it ignores included
+_.__spec__
+deterministic
+return_attn_probs
+return_softmax_lse
+rotary_interleaved
+rotary_sin
