@@ -19,7 +19,7 @@ PACKAGES = ("nanovllm", "nanovllm_offload")
 LAYERS = [
     # metadata, request checks; a request's options and its logprobs' type (vLLM's modules)
     ("floor", ["nanovllm.core.*", "nanovllm.sampling_params", "nanovllm.inputs", "nanovllm.logprobs",
-               "nanovllm.outputs"]),
+               "nanovllm.outputs", "nanovllm.version"]),
     ("config", ["nanovllm.config", "nanovllm.utils.*"]),
     ("offload", ["nanovllm_offload.*"]),  # the host tier: the floor, torch, config types
     ("kernels", ["nanovllm.kernels.*"]),
