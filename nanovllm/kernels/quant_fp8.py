@@ -50,7 +50,7 @@ def _quantize_act_kernel(x_ptr, xq_ptr, xs_ptr, K, group_cols, num_chunks, strid
     tl.store(xs_ptr + row * stride_sm + group * stride_sg, scale)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # a new batch size compiles nothing mid-run
 def _fp8_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_xsm, stride_xsg, stride_wn,
                      stride_wsn, stride_om, GROUP_N: tl.constexpr, PER_STEP_SCALES: tl.constexpr, EMULATE_DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
