@@ -11,6 +11,11 @@ Activation scales follow the weights' scale blocks, as in DeepSeek-V3 and vLLM's
     and both scales multiply the result once (torch._scaled_mm's rowwise mode does the same, quant_matmul.py may
     call it instead).
 e4m3 keeps 3 mantissa bits: each activation is rounded by up to 2^-4 relative, like vLLM's FP8 path.
+
+Tiles (quant_matmul.fp8_w8a8_linear): 128 x 128 x 128 with 8 warps and 4 stages on sm_90 (32 KB of FP8 operands
+a stage, 128 KB in all; the accumulator and one scaled dot result take ~220 registers a thread, no spills), as in
+vLLM's block-FP8 configs for large M; 64 x 128 with 4 warps and 2 stages where a block gets under 160 KB of shared
+memory (sm_89).
 """
 import triton
 import triton.language as tl
@@ -45,7 +50,7 @@ def _quantize_act_kernel(x_ptr, xq_ptr, xs_ptr, K, group_cols, num_chunks, strid
     tl.store(xs_ptr + row * stride_sm + group * stride_sg, scale)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # a new batch size compiles nothing mid-run
 def _fp8_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_xsm, stride_xsg, stride_wn,
                      stride_wsn, stride_om, GROUP_N: tl.constexpr, PER_STEP_SCALES: tl.constexpr, EMULATE_DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):

@@ -123,7 +123,9 @@ def _dequant_tile(q, s_ptr, m_ptr, offs_n, k0, offs_k, N, stride_sn, stride_mn, 
     return w
 
 
-@triton.jit
+# the row count and the K steps per split change from step to step: not specialized on (a multiple of 16, or 1),
+# so that a new batch size compiles nothing mid-run
+@triton.jit(do_not_specialize=["M", "num_k_steps"])
 def _wo_gemm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, K, num_k_steps, stride_xm, stride_qn, stride_sn,
                     stride_mn, stride_om, stride_split,
                     WEIGHT_KIND: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
@@ -174,7 +176,7 @@ def _wo_gemm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, K, num_k_steps, s
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok & (offs_n[None, :] < N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "num_splits"])
 def _sum_splits_kernel(part_ptr, out_ptr, numel, num_splits, BLOCK: tl.constexpr):
     """out = sum over splits of part[split] (fp32, splits in order), rounded once to out's dtype."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -183,3 +185,4 @@ def _sum_splits_kernel(part_ptr, out_ptr, numel, num_splits, BLOCK: tl.constexpr
     for split in range(num_splits):
         total += tl.load(part_ptr + split * numel + offs, mask=ok, other=0.0)
     tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+

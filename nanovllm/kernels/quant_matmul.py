@@ -14,8 +14,9 @@ inside a CUDA graph capture or a served step):
     activations. M <= 64 uses 16-64-row tiles with split-K (decode: the weights are read once, the GPU's loads
     kept in flight by slicing K); larger M uses 128 x 128 tiles.
   - FP8 weights at M >= FP8_ACT_QUANT_MIN_ROWS (quant_fp8.py): activations quantized per token (and per bk
-    columns for block weights) and an FP8 tensor-core GEMM. Per-channel and per-tensor weights can go to
-    torch._scaled_mm (cuBLASLt/CUTLASS rowwise scaling) instead: `USE_SCALED_MM`.
+    columns for block weights) and an FP8 tensor-core GEMM. Per-channel and per-tensor weights go to
+    torch._scaled_mm's rowwise scaling instead (`USE_SCALED_MM`, on by default); 128 x 128 block weights can go to
+    its cuBLASLt block scaling on sm_90 (`USE_SCALED_MM_BLOCKWISE`, off until measured).
 Both functions are torch custom ops (`torch.ops.nanovllm.int_linear`, `.fp8_linear`): torch.compile treats them as
 opaque calls, and CUDA graphs capture them (no host sync; the split-K partials come from the caching allocator).
 On CPU tensors they run only under Triton's interpreter (TRITON_INTERPRET=1, the tests); the engine's CPU path
