@@ -28,8 +28,13 @@ import pytest
 import torch
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects by markers
 def pytest_collection_modifyitems(config, items):
-    """Tests marked gpu skip, saying why, where CUDA is not available."""
+    """A test on the real SmolLM2 (the smollm2_dir fixture) is slow on a CPU: marked so here, in one place. Tests
+    marked gpu skip, saying why, where CUDA is not available."""
+    for item in items:
+        if "smollm2_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="gpu: needs a CUDA GPU")

@@ -179,6 +179,7 @@ def test_a_module_outside_every_layer_is_found(tmp_path, path):
     assert modules_without_layer(tmp_path) == [path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")]
 
 
+@pytest.mark.subprocess
 def test_the_metadata_floor_imports_without_torch():
     modules = [m for pattern in TORCH_FREE for m in module_files(ROOT) if matches(m, pattern)]
     code = ("import sys\nsys.modules['torch'] = None\nsys.modules['transformers'] = None\n"

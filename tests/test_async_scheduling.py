@@ -9,6 +9,10 @@ from conftest import close_llm, greedy, random_prompts, smollm2_llm_kwargs, tiny
 from nanovllm import LLM, SamplingParams
 
 PROMPTS = random_prompts([3, 17, 40, 9, 33, 21])
+# no pressure (in the fast core), then preemption by recompute and by swap, and chunked prefill
+PRESSURES = [{}, *(pytest.param(p, marks=pytest.mark.slow) for p in (
+    dict(num_kvcache_blocks=24, preemption_mode="recompute"), dict(num_kvcache_blocks=24, preemption_mode="swap"),
+    dict(max_num_batched_tokens=16)))]
 
 
 def generate(model_dir, prompts, params, plant=None, **kwargs):
@@ -53,9 +57,7 @@ def test_a_planted_async_lag_fails_the_comparison(qwen3_dir):
     assert unplanted == sync  # the plant touches the asynchronous engine only
 
 
-@pytest.mark.parametrize("pressure", [{}, dict(num_kvcache_blocks=24, preemption_mode="recompute"),
-                                      dict(num_kvcache_blocks=24, preemption_mode="swap"),
-                                      dict(max_num_batched_tokens=16)])
+@pytest.mark.parametrize("pressure", PRESSURES)
 def test_async_equals_sync(tiny_dirs, pressure):
     for family in ("qwen3", "llama"):
         sync, got, stats = sync_and_async(tiny_dirs[family], PROMPTS, greedy(20), tiny_llm_kwargs(**pressure))
@@ -181,9 +183,7 @@ def test_an_idle_spell_is_not_timed_as_prefill(qwen3_dir, monkeypatch):
         assert llm.host_tier.policy.prefill_tokens_per_s == prior  # a 0 s sample is skipped; a 3 s one would lower it
 
 
-@pytest.mark.parametrize("pressure", [{}, dict(num_kvcache_blocks=24, preemption_mode="recompute"),
-                                      dict(num_kvcache_blocks=24, preemption_mode="swap"),
-                                      dict(max_num_batched_tokens=16)])
+@pytest.mark.parametrize("pressure", PRESSURES)
 def test_async_penalties_equal_sync(qwen3_dir, pressure):
     """Penalties count every completion token, and the last one of a sequence is still on the device when the next
     step is planned (a placeholder on the host): the counts take it from the previous step's sampled ids. Penalized

@@ -2,6 +2,8 @@
 import os
 import sys
 
+import pytest
+
 from conftest import close_llm, random_prompts, tiny_llm_kwargs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -9,6 +11,7 @@ import bench  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 
 
+@pytest.mark.slow
 def test_decode_traffic_counts_every_context_token_of_every_decode_step(qwen3_dir, monkeypatch):
     """Prompts of 12, 30 and 7 tokens, 9, 5 and 16 new tokens, all prefilled in the first step: a sequence with a
     P-token prompt and N new tokens has N - 1 decode steps, reading P + 1, ..., P + N - 1 tokens of context."""
@@ -43,6 +46,7 @@ def test_a_failed_variant_makes_the_comparison_fail(monkeypatch, capsys):
     assert bench.run_variants(["", "NANOVLLM_DECODE_TILE=64,32,2,4"], 1) == 0
 
 
+@pytest.mark.slow  # the torch profiler
 def test_profile_step_runs_decode_and_mixed_steps(qwen3_dir, capsys):
     """bench.py --profile-decode 3:16 and --profile-mixed 2:8x2 on CPU: the steps run through the sampler (it was
     handed the forward's (logits, prompt logprobs) pair and failed) and the line with the timing is printed."""

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import xxhash
 
 from conftest import close_llm
@@ -15,6 +16,8 @@ from nanovllm_offload.host_tier import CPU_PREFILL_PRIOR
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import bench_swap  # noqa: E402
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]  # the restart is a second process
 
 # config.json only (load_format="dummy"): a vocabulary that holds the workload's ids (0-10,000) and positions for the
 # scenario's max_model_len (32,768); 1 KiB of KV per token in float32

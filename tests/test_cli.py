@@ -217,6 +217,7 @@ def test_the_served_model_name_defaults_to_the_directory_name(monkeypatch, qwen3
 
 # ------------------------------------------------------------------------------------------------ the house
 
+@pytest.mark.subprocess
 def test_the_cli_and_the_server_import_no_cycle():
     """The CLI imports the server only when `serve` runs (FastAPI stays optional); the server never imports the
     CLI."""

@@ -295,6 +295,7 @@ disk_format.write_block_file(path, fp.digest, 9, np.ones(1024, np.uint8), tag="t
 """
 
 
+@pytest.mark.subprocess
 def test_a_crash_between_write_and_rename_leaves_no_block_and_its_temp_file_is_cleaned(tmp_path):
     store = open_store(tmp_path)
     path = file_of(store, 9)
@@ -528,6 +529,7 @@ def test_list_and_clear_per_fingerprint(tmp_path):
         list_fingerprints(str(tmp_path / "nowhere"))
 
 
+@pytest.mark.subprocess
 def test_disk_tier_modules_import_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
             "import nanovllm_offload.disk_store, nanovllm_offload.disk_admin, nanovllm_offload.disk_transfers\n"

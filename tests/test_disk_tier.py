@@ -72,6 +72,7 @@ def block_file(path: str, block_index: int) -> str:
     return found
 
 
+@pytest.mark.subprocess
 def test_a_restarted_engine_loads_the_first_runs_blocks(smollm2_dir, first_run, disk_copy, caplog):
     with caplog.at_level("INFO", logger="nanovllm_offload.disk_tier"):
         token_ids, stats = generate(smollm2_dir, disk_copy)
@@ -82,6 +83,7 @@ def test_a_restarted_engine_loads_the_first_runs_blocks(smollm2_dir, first_run, 
     assert stats["disk_read_bytes"] > 0 and stats["disk_skipped_tokens"] == stats["disk_corrupt_blocks"] == 0
 
 
+@pytest.mark.subprocess
 def test_a_corrupted_file_is_a_counted_miss(smollm2_dir, first_run, disk_copy):
     path = block_file(disk_copy, 2)
     with open(path, "r+b") as f:
@@ -97,6 +99,7 @@ def test_a_corrupted_file_is_a_counted_miss(smollm2_dir, first_run, disk_copy):
         assert f.read() != b"\xff" * 100
 
 
+@pytest.mark.subprocess
 def test_another_kv_cache_dtype_never_hits(smollm2_dir, first_run, disk_copy):
     _, stats = generate(smollm2_dir, disk_copy, kv_cache_dtype="fp8")
     assert stats["disk_hit_tokens"] == stats["disk_loaded_tokens"] == 0
@@ -104,6 +107,7 @@ def test_another_kv_cache_dtype_never_hits(smollm2_dir, first_run, disk_copy):
     assert len(glob.glob(os.path.join(disk_copy, "*", "meta.json"))) == 2  # its own fingerprint directory
 
 
+@pytest.mark.subprocess
 def test_a_slow_disk_is_skipped(smollm2_dir, first_run, disk_copy, monkeypatch):
     import nanovllm.engine.llm_engine as llm_engine
     open_store = llm_engine.open_disk_store
@@ -121,6 +125,7 @@ def test_a_slow_disk_is_skipped(smollm2_dir, first_run, disk_copy, monkeypatch):
     assert stats["prefill_tokens"] == len(PROMPT)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("seeded_tokens_per_s, is_loaded", [(100.0, True), (1e9, False)],
                          ids=["slow_prefill_loads", "fast_prefill_recomputes"])
 def test_the_first_admission_decides_on_the_seeded_prefill_speed(smollm2_dir, first_run, disk_copy, monkeypatch,
@@ -147,6 +152,7 @@ def test_the_first_admission_decides_on_the_seeded_prefill_speed(smollm2_dir, fi
     assert stats["prefill_tokens"] == len(PROMPT) - stats["disk_loaded_tokens"]
 
 
+@pytest.mark.subprocess
 def test_cache_ls_and_clear(first_run, disk_copy, capsys):
     from nanovllm.entrypoints.cli import main
     assert main(["cache", "ls", "--kv-disk-path", disk_copy]) == 0

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.docs, pytest.mark.subprocess]  # the docs' snippets run, servers included
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUN_LANGS = {"python", "bash", "sh", "shell"}

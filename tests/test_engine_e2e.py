@@ -560,6 +560,7 @@ def run_cli(*args, console_script: bool = False, timeout: int = 180) -> subproce
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
+@pytest.mark.subprocess
 def test_cli_generate_token_ids(qwen3_dir):
     prompt = [5, 17, 42, 99]
     r = run_cli("generate", "--model", qwen3_dir, "--prompt-ids", ",".join(map(str, prompt)),
@@ -571,18 +572,21 @@ def test_cli_generate_token_ids(qwen3_dir):
     assert out["finish_reason"] == "length"
 
 
+@pytest.mark.subprocess
 def test_cli_generate_bad_input_fails_cleanly(qwen3_dir):
     r = run_cli("generate", "--model", qwen3_dir, "--prompt-ids", "5,1000000", "--max-tokens", "4", *TINY_CLI)
     assert r.returncode != 0
     assert "1000000" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.subprocess
 def test_cli_convert_into_a_path_that_cannot_be_created_fails_cleanly(tmp_path):
     (tmp_path / "a_file").write_text("")
     r = run_cli("convert", str(tmp_path / "a_file" / "out"))
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.subprocess
 def test_cli_generate_text_smollm2(smollm2_dir):
     """The README demo: a text question, chat template on by default."""
     r = run_cli("generate", "What is the capital of France?", "--model", smollm2_dir, "--device", "cpu",

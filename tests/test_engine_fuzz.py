@@ -39,6 +39,7 @@ def random_case(seed: int):
     return prompts, params, pressure
 
 
+@pytest.mark.slow  # 8 random configurations, two engines each
 @pytest.mark.parametrize("seed", range(8))
 def test_random_pressure_gives_the_unpressured_tokens(tiny_dirs, seed):
     prompts, params, pressure = random_case(seed)

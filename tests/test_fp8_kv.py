@@ -208,6 +208,7 @@ def _run(script: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.subprocess
 def test_triton_fp8_kernels_match_the_torch_backend():
     """The store kernel writes the torch backend's bytes (on a GPU exactly; Triton's interpreter rounds a value
     that carries into the next binade, and e5m2, wrongly, so there a few bytes differ), and the decode and prefill
@@ -267,6 +268,7 @@ print(json.dumps(res))
 """
 
 
+@pytest.mark.subprocess
 def test_fused_rope_store_writes_fp8_as_the_unfused_path():
     """The fused (norm +) rope + store kernel with an FP8 cache returns q rotated and stores rotated, quantized k
     and quantized v as the torch path (rope, then rotation, then the torch backend's store) does: no stored value

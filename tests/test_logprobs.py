@@ -245,6 +245,7 @@ def test_decode_graph_buffers_and_scheduling_modes(qwen3_dir, tiny_reference, mo
     assert_same_logprobs(got, tiny_reference)
 
 
+@pytest.mark.subprocess
 def test_tensor_parallel_logprobs(qwen3_dir, tiny_reference):
     got, _ = tiny_logprobs(qwen3_dir, tensor_parallel_size=2)
     assert_same_logprobs(got, tiny_reference)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="needs triton (the test-triton extra)")
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]  # the kernel under the interpreter, in a process
 
 CHECK = r"""
 import torch

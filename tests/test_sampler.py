@@ -33,6 +33,7 @@ def frequencies(logits: torch.Tensor, temperature: float, **filters) -> torch.Te
     return (torch.bincount(ids, minlength=logits.numel()).float() / NUM_DRAWS).cpu()
 
 
+@pytest.mark.slow  # thousands of draws
 def test_plain_temperature_draws_follow_the_tempered_softmax():
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0])
     for temperature in (0.6, 1.0, 2.0):
@@ -62,6 +63,7 @@ def test_top_k_and_min_p_paths_cut_the_tail():
                           atol=0.01)
 
 
+@pytest.mark.slow  # thousands of draws
 def test_draws_span_the_vocabulary_chunks_of_the_two_stage_argmax():
     # 2,500 entries: three 1,024-entry chunks, the last one padded; the mass sits in all three
     logits = torch.full((2500,), -30.0)

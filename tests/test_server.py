@@ -430,6 +430,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.subprocess
 def test_cli_serve_tiny_model_without_tokenizer(qwen3_dir):
     """`nanovllm serve` in a subprocess, on a tiny random Qwen3 that has no tokenizer files: token-id prompts
     work, text prompts and chat get a 400 that says why, it binds to loopback, and SIGTERM stops it cleanly."""
@@ -461,6 +462,7 @@ def test_cli_serve_tiny_model_without_tokenizer(qwen3_dir):
     assert f"on http://127.0.0.1:{port}/v1" in output
 
 
+@pytest.mark.subprocess
 def test_sigterm_fails_open_streams_at_once_and_exits(smollm2_dir):
     """uvicorn waits for open connections before it shuts the app down: without failing the requests in flight
     first, a SIGTERM waited for every stream to generate to its end (39 s for two 400-token streams)."""

@@ -3,6 +3,10 @@ before anything is created. The installs themselves run in .ci/run, from a fresh
 import subprocess
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.subprocess  # runs sh and make
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "setup_venv.sh"
 

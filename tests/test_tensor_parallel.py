@@ -7,6 +7,8 @@ import pytest
 from conftest import close_llm, greedy, random_prompts, smollm2_llm_kwargs, tiny_llm_kwargs
 from nanovllm import LLM
 
+pytestmark = pytest.mark.subprocess  # tensor-parallel workers are processes
+
 PROMPTS = random_prompts([3, 17, 40, 9, 33])
 
 

@@ -13,6 +13,8 @@ from conftest import close_llm, greedy, random_prompts, tiny_llm_kwargs
 from nanovllm import LLM
 from nanovllm.engine import workers as workers_module
 
+pytestmark = pytest.mark.subprocess  # tensor-parallel workers are processes
+
 PROMPTS = random_prompts([9, 17, 30], seed=80)
 
 

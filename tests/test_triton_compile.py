@@ -15,7 +15,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="needs triton (the test-triton extra)")
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernels")
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernels"),
+              pytest.mark.subprocess, pytest.mark.slow]  # each kernel compiled for two GPUs, in a process
 
 COMPILE_ALL = r"""
 import sys

@@ -76,6 +76,7 @@ def interpret(script: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.subprocess
 def test_triton_sampler_draws_follow_the_tempered_softmax():
     res = interpret(SAMPLER)
     # 800 draws per temperature: a frequency's standard deviation is at most 0.018; the noise is seeded, so the
@@ -105,6 +106,7 @@ print(json.dumps(res))
 """
 
 
+@pytest.mark.subprocess
 def test_triton_silu_and_mul_matches_torch():
     res = interpret(SILU)
     shape, same_dtype, err, scale = res["torch.float32"]
@@ -164,6 +166,7 @@ print(json.dumps(res))
 """
 
 
+@pytest.mark.subprocess
 def test_decode_row_order_changes_nothing_but_the_launch():
     """The decode kernel reads row row_order[i] in the grid's row i (the engine passes the rows longest context
     first; None sorts them in the wrapper): any permutation gives exactly the same outputs, with and without
@@ -200,6 +203,7 @@ print(json.dumps(res))
 """
 
 
+@pytest.mark.subprocess
 def test_decode_row_splits_match_a_reference():
     """Each row cuts its own context into the splits, in a table wider than any row (as under a CUDA graph,
     max_model_len wide): the 40-token row in 2, 3 and 8 slices of >= 16 tokens, the 5-token row in one, and an
@@ -298,6 +302,7 @@ print(json.dumps({"errs": errs}))
 """
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("tile", ["", "128,64,4,3"])  # the default (64, 64, 4, 3), and the old tile
 @pytest.mark.parametrize("block_size", [16, 64])  # cache blocks smaller than, and as large as, the 64-key tile
 def test_prefill_kernel_matches_a_reference(block_size, tile, monkeypatch):

@@ -4,6 +4,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]  # verify_swap.py's checks, each in its own process
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
