@@ -112,9 +112,14 @@ class Config:
     # sampling defaults for options a request leaves unset: "auto" from the model's generation_config.json, "vllm"
     # none (SamplingParams' own), or a directory holding a generation_config.json (nanovllm/engine/generation_config.py)
     generation_config: str = "auto"
+    # --- weights
+    # the checkpoint's quantization (vLLM's option): None or "auto" follows config.json's quantization_config; a
+    # method name ("awq", "gptq", "compressed-tensors", "fp8") must agree with it (layers/quantization/spec.py)
+    quantization: str | None = None
     # --- filled in by __post_init__
     hf_config: Any = field(default=None, repr=False)
     architecture: str = ""
+    quant_spec: Any = field(default=None, init=False, repr=False)  # QuantSpec of the checkpoint, None: unquantized
 
     def __post_init__(self):
         self._check_model_dir()
@@ -164,6 +169,22 @@ class Config:
             self.hf_config = load_hf_config(self.model)
         self._check_model_shape()
         self._check_kv_cache_dtype()
+        self._check_quantization()
+
+    def _check_quantization(self):
+        """The checkpoint's quantization_config read and checked against the model's shapes, before any weight
+        loads: a format or shape the engine cannot run is one ValueError here."""
+        from nanovllm.utils.quant_spec import check_quant_shapes, linear_shapes, parse_quant_spec
+        hf = self.hf_config
+        quant_config = getattr(hf, "quantization_config", None)
+        if quant_config is not None and not isinstance(quant_config, dict):
+            quant_config = quant_config.to_dict()
+        self.quant_spec = parse_quant_spec(quant_config, self.quantization)
+        if self.quant_spec is not None:
+            tp = self.tensor_parallel_size
+            check_quant_shapes(self.quant_spec, linear_shapes(hf.hidden_size, hf.intermediate_size,
+                                                              hf.num_attention_heads, self.num_kv_heads,
+                                                              self.head_dim, tp), tp)
 
     def _check_disk_tier(self):
         gib = self.kv_disk_gib

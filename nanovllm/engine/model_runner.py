@@ -95,7 +95,7 @@ class ModelRunner:
         try:
             torch.manual_seed(config.seed)
             with self.device:
-                model = DecoderForCausalLM(config.hf_config, family)
+                model = DecoderForCausalLM(config.hf_config, family, config.quant_spec)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
@@ -363,7 +363,7 @@ class ModelRunner:
         limit = self.config.max_num_batched_tokens
         sizes = [n for n in self.MIXED_GRAPH_TOKENS if n < limit] + [min(limit, self.MIXED_GRAPH_TOKENS[-1])]
         attn = self.model.model.layers[0].self_attn
-        buffers = MixedStepBuffers(sizes[-1], self.config.hf_config.hidden_size, attn.qkv_proj.weight.size(0),
+        buffers = MixedStepBuffers(sizes[-1], self.config.hf_config.hidden_size, attn.qkv_proj.output_size,
                                    attn.num_heads * attn.head_dim, self.dtype, self.device)
         for size in reversed(sizes):
             graph = PiecewiseGraph(self.model, size, buffers, pool, capture)

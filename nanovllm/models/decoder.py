@@ -12,12 +12,13 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.utils.quant_spec import QuantSpec
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, qk_norm_rope
 from nanovllm.utils.distributed import tp_size
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, hf, family: str, rotary_emb: RotaryEmbedding):
+    def __init__(self, hf, family: str, rotary_emb: RotaryEmbedding, quant_spec: QuantSpec | None, prefix: str):
         super().__init__()
         tp = tp_size()
         self.head_dim = head_dim_of(hf)
@@ -25,8 +26,11 @@ class DecoderAttention(nn.Module):
         self.num_heads, self.num_kv_heads = hf.num_attention_heads // tp, num_kv_heads // tp
         attention_bias = getattr(hf, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(hf.hidden_size, self.head_dim, hf.num_attention_heads, num_kv_heads,
-                                          bias=attention_bias or family == "qwen2")
-        self.o_proj = RowParallelLinear(hf.num_attention_heads * self.head_dim, hf.hidden_size, bias=attention_bias)
+                                          bias=attention_bias or family == "qwen2", quant_spec=quant_spec,
+                                          prefix=f"{prefix}.qkv_proj",
+                                          checkpoint_names=[f"{prefix}.{p}_proj" for p in "qkv"])
+        self.o_proj = RowParallelLinear(hf.num_attention_heads * self.head_dim, hf.hidden_size, bias=attention_bias,
+                                        quant_spec=quant_spec, prefix=f"{prefix}.o_proj")
         self.rotary_emb = rotary_emb  # the model's one table, shared by every layer
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         self.qk_norm = family == "qwen3"
@@ -55,11 +59,14 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, hf):
+    def __init__(self, hf, quant_spec: QuantSpec | None, prefix: str):
         super().__init__()
         bias = getattr(hf, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(hf.hidden_size, [hf.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(hf.intermediate_size, hf.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hf.hidden_size, [hf.intermediate_size] * 2, bias=bias, quant_spec=quant_spec,
+            prefix=f"{prefix}.gate_up_proj", checkpoint_names=[f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.down_proj = RowParallelLinear(hf.intermediate_size, hf.hidden_size, bias=bias, quant_spec=quant_spec,
+                                           prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,10 +78,10 @@ class DecoderLayer(nn.Module):
     and down_proj write `residual + x @ W.T` straight into it (RowParallelLinear with `residual`, cuBLAS's beta = 1),
     so the residual adds cost no kernel of their own and the norms only read the stream."""
 
-    def __init__(self, hf, family: str, rotary_emb: RotaryEmbedding):
+    def __init__(self, hf, family: str, rotary_emb: RotaryEmbedding, quant_spec: QuantSpec | None, prefix: str):
         super().__init__()
-        self.self_attn = DecoderAttention(hf, family, rotary_emb)
-        self.mlp = DecoderMLP(hf)
+        self.self_attn = DecoderAttention(hf, family, rotary_emb, quant_spec, f"{prefix}.self_attn")
+        self.mlp = DecoderMLP(hf, quant_spec, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
@@ -93,13 +100,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, hf, family: str):
+    def __init__(self, hf, family: str, quant_spec: QuantSpec | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
         # one cos/sin table for all layers: a copy per layer cost 28 x 20 MiB (0.55 GiB) at Qwen3's 40,960
         # positions, memory that the KV of an 8 GiB card went without
         rotary_emb = RotaryEmbedding(head_dim_of(hf), hf.max_position_embeddings, rope_parameters(hf)["rope_theta"])
-        self.layers = nn.ModuleList(DecoderLayer(hf, family, rotary_emb) for _ in range(hf.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(hf, family, rotary_emb, quant_spec, f"model.layers.{i}")
+                                    for i in range(hf.num_hidden_layers))
         self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -119,9 +127,10 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, hf, family: str):
+    def __init__(self, hf, family: str, quant_spec: QuantSpec | None = None):
         super().__init__()
-        self.model = DecoderModel(hf, family)
+        self.model = DecoderModel(hf, family, quant_spec)
+        self.quant_spec = quant_spec  # None: unquantized; the loader asks it which checkpoint tensors no layer reads
         self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

@@ -1,4 +1,9 @@
-"""Loads Hugging Face safetensors (sharded or not) into the packed, tensor-parallel layers."""
+"""Loads Hugging Face safetensors (sharded or not) into the packed, tensor-parallel layers.
+
+Every tensor of the checkpoint must land in a parameter: a tensor no parameter takes is an error (a format the
+engine does not read must not run as if it did), except the few names known to hold nothing the engine needs
+(SKIPPED_SUFFIXES). A tensor is cast only between the ordinary float dtypes (fp32, bf16, fp16): an FP8 or integer
+tensor that lands in a float parameter has a scale or packing the parameter does not hold."""
 import glob
 import os
 
@@ -7,12 +12,19 @@ from safetensors import safe_open
 from torch import nn
 
 
+# checkpoint tensors that hold nothing the engine reads: rotary tables the engine computes itself
+SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+ORDINARY_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def load_weights(model: nn.Module, path: str):
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"model={path!r} has no *.safetensors files")
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules_mapping", {})
+    spec = getattr(model, "quant_spec", None)
+    skipped = SKIPPED_SUFFIXES + (spec.skipped_tensors if spec else ())
     loaded = set()
     shards = {}  # packed parameter -> the shard ids loaded into it
     for file in files:
@@ -22,13 +34,17 @@ def load_weights(model: nn.Module, path: str):
             target, shard_id = _map_name(name, packed)
             param = params.get(target)
             if param is None:
-                continue  # e.g. rotary inv_freq buffers
+                if name.endswith(skipped):
+                    continue
+                raise ValueError(f"checkpoint {path!r}: no parameter of the model takes tensor {name!r}"
+                                 f"{_unknown_tensor_hint(name, spec)}")
             # NOTE: the file is mapped while it is open, and every page read stays in the process's RSS until it
             # is closed: opened per tensor, only one tensor's pages are mapped at a time (SmolLM2-135M's CLI demo
             # peaks at 1.0 GB instead of 1.5 GB; the header is read again each time, which costs nothing measurable)
             with safe_open(file, "pt", "cpu") as f:
                 tensor = f.get_tensor(name)
             try:
+                _check_dtype(param, tensor)
                 if shard_id is None:
                     getattr(param, "weight_loader", _copy_whole)(param, tensor)
                 else:
@@ -42,6 +58,29 @@ def load_weights(model: nn.Module, path: str):
     missing = sorted(set(params) - loaded) + _missing_shards(shards, packed)
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    process_weights_after_loading(model)
+
+
+def process_weights_after_loading(model: nn.Module):
+    """Quantized layers turn their loaded checkpoint tensors into the engine's layout."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+
+
+def _check_dtype(param: nn.Parameter, tensor: torch.Tensor):
+    if tensor.dtype != param.dtype and (tensor.dtype not in ORDINARY_FLOATS or param.dtype not in ORDINARY_FLOATS):
+        hint = " (is quantization_config missing from config.json?)" if param.dtype in ORDINARY_FLOATS else ""
+        raise ValueError(f"dtype {tensor.dtype} does not match the parameter's {param.dtype}{hint}")
+
+
+def _unknown_tensor_hint(name: str, spec) -> str:
+    if spec is None and name.endswith(("scale", "scale_inv", "qweight", "qzeros", "scales", "weight_packed")):
+        return " (a quantized checkpoint needs its quantization_config in config.json)"
+    if spec is not None:
+        return f" (quantization_config.quant_method={spec.method!r}: this tensor is not part of that format)"
+    return ""
 
 
 def copy_exact(dst: torch.Tensor, loaded: torch.Tensor):
@@ -76,9 +115,18 @@ def _map_name(name: str, packed: dict) -> tuple[str, object]:
 
 
 def init_dummy_weights(model: nn.Module, seed: int):
-    """Random weights from config.json alone, for benchmarks: normal(0, 0.02), norms at 1."""
+    """Random weights from config.json alone, for benchmarks: normal(0, 0.02), norms at 1; quantized layers get
+    random values of their layout with about the same spread (QuantLinearMethod.init_dummy)."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    quantized = set()
+    for prefix, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and method.is_quantized:
+            method.init_dummy(module, generator)
+            quantized.update(f"{prefix}.{name}" for name, _ in module.named_parameters(recurse=False))
     for name, param in model.named_parameters():
+        if name in quantized and not name.endswith(".bias"):
+            continue
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         else:
