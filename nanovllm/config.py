@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanovllm.utils.gguf_model import gguf_architecture, is_gguf_file, load_gguf_config
+from nanovllm.utils.gguf_model import gguf_architecture, gguf_quant_spec, is_gguf_file, load_gguf_config
 
 # architecture name (config.json's `architectures`) -> model family; every family is built by
 # nanovllm.models.decoder.DecoderForCausalLM. Here, not in models/, so the config can check it without torch.
@@ -175,6 +175,9 @@ class Config:
         """The checkpoint's quantization_config read and checked against the model's shapes, before any weight
         loads: a format or shape the engine cannot run is one ValueError here."""
         from nanovllm.utils.quant_spec import check_quant_shapes, linear_shapes, parse_quant_spec
+        if is_gguf_file(self.model):  # each tensor's block type (the layers check their own shapes)
+            self.quant_spec = gguf_quant_spec(self.model, self.quantization)
+            return
         hf = self.hf_config
         quant_config = getattr(hf, "quantization_config", None)
         if quant_config is not None and not isinstance(quant_config, dict):
