@@ -5,49 +5,18 @@ gguf.quants.quantize, and for every type (the K-quants, which gguf-py cannot qua
 bytes laid out as ggml-common.h publishes them, with finite fp16 scales. The engine's reference dequantization of
 what the loader returns is compared with gguf.quants.dequantize of the file's bytes.
 """
+import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_factories import FP16_FIELDS, QUANTIZABLE, T, llama_cpp_permute, random_blocks, write_gguf
 
-gguf = pytest.importorskip("gguf")
+from nanovllm.layers.quantization.layout import dequantize_int
+from nanovllm.utils.gguf_blocks import IntGroups
+from nanovllm.utils.gguf_loader import iter_gguf_tensors
+from nanovllm.utils.gguf_model import gguf_tensor_types, open_gguf
 
-from nanovllm.layers.quantization.layout import dequantize_int  # noqa: E402
-from nanovllm.utils.gguf_blocks import IntGroups  # noqa: E402
-from nanovllm.utils.gguf_loader import iter_gguf_tensors  # noqa: E402
-from nanovllm.utils.gguf_model import gguf_tensor_types, open_gguf  # noqa: E402
-
-T = gguf.GGMLQuantizationType
 N, K = 24, 512  # K: two K-quant super-blocks of 256 per row
-# byte offsets of each block type's fp16 scale fields (ggml-common.h): set to finite values in random blocks, so
-# that the comparison is of numbers, not of NaN payloads
-FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-QUANTIZABLE = ("Q4_0", "Q4_1", "Q8_0")  # the types gguf.quants.quantize writes
-
-
-def random_blocks(type_name: str, num_rows: int, num_cols: int, rng) -> np.ndarray:
-    """uint8 [num_rows, bytes per row] of random blocks with finite, small fp16 scales."""
-    block_size, block_bytes = gguf.GGML_QUANT_SIZES[getattr(T, type_name)]
-    raw = rng.integers(0, 256, size=(num_rows * num_cols // block_size, block_bytes), dtype=np.uint8)
-    for offset in FP16_FIELDS[type_name]:
-        scale = (rng.standard_normal((raw.shape[0], 1)) * 0.01).astype(np.float16)
-        raw[:, offset:offset + 2] = scale.view(np.uint8)
-    return raw.reshape(num_rows, -1)
-
-
-def write_gguf(path: str, arch: str, tensors: dict[str, tuple[np.ndarray, str]]) -> str:
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_head_count(4)  # what the q/k un-permutation of a llama GGUF reads
-    writer.add_head_count_kv(2)
-    for name, (data, type_name) in tensors.items():
-        if type_name in ("F32", "F16"):
-            writer.add_tensor(name, data)
-        else:
-            writer.add_tensor(name, data, raw_dtype=getattr(T, type_name))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def engine_dequantize(value) -> np.ndarray:
@@ -105,12 +74,6 @@ def test_float_tensors_keep_their_dtype_and_bits(tmp_path, type_name):
     assert got.dtype == {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[type_name]
     assert_same_floats(got.float().numpy(), gguf.quants.dequantize(*raw["blk.0.ffn_down.weight"]))
     assert torch.equal(loaded["model.norm.weight"], torch.from_numpy(weights[0]))
-
-
-def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute: what llama.cpp does to q/k rows of a llama GGUF."""
-    return (weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
 
 
 @pytest.mark.parametrize("arch,permuted", [("llama", True), ("qwen2", False)])

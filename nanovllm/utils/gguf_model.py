@@ -66,7 +66,10 @@ def gguf_architecture(path: str, hf_config) -> str:
 
 
 def load_gguf_tokenizer(path: str):
-    """The tokenizer (with its chat template) that transformers builds from the GGUF's metadata."""
+    """The tokenizer (with its chat template) that transformers builds from the GGUF's metadata; None when the file
+    has none (then prompts are token ids, as for a directory without tokenizer files)."""
+    if "tokenizer.ggml.model" not in open_gguf(path).fields:
+        return None
     from transformers import AutoTokenizer
     directory, name = os.path.split(os.path.abspath(path))
     return AutoTokenizer.from_pretrained(directory, gguf_file=name)

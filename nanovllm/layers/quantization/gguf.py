@@ -63,8 +63,9 @@ def gguf_linear_method(spec: GGUFSpec, checkpoint_names: list[str]):
     if all(t in FLOAT_TYPES for t in types):
         return UnquantizedLinearMethod()
     if any(t in FLOAT_TYPES for t in types):
-        raise ValueError(f"the GGUF mixes float and quantized parts in one layer: {dict(zip(checkpoint_names, types))}"
-                         f"; supported: all parts of a merged layer quantized, or all float")
+        parts = dict(zip(checkpoint_names, types))
+        raise ValueError(f"the GGUF mixes float and quantized parts in one layer: {parts}; supported: all parts of "
+                         f"a merged layer quantized, or all float")
     return GGUFLinearMethod(merged_layout(types))
 
 
