@@ -47,6 +47,10 @@ def is_gguf_file(path) -> bool:
 
 def load_gguf_config(path: str):
     """The Hugging Face config that transformers builds from the GGUF's metadata."""
+    import importlib.util
+    if importlib.util.find_spec("gguf") is None:
+        raise ValueError(f"model={path!r} is a GGUF file, and reading one needs the gguf package: pip install gguf "
+                         f"(or the project's [convert] extra)")
     from transformers import AutoConfig
     directory, name = os.path.split(os.path.abspath(path))
     try:
