@@ -9,7 +9,7 @@ conversion de-quantizes them with transformers and saves the result unquantized,
 the float reference the tests compare the native GGUF with.
 
     python -m nanovllm.utils.convert OUT_DIR [--dtype float32|bfloat16] [--force]
-        [--model DIR_OR_GGUF] [--quantize fp8|fp8-channel|w4] [--group-size 128]
+        [--model DIR_OR_GGUF] [--quantize fp8|fp8-channel|w4] [--group-size 128] [--calibrate]
 
 `default_model_dir()` gives the cached float32 copy (converted on first use) that
 the tests use.
@@ -144,9 +144,10 @@ def convert_smollm2(out_dir: str, dtype: str = "float32", force: bool = False, g
 
 
 def convert_quantized(out_dir: str, quantize: str, group_size: int = 128, model: str | None = None,
-                      force: bool = False) -> str:
+                      force: bool = False, calibrate: bool = False) -> str:
     """`model` (a float safetensors checkpoint directory or a GGUF; default: SmolLM2's GGUF) quantized into one of
-    nanovllm.utils.quantize.FORMATS, written atomically into out_dir."""
+    nanovllm.utils.quantize.FORMATS, written atomically into out_dir; calibrate: GPTQ's rounding
+    (nanovllm/utils/calibrate.py) instead of round-to-nearest."""
     from nanovllm.utils.gguf_model import is_gguf_file
     from nanovllm.utils.quantize import FORMATS, quantize_checkpoint
     if quantize not in FORMATS:
@@ -154,13 +155,20 @@ def convert_quantized(out_dir: str, quantize: str, group_size: int = 128, model:
     if model is not None and not is_gguf_file(model) and not os.path.isdir(model):
         raise ValueError(f"--model {model!r} is neither a checkpoint directory nor a GGUF file")
 
+    def quantize_from(src_dir: str, tmp_dir: str):
+        hessians = None
+        if calibrate:
+            from nanovllm.utils.calibrate import collect_hessians
+            hessians = collect_hessians(src_dir)
+        quantize_checkpoint(src_dir, tmp_dir, quantize, group_size, hessians)
+
     def write(tmp_dir: str):
         if model is not None and not is_gguf_file(model):
-            quantize_checkpoint(model, tmp_dir, quantize, group_size)
+            quantize_from(model, tmp_dir)
             return
         with tempfile.TemporaryDirectory(dir=os.path.dirname(tmp_dir)) as float_dir:
             _convert_into(float_dir, "float32", model)
-            quantize_checkpoint(float_dir, tmp_dir, quantize, group_size)
+            quantize_from(float_dir, tmp_dir)
     return write_atomically(out_dir, write, force)
 
 
@@ -246,13 +254,16 @@ def add_quantize_args(parser: argparse.ArgumentParser):
                              "fp8-channel (per-channel FP8, compressed-tensors), w4 (AWQ GEMM, 4-bit groups)")
     parser.add_argument("--group-size", type=int, default=128,
                         help="w4: inputs per scale; fp8: the block edge (default 128)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="with --quantize: round with GPTQ's error compensation, from the model's activations on "
+                             "2,048 tokens of Python's pydoc_data.topics, instead of to the nearest value")
 
 
 def convert(args: argparse.Namespace, out_dir: str) -> str:
     """The conversion the parsed flags ask for."""
     force = getattr(args, "force", False)
     if args.quantize is not None:
-        return convert_quantized(out_dir, args.quantize, args.group_size, args.model, force)
+        return convert_quantized(out_dir, args.quantize, args.group_size, args.model, force, args.calibrate)
     if args.model is not None and not os.path.isfile(args.model):
         raise ValueError(f"--model {args.model!r} is not a GGUF file; a checkpoint directory converts only with "
                          f"--quantize")

@@ -13,7 +13,8 @@ and the biases stay as they are. Formats, each as its own tools write it:
   `qzeros` int32 [K / G, N / 8] with eight outputs per word in AWQ's order (0, 2, 4, 6, 1, 3, 5, 7), `scales` fp16
   [K / G, N]; w = (q - z) * s.
 
-Each source shard becomes one output shard, so memory holds one shard at a time.
+Round-to-nearest by default; with Hessians of calibration text, GPTQ's error-compensated rounding (calibrate.py),
+into the same tensors. Each source shard becomes one output shard, so memory holds one shard at a time.
 """
 from __future__ import annotations
 
@@ -46,44 +47,70 @@ def quantization_config(fmt: str, group_size: int) -> dict:
             "modules_to_not_convert": None}
 
 
-def quantize_weight(name: str, weight: torch.Tensor, fmt: str, group_size: int) -> dict[str, torch.Tensor]:
-    """One linear weight [N, K] -> its tensors in the format, named as in the checkpoint (prefix.qweight, ...)."""
+def quantize_weight(name: str, weight: torch.Tensor, fmt: str, group_size: int,
+                    hessian: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """One linear weight [N, K] -> its tensors in the format, named as in the checkpoint (prefix.qweight, ...).
+    Without a hessian each value rounds to its nearest grid point; with one, GPTQ chooses (calibrate.py)."""
     prefix = name.removesuffix(".weight")
     w = weight.to(torch.float32)
-    if fmt == "fp8":
-        q, scales = fp8_blocks(w, group_size)
-        return {f"{prefix}.weight": q, f"{prefix}.weight_scale_inv": scales}
-    if fmt == "fp8-channel":
-        q, scales = fp8_blocks(w, None)
-        return {f"{prefix}.weight": q, f"{prefix}.weight_scale": scales}
-    qweight, qzeros, scales = awq_groups(w, group_size)
-    return {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales}
+    group = w.size(1) if fmt == "fp8-channel" else group_size
+    block_rows = 1 if fmt == "fp8-channel" else group  # FP8 blocks are square; a channel is one row
+    fit, round_to_grid = (_fit_awq, _round_awq) if fmt == "w4" else (_fp8_fit(block_rows), _round_fp8)
+    if hessian is None:
+        params = [fit(w[:, i:i + group]) for i in range(0, w.size(1), group)]
+    else:
+        from nanovllm.utils.calibrate import gptq
+        w, params = gptq(w, hessian, group, fit, round_to_grid)
+    if fmt == "w4":
+        qweight, qzeros, scales = awq_tensors(w, params, group)
+        return {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales}
+    q, scales = fp8_tensors(w, params, group, block_rows)
+    scale_name = "weight_scale_inv" if fmt == "fp8" else "weight_scale"
+    return {f"{prefix}.weight": q, f"{prefix}.{scale_name}": scales}
 
 
-def fp8_blocks(w: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 values and float32 scales (absolute maximum / 448) per block x block, or per row when block is None."""
-    n, k = w.shape
-    bn, bk = (block, block) if block else (1, k)
-    rows, cols = -(-n // bn), -(-k // bk)
-    padded = torch.zeros(rows * bn, cols * bk, dtype=torch.float32)
-    padded[:n, :k] = w
-    amax = padded.reshape(rows, bn, cols, bk).abs().amax(dim=(1, 3))  # [rows, cols]
-    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    per_element = scales.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    q = (w / per_element).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # the cast rounds to nearest
-    return q, scales
+# Each format's grid: fit(values [N, G]) -> the group's parameters (one per row), round(column [N], params) -> the
+# column on the grid. Round-to-nearest fits every group on the weight itself; GPTQ on the weight as its rounding
+# errors have moved it.
+
+def _fit_awq(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """AutoAWQ's asymmetric rule (pseudo_quantize_tensor with zero_point): (scale rounded to fp16, zero) per row."""
+    w_max, w_min = values.amax(dim=1), values.amin(dim=1)
+    scale = ((w_max - w_min).clamp(min=1e-5) / 15).to(torch.float16).to(torch.float32)
+    return scale, (-torch.round(w_min / scale)).clamp(0, 15)
 
 
-def awq_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """AutoAWQ's asymmetric round-to-nearest (pseudo_quantize_tensor with zero_point), packed as its GEMM layout."""
-    n, k = w.shape
-    groups = w.reshape(n, k // group_size, group_size)
-    w_max, w_min = groups.amax(dim=-1), groups.amin(dim=-1)  # [N, K / G]
-    scales = ((w_max - w_min).clamp(min=1e-5) / 15).to(torch.float16)
-    s = scales.to(torch.float32)
-    zeros = (-torch.round(w_min / s)).clamp(0, 15)
-    q = (torch.round(groups / s.unsqueeze(-1)) + zeros.unsqueeze(-1)).clamp(0, 15).reshape(n, k)
-    return pack_awq(q.t().to(torch.int32)), pack_awq(zeros.t().to(torch.int32)), scales.t().contiguous()
+def _round_awq(column: torch.Tensor, params) -> torch.Tensor:
+    scale, zero = params
+    return ((torch.round(column / scale) + zero).clamp(0, 15) - zero) * scale
+
+
+def _fp8_fit(block_rows: int):
+    def fit(values: torch.Tensor) -> torch.Tensor:
+        """A scale per row: the absolute maximum of its block of block_rows rows (one row per channel) / 448."""
+        amax = values.reshape(values.size(0) // block_rows, -1).abs().amax(dim=1)
+        return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).repeat_interleave(block_rows)
+    return fit
+
+
+def _round_fp8(column: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (column / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * scale
+
+
+def fp8_tensors(w: torch.Tensor, params: list, group: int, block_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 values [N, K] and float32 scales [N / block_rows, K / group] of the weight w (on the grid or not)."""
+    scales = torch.stack(params, dim=1)  # [N, K / group], one per row
+    q = (w / scales.repeat_interleave(group, dim=1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scales[::block_rows].contiguous()
+
+
+def awq_tensors(w: torch.Tensor, params: list, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AWQ GEMM's qweight, qzeros and fp16 scales of the weight w (on the grid or not) with each group's params."""
+    scales = torch.stack([p[0] for p in params], dim=1)  # [N, K / G]
+    zeros = torch.stack([p[1] for p in params], dim=1)
+    q = (torch.round(w / scales.repeat_interleave(group, dim=1)) + zeros.repeat_interleave(group, dim=1)).clamp(0, 15)
+    return (pack_awq(q.t().to(torch.int32)), pack_awq(zeros.t().to(torch.int32)),
+            scales.to(torch.float16).t().contiguous())
 
 
 def pack_awq(values: torch.Tensor) -> torch.Tensor:
@@ -102,16 +129,20 @@ def check_group_size(fmt: str, group_size: int, shapes: dict[str, tuple[int, int
         raise ValueError(f"--group-size {group_size} must be a positive int{' multiple of 8' if fmt == 'w4' else ''}")
     if fmt == "fp8-channel":
         return
+
+    def fits(g: int, n: int, k: int) -> bool:
+        return not k % g and (not n % g if fmt == "fp8" else not n % 8)
     for name, (n, k) in shapes.items():
-        if k % group_size or (fmt == "fp8" and n % group_size) or (fmt == "w4" and n % 8):
-            divisors = [g for g in (128, 64, 32, 16) if not k % g and (fmt != "fp8" or not n % g)]
+        if not fits(group_size, n, k):
+            fitting = [g for g in (128, 64, 32, 16) if all(fits(g, *shape) for shape in shapes.values())]
             raise ValueError(f"--group-size {group_size} does not divide {name} [{n}, {k}]; pass a group size that "
-                             f"divides every layer's shape{f', e.g. {divisors[0]}' if divisors else ''}")
+                             f"divides every layer's shape{f', e.g. {fitting[0]}' if fitting else ''}")
 
 
-def quantize_checkpoint(src_dir: str, out_dir: str, fmt: str, group_size: int = 128) -> str:
+def quantize_checkpoint(src_dir: str, out_dir: str, fmt: str, group_size: int = 128,
+                        hessians: dict[str, torch.Tensor] | None = None) -> str:
     """Writes src_dir's float safetensors checkpoint, quantized, into out_dir (with its config, tokenizer and other
-    files). Returns out_dir."""
+    files). hessians (calibrate.collect_hessians): GPTQ's rounding instead of round-to-nearest. Returns out_dir."""
     from safetensors import safe_open
     from safetensors.torch import save_file
     if fmt not in FORMATS:
@@ -124,6 +155,7 @@ def quantize_checkpoint(src_dir: str, out_dir: str, fmt: str, group_size: int = 
         raise ValueError(f"{src_dir!r} is quantized already ({config['quantization_config'].get('quant_method')}); "
                          f"pass a float checkpoint")
     check_group_size(fmt, group_size, _linear_shapes(src_dir, files))
+    hessians = hessians or {}
     os.makedirs(out_dir, exist_ok=True)
     weight_map = {}
     for file in files:
@@ -131,8 +163,8 @@ def quantize_checkpoint(src_dir: str, out_dir: str, fmt: str, group_size: int = 
         with safe_open(os.path.join(src_dir, file), "pt", "cpu") as f:
             for name in f.keys():
                 tensor = f.get_tensor(name)
-                parts = quantize_weight(name, tensor, fmt, group_size) if name.endswith(QUANTIZED_SUFFIXES) \
-                    else {name: tensor}
+                parts = quantize_weight(name, tensor, fmt, group_size, hessians.get(name)) \
+                    if name.endswith(QUANTIZED_SUFFIXES) else {name: tensor}
                 tensors.update(parts)
         save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
