@@ -16,6 +16,8 @@ import xxhash
 # element of the tensors it touches, so the first bytes of each tensor tell two checkpoints of one architecture
 # apart, at the cost of a few hundred small reads instead of hashing gigabytes at every start.
 SAMPLE_BYTES_PER_TENSOR = 4096
+# a GGUF file (one file, no config.json): its header is hashed whole up to this size, its data sampled
+GGUF_HEADER_BYTES, GGUF_SAMPLES = 8 << 20, 256
 LAYOUT = "block-major: (num_layers, 2, block_size, num_kv_heads, head_dim)"
 
 
@@ -63,6 +65,9 @@ def model_identity(model_dir: str, include_weights: bool = True) -> str:
     shapes, offsets) and the first SAMPLE_BYTES_PER_TENSOR bytes of every tensor. Moving or copying the model
     keeps its identity; another checkpoint of the same architecture gets another."""
     h = xxhash.xxh3_128()
+    if os.path.isfile(model_dir):  # a GGUF file: its config and tensor table are in its header
+        _hash_file(model_dir, h, include_weights)
+        return h.hexdigest()
     with open(os.path.join(model_dir, "config.json"), "rb") as f:
         h.update(f.read())
     names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors")) if include_weights else []
@@ -70,6 +75,18 @@ def model_identity(model_dir: str, include_weights: bool = True) -> str:
         h.update(name.encode() + b"\0")
         _hash_safetensors(os.path.join(model_dir, name), h)
     return h.hexdigest()
+
+
+def _hash_file(path: str, h, include_weights: bool):
+    """A single-file model (GGUF): its size, its first GGUF_HEADER_BYTES (the metadata and the tensor table, for the
+    usual vocabularies) and, with the weights, SAMPLE_BYTES_PER_TENSOR at GGUF_SAMPLES evenly spaced offsets."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h.update(struct.pack("<Q", size))
+        h.update(f.read(GGUF_HEADER_BYTES))
+        for i in range(GGUF_SAMPLES if include_weights else 0):
+            f.seek(size * i // GGUF_SAMPLES)
+            h.update(f.read(SAMPLE_BYTES_PER_TENSOR))
 
 
 def _hash_safetensors(path: str, h):

@@ -106,3 +106,16 @@ def test_unknown_tensor_and_truncated_file_are_named(tmp_path):
         f.truncate(f.seek(0, 2) - 100)
     with pytest.raises(ValueError, match="b.gguf.* is truncated or corrupt"):
         open_gguf(path)
+
+
+def test_a_gguf_files_disk_tier_identity_follows_its_bytes_not_its_place(tmp_path):
+    """The disk tier names a model's KV blocks by the model's identity: for a GGUF (no config.json), its bytes."""
+    import shutil
+
+    from nanovllm_offload.disk_fingerprint import model_identity
+    blocks = random_blocks("Q8_0", N, K, np.random.default_rng(5))
+    a = write_gguf(str(tmp_path / "a.gguf"), "qwen3", {"blk.0.ffn_up.weight": (blocks, "Q8_0")})
+    same = shutil.copy(a, tmp_path / "same.gguf")
+    blocks[3, 7] ^= 1  # one bit of one weight
+    tuned = write_gguf(str(tmp_path / "tuned.gguf"), "qwen3", {"blk.0.ffn_up.weight": (blocks, "Q8_0")})
+    assert model_identity(a) == model_identity(str(same)) != model_identity(tuned)
