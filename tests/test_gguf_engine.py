@@ -7,6 +7,7 @@ what the same model generates with its weights dequantized to float32 (fp32 acti
   inverse of llama.cpp's permutation;
 - SmolLM2-135M-Instruct from its Q4_1 GGUF against the float32 checkpoint transformers converts from it.
 """
+import json
 import os
 
 import gguf
@@ -133,3 +134,16 @@ def test_smollm2_runs_natively_from_its_q4_1_gguf(smollm2_dir):
         assert g["token_ids"] == w["token_ids"]
         assert g["text"] == w["text"]
         assert _max_logprob_gap(g, w) <= LOGPROB_TOLERANCE
+
+
+def test_the_cli_demo_runs_smollm2s_gguf_natively(smollm2_dir):
+    """`nanovllm generate` without --model: the packaged GGUF, its tokenizer and chat template from the file."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "nanovllm.entrypoints.cli", "generate", "What is the capital of France?",
+           "--max-tokens", "24", "--enforce-eager", "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    [line] = [line for line in r.stdout.splitlines() if line.startswith("{")]
+    assert "Paris" in json.loads(line)["text"]

@@ -64,10 +64,11 @@ def _accumulate(name: str, sums: dict):
 
 
 def gptq(w: torch.Tensor, hessian: torch.Tensor, group_size: int, fit, round_to_grid) -> tuple[torch.Tensor, list]:
-    """GPTQ's column loop. w [N, K] float32; group_size divides K and COLUMN_BLOCK (or is a multiple of it, or K).
-    fit(values [N, group_size]) -> the group's grid parameters, taken from the group's values as they are when its
-    first column is reached; round_to_grid(column [N], params) -> the column on the grid. Returns the weight on the
-    grid [N, K] and each group's parameters."""
+    """GPTQ's column loop. w [N, K] float32; group_size divides K. fit(values [N, group_size]) -> the group's grid
+    parameters, taken from the group's values as they are when its first column is reached (a group that starts
+    inside a COLUMN_BLOCK and runs past it sees its later columns before they take that block's errors: a less
+    exact fit, still a grid every column is rounded to); round_to_grid(column [N], params) -> the column on the grid.
+    Returns the weight on the grid [N, K] and each group's parameters."""
     w = w.clone()
     n, k = w.shape
     h = hessian.to(torch.float64).clone()
