@@ -310,3 +310,18 @@ def serving(app, start_timeout_s: float = 30.0):
         server.should_exit = True
         thread.join(timeout=30)
         assert not thread.is_alive(), "uvicorn did not shut down"
+
+
+# ---------------------------------------------------------------- quantized checkpoints (tests/quant_checkpoints.py)
+
+
+@pytest.fixture(scope="session")
+def quant_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("quant")
+
+
+@pytest.fixture(scope="session")
+def bases(quant_root):
+    """The float32 checkpoints the quantized ones are made from: a tied Qwen3, an untied Llama, a Qwen2."""
+    from quant_checkpoints import write_base
+    return {kind: write_base(kind, str(quant_root / f"base-{kind}")) for kind in ("qwen3", "llama", "qwen2")}

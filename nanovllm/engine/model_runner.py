@@ -95,7 +95,7 @@ class ModelRunner:
         try:
             torch.manual_seed(config.seed)
             with self.device:
-                model = DecoderForCausalLM(config.hf_config, family, config.quant_spec)
+                model = DecoderForCausalLM(config.hf_config, family, config.quant_spec, config.quantize_lm_head)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":

@@ -34,6 +34,9 @@ HELP = {
     "max_num_seqs": "sequences per batch; 256 on a GPU (or budget) under 70 GiB",
     "kv_disk_path": "a directory for a disk tier below the host pool: prefix KV kept across restarts",
     "kv_disk_gib": "cap on the disk tier directory's files in GiB",
+    "quantization": "the checkpoint's quantization: default (or 'auto') its config.json's quantization_config; "
+                    "awq, gptq, compressed-tensors or fp8 must agree with it",
+    "quantize_lm_head": "'int8': the LM head (and input embedding) as int8 with a scale per vocabulary row",
     "generation_config": "sampling defaults for unset options: 'auto' from the model's generation_config.json, "
                          "'vllm' none, or a directory holding one",
 }

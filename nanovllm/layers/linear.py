@@ -8,7 +8,6 @@ int32 of eight 4-bit values, G for a group's scale), so packed weights split on 
 """
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.quantization.gguf import gguf_linear_method
@@ -44,7 +43,7 @@ class LinearBase(nn.Module):
         self.output_sizes = output_sizes or [output_size]
         self.quant_method = linear_method(quant_spec, checkpoint_names or [prefix])
         self.quant_method.create_weights(self)
-        for name, param in self.named_parameters(recurse=False):
+        for param in self.parameters(recurse=False):
             param.weight_loader = self.weight_loader
         if bias:
             self.bias = new_param((output_size,), torch.get_default_dtype(), ((0, "out", 1),))
@@ -76,7 +75,7 @@ class LinearBase(nn.Module):
             starts[dim] = (self.tp_rank * length if split else 0, length)
             full_shape[dim] = length * (self.tp_size if split else 1)
         if tuple(loaded.shape) != tuple(full_shape):
-            raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected {tuple(full_shape)}")
+            raise ValueError(f"shape {tuple(loaded.shape)} does not match the parameter's {tuple(full_shape)}")
         for dim, (start, length) in starts.items():
             loaded = loaded.narrow(dim, start, length)
         copy_exact(dst, loaded)

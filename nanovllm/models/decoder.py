@@ -12,9 +12,9 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.utils.quant_spec import QuantSpec
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, qk_norm_rope
 from nanovllm.utils.distributed import tp_size
+from nanovllm.utils.quant_spec import QuantSpec
 
 
 class DecoderAttention(nn.Module):
@@ -100,9 +100,9 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, hf, family: str, quant_spec: QuantSpec | None = None):
+    def __init__(self, hf, family: str, quant_spec: QuantSpec | None = None, int8_vocab: bool = False):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size, int8_vocab)
         # one cos/sin table for all layers: a copy per layer cost 28 x 20 MiB (0.55 GiB) at Qwen3's 40,960
         # positions, memory that the KV of an 8 GiB card went without
         rotary_emb = RotaryEmbedding(head_dim_of(hf), hf.max_position_embeddings, rope_parameters(hf)["rope_theta"])
@@ -127,17 +127,27 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, hf, family: str, quant_spec: QuantSpec | None = None):
+    def __init__(self, hf, family: str, quant_spec: QuantSpec | None = None, quantize_lm_head: str | None = None):
         super().__init__()
-        self.model = DecoderModel(hf, family, quant_spec)
+        int8_vocab = quantize_lm_head == "int8"  # the LM head and the input embedding as int8 (embed_head.py)
+        self.model = DecoderModel(hf, family, quant_spec, int8_vocab)
         self.quant_spec = quant_spec  # None: unquantized; the loader asks it which checkpoint tensors no layer reads
-        self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size)
+        self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, int8_vocab)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
+
+    def process_weights_after_loading(self):
+        """Once the weights are in: the vocabulary weights to int8 when asked; a tied head shares the embedding's."""
+        embed = self.model.embed_tokens
+        embed.quantize_weight()
+        if self.tie_word_embeddings:
+            self.lm_head.weight, self.lm_head.scales = embed.weight, embed.scales
+        else:
+            self.lm_head.quantize_weight()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)

@@ -20,7 +20,7 @@ from nanovllm.layers.quantization.gguf import GGUFLinearMethod
 from nanovllm.layers.quantization.layout import dequantize_int
 from nanovllm.utils.gguf_blocks import IntGroups, unpack_blocks
 from nanovllm.utils.gguf_model import close_gguf, hf_name, open_gguf
-from nanovllm.utils.loader import _copy_whole, _map_name, _missing_shards
+from nanovllm.utils.loader import _copy_whole, _map_name, _missing_shards, process_weights_after_loading
 
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # GGUF architectures whose q/k rows llama.cpp permuted (transformers' LlamaConverter undoes the same ones)
@@ -113,9 +113,11 @@ def load_gguf_weights(model: nn.Module, path: str):
         close_gguf()
     if getattr(model, "tie_word_embeddings", False):
         loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded) + _missing_shards(shards, packed)
+    required = {name for name, param in params.items() if not getattr(param, "is_optional", False)}
+    missing = sorted(required - loaded) + _missing_shards(shards, packed)
     if missing:
         raise ValueError(f"GGUF {path!r} lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    process_weights_after_loading(model)  # no repacking for GGUF layers; the int8 vocabulary option
 
 
 def _load_part(params: dict, name: str, tensor: torch.Tensor, shard_id):

@@ -59,18 +59,22 @@ def load_weights(model: nn.Module, path: str):
             loaded.add(target)
     if getattr(model, "tie_word_embeddings", False):
         loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded) + _missing_shards(shards, packed)
+    required = {name for name, param in params.items() if not getattr(param, "is_optional", False)}
+    missing = sorted(required - loaded) + _missing_shards(shards, packed)
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     process_weights_after_loading(model)
 
 
 def process_weights_after_loading(model: nn.Module):
-    """Quantized layers turn their loaded checkpoint tensors into the engine's layout."""
+    """Quantized layers turn their loaded checkpoint tensors into the engine's layout; then the model's own step
+    (the int8 vocabulary weights)."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+    if hasattr(model, "process_weights_after_loading"):
+        model.process_weights_after_loading()
 
 
 def _check_dtype(param: nn.Parameter, tensor: torch.Tensor):
@@ -135,3 +139,5 @@ def init_dummy_weights(model: nn.Module, seed: int):
             param.data.fill_(1.0)
         else:
             param.data.normal_(0.0, 0.02, generator=generator)
+    if hasattr(model, "process_weights_after_loading"):
+        model.process_weights_after_loading()

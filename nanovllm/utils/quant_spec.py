@@ -12,7 +12,7 @@ ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors": "co
 @dataclass(frozen=True)
 class QuantSpec:
     """How a checkpoint's linear layers are quantized (layout.py holds the layouts)."""
-    method: str  # the checkpoint format, one of METHODS: it names the tensors formats.py reads
+    method: str  # the checkpoint format, one of METHODS or "layout" (layout_spec): the tensors formats.py reads
     kind: str  # the engine layout: "int" or "fp8"
     bits: int = 8
     group_size: int = -1  # int kind: K elements per scale; -1: one group per row (G = K)
@@ -124,7 +124,6 @@ def _parse_fp8(config: dict) -> QuantSpec:
 
 
 def _parse_compressed_tensors(config: dict) -> QuantSpec:
-    fmt = _require(config, "format", ("pack-quantized", "float-quantized"))
     groups = config.get("config_groups") or {}
     if not isinstance(groups, dict) or len(groups) != 1:
         raise ValueError(f"quantization_config.config_groups has {len(groups)} groups; supported: exactly one (a "
@@ -135,6 +134,10 @@ def _parse_compressed_tensors(config: dict) -> QuantSpec:
         raise ValueError(f"{prefix}.targets={group.get('targets')!r} is not supported; supported: ['Linear']")
     weights = group.get("weights") or {}
     skip = _skipped(config, "ignore")
+    if group.get("format"):  # newer files name the format per group ("mixed-precision" at the top)
+        fmt = _require(group, "format", ("pack-quantized", "float-quantized"), prefix)
+    else:
+        fmt = _require(config, "format", ("pack-quantized", "float-quantized"))
     if fmt == "float-quantized":
         _require(weights, "type", ("float",), f"{prefix}.weights")
         _require(weights, "num_bits", (8,), f"{prefix}.weights")
@@ -156,7 +159,20 @@ def _parse_compressed_tensors(config: dict) -> QuantSpec:
     return QuantSpec("compressed-tensors", "int", bits, group_size, not symmetric, skip_modules=skip)
 
 
+def layout_spec(bits: int, group_size: int, has_mins: bool) -> QuantSpec:
+    """A QuantSpec whose checkpoint tensors are already the int layout (layout.py): qweight, scales and, with
+    has_mins, mins. For loaders that repack a format themselves (GGUF) and then load through the layers' weight
+    loaders, which shard them for tensor parallelism."""
+    if bits not in (4, 8) or group_size < 1 or bits == 4 and group_size % 8:
+        raise ValueError(f"bits={bits}, group_size={group_size}: the int layout holds 4 or 8 bits in groups of a "
+                         f"positive size (a multiple of 8 for 4 bits)")
+    return QuantSpec("layout", "int", bits, group_size, has_mins)
+
+
 PARSERS = {"awq": _parse_awq, "gptq": _parse_gptq, "fp8": _parse_fp8, "compressed-tensors": _parse_compressed_tensors}
+
+
+ROW_PARALLEL = ("o_proj", "down_proj")  # the layers whose inputs tensor parallelism splits
 
 
 def linear_shapes(hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -170,21 +186,20 @@ def linear_shapes(hidden_size: int, intermediate_size: int, num_heads: int, num_
 
 
 def check_quant_shapes(spec: QuantSpec, shapes: dict[str, tuple[list[int], int]], tp: int):
-    """Every layer splits on group (or block) boundaries: the input size of each rank's shard is a multiple of the
-    group size, and each merged part's outputs a whole number of FP8 blocks."""
+    """Every layer splits on group (or block) boundaries: each rank's input size is a whole number of groups (FP8
+    blocks), and each merged part's outputs whole packed words (FP8 blocks)."""
     for layer, (output_sizes, input_size) in shapes.items():
-        if spec.kind == "int":
-            unit_k, unit_n, field = spec.group_size, 8 if spec.bits == 4 else 4, "group_size"
-        else:
-            (unit_n, unit_k), field = spec.block_size or (1, 1), "weight_block_size"
-        if spec.kind == "int" and spec.group_size == -1:
-            unit_k = input_size if tp == 1 or layer not in ("o_proj", "down_proj") else 0
+        if spec.kind == "fp8":
+            (unit_n, unit_k), setting = spec.block_size or (1, 1), f"weight_block_size={list(spec.block_size or [])}"
+        else:  # int32 words pack 32 // bits outputs: AWQ's weights, GPTQ's and compressed-tensors' zero points
+            unit_n, unit_k, setting = 32 // spec.bits, spec.group_size, f"group_size={spec.group_size}"
+            if spec.group_size == -1:  # one group per row: a row-parallel layer's ranks would split it
+                unit_k = input_size if tp == 1 or layer not in ROW_PARALLEL else 0
         if unit_k <= 0 or input_size % unit_k:
-            raise ValueError(f"quantization_config {field}={getattr(spec, field.replace('weight_', ''))} does not "
-                             f"divide {layer}'s input size {input_size} (per rank at tensor_parallel_size={tp}); "
-                             f"supported: a {field} that divides it")
+            raise ValueError(f"quantization_config.{setting} does not divide {layer}'s input size {input_size} (per "
+                             f"rank at tensor_parallel_size={tp}); supported: groups that divide each rank's inputs")
         for size in output_sizes:
             if size % unit_n:
-                raise ValueError(f"quantization_config {field}: {layer}'s output part of {size} (per rank at "
+                raise ValueError(f"quantization_config.{setting}: {layer}'s output part of {size} (per rank at "
                                  f"tensor_parallel_size={tp}) is not a multiple of {unit_n}; supported: outputs in "
-                                 f"whole blocks")
+                                 f"whole {'blocks' if spec.kind == 'fp8' else 'packed int32 words'}")

@@ -12,6 +12,8 @@ Published packings (N outputs, K inputs, G group size, pf = 32 // bits values pe
 - compressed-tensors pack-quantized: weight_packed int32 [N, K // pf] packs along K, value i at bits (bits * i),
   each stored as q + 2**(bits - 1) (unsigned); weight_scale [N, K // G]; asymmetric: weight_zero_point int32
   [N // pf, K // G] packed along N the same way; weight_shape [2] = (N, K); w = (q - zp) * s.
+- "layout" (no checkpoint format: what a loader that repacks by itself, GGUF's, hands over): qweight, scales and
+  mins exactly as layout.py holds them.
 - FP8: weight float8_e4m3fn [N, K]; block scales weight_scale_inv (fp8 method) or weight_scale (compressed-tensors
   block strategy) float32 [ceil(N / bn), ceil(K / bk)]; per channel weight_scale [N, 1]; per tensor a scalar
   weight_scale (expanded to a scale per row: a merged layer's parts may have different ones).
@@ -36,6 +38,17 @@ class CheckpointTensor:
     dtype: torch.dtype
     out: tuple[int, int] | None
     inn: tuple[int, int] | None
+    is_optional: bool = False  # a checkpoint may leave it out
+
+    @property
+    def shard_dims(self) -> tuple[tuple[int, str, int], ...]:
+        """((dim, "out" | "in", divisor), ...) as linear.py's weight loader reads them."""
+        dims = []
+        if self.out:
+            dims.append((self.out[0], "out", self.out[1]))
+        if self.inn:
+            dims.append((self.inn[0], "in", self.inn[1]))
+        return tuple(dims)
 
 
 def checkpoint_tensors(spec: QuantSpec, output_size: int, input_size: int) -> list[CheckpointTensor]:
@@ -53,11 +66,17 @@ def checkpoint_tensors(spec: QuantSpec, output_size: int, input_size: int) -> li
         return [CheckpointTensor("qweight", (k, n // 8), i32, (1, 8), (0, 1)),
                 CheckpointTensor("qzeros", (k // g, n // 8), i32, (1, 8), (0, g)),
                 CheckpointTensor("scales", (k // g, n), f32, (1, 1), (0, g))]
+    if spec.method == "layout":  # already the layout: layout.py
+        qweight = CheckpointTensor("qweight", (n, k // 8) if spec.bits == 4 else (n, k),
+                                   i32 if spec.bits == 4 else torch.int8, (0, 1), (1, 8 if spec.bits == 4 else 1))
+        groups = [CheckpointTensor(name, (n, k // g), f32, (0, 1), (1, g))
+                  for name in ("scales", "mins")[:1 + spec.has_zero_point]]
+        return [qweight, *groups]
     if spec.method == "gptq":
         return [CheckpointTensor("qweight", (k // pf, n), i32, (1, 1), (0, pf)),
                 CheckpointTensor("qzeros", (k // g, n // pf), i32, (1, pf), (0, g)),
                 CheckpointTensor("scales", (k // g, n), f32, (1, 1), (0, g)),
-                CheckpointTensor("g_idx", (0,), i32, None, None)]
+                CheckpointTensor("g_idx", (0,), i32, None, None, is_optional=True)]
     tensors = [CheckpointTensor("weight_packed", (n, k // pf), i32, (0, 1), (1, pf)),
                CheckpointTensor("weight_scale", (n, k // g), f32, (0, 1), (1, g)),
                CheckpointTensor("weight_shape", (0,), torch.int64, None, None)]
@@ -67,10 +86,12 @@ def checkpoint_tensors(spec: QuantSpec, output_size: int, input_size: int) -> li
 
 
 def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [..., W] -> int32 [..., W * (32 // bits)]: value i of word j (at bits bits * i) is element j * pf + i,
-    read as unsigned."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
-    values = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., W, pf]; the sign bits are masked off
+    """int32 [..., W] -> uint8 [..., W * (32 // bits)]: value i of word j (at bits bits * i) is element j * pf + i,
+    read as unsigned. One value at a time, so the scratch is a byte per value (a layer of Qwen3-8B's MLP has 10**8)."""
+    per_word = 32 // bits
+    values = torch.empty(*words.shape, per_word, dtype=torch.uint8, device=words.device)
+    for i in range(per_word):
+        values[..., i] = (words >> (bits * i)) & ((1 << bits) - 1)  # the arithmetic shift's sign bits masked off
     return values.flatten(-2)
 
 
@@ -89,13 +110,17 @@ def to_layout(spec: QuantSpec, tensors: dict[str, torch.Tensor], input_size: int
         scales = tensors.get("weight_scale_inv", tensors.get("weight_scale"))
         return dict(qweight=tensors["weight"], scales=scales.to(torch.float32), mins=None)
     bits = spec.bits
+    if spec.method == "layout":
+        mins = tensors.get("mins")
+        return dict(qweight=tensors["qweight"], scales=narrowest_exact(tensors["scales"]),
+                    mins=None if mins is None else narrowest_exact(mins))
     if spec.method == "awq":
         q = unpack_words(tensors["qweight"], 4).unflatten(-1, (-1, 8))[..., AWQ_UNDO_ORDER].flatten(-2).t()
         zeros = unpack_words(tensors["qzeros"], 4).unflatten(-1, (-1, 8))[..., AWQ_UNDO_ORDER].flatten(-2).t()
         scales = tensors["scales"].t()  # [N, K // G]
     elif spec.method == "gptq":
         q = unpack_words(tensors["qweight"].t(), bits)  # [N, K]
-        zeros = unpack_words(tensors["qzeros"], bits).t() + spec.zero_offset  # [N, K // G]
+        zeros = unpack_words(tensors["qzeros"], bits).t().to(torch.int32) + spec.zero_offset  # [N, K // G]
         scales = tensors["scales"].t()
     else:  # compressed-tensors: stored unsigned; its zero point in the same unsigned form (2**(bits-1) if symmetric)
         q = unpack_words(tensors["weight_packed"], bits)
@@ -103,11 +128,12 @@ def to_layout(spec: QuantSpec, tensors: dict[str, torch.Tensor], input_size: int
         scales = tensors["weight_scale"]
         if zeros is None:
             zeros = torch.full_like(scales, 1 << (bits - 1), dtype=torch.int32)
+    zeros = zeros.to(torch.int32)
     scales = scales.contiguous()
     if bits == 4:
         mins = -(zeros.to(torch.float32) * scales)  # w = q * s - z * s: both terms exact in float32
         return dict(qweight=pack_int4(q), scales=narrowest_exact(scales), mins=narrowest_exact(mins.contiguous()))
     mins = (128 - zeros).to(torch.float32) * scales  # int8 holds q - 128: w = (q - 128) * s + (128 - z) * s
-    return dict(qweight=(q - 128).to(torch.int8).contiguous(), scales=narrowest_exact(scales),
+    return dict(qweight=(q.to(torch.int16) - 128).to(torch.int8).contiguous(), scales=narrowest_exact(scales),
                 mins=None if spec.method == "compressed-tensors" and not spec.has_zero_point
                 else narrowest_exact(mins.contiguous()))

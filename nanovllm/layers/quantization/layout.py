@@ -44,19 +44,20 @@ NIBBLE_SHIFTS = tuple(range(0, 32, 4))  # nibble i of an int32 sits at bits 4i .
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     """[N, K // 8] int32 -> [N, K] uint8 in 0..15 (nibble i of word j is element 8j + i)."""
-    shifts = torch.tensor(NIBBLE_SHIFTS, dtype=torch.int32, device=qweight.device)
-    nibbles = (qweight.unsqueeze(-1) >> shifts) & 0xF  # [N, K // 8, 8]; the arithmetic shift's sign bits are masked
-    return nibbles.flatten(-2).to(torch.uint8)
+    nibbles = torch.empty(*qweight.shape, 8, dtype=torch.uint8, device=qweight.device)
+    for i, shift in enumerate(NIBBLE_SHIFTS):  # one nibble at a time: 1 byte per value of scratch, not 4
+        nibbles[..., i] = (qweight >> shift) & 0xF  # the arithmetic shift's sign bits are masked off
+    return nibbles.flatten(-2)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """[N, K] integers in 0..15 -> [N, K // 8] int32, the inverse of unpack_int4."""
     if q.size(-1) % 8:
         raise ValueError(f"pack_int4 needs K a multiple of 8, got K={q.size(-1)}")
-    words = q.to(torch.int64).reshape(*q.shape[:-1], -1, 8)
-    shifts = torch.tensor(NIBBLE_SHIFTS, dtype=torch.int64, device=q.device)
-    packed = (words << shifts).sum(-1)  # disjoint bits: the sum is the bitwise or, in 0 .. 2**32 - 1
-    return (packed - (packed >= 1 << 31).to(torch.int64) * (1 << 32)).to(torch.int32)  # same bits as an int32
+    packed = torch.zeros(*q.shape[:-1], q.size(-1) // 8, dtype=torch.int32, device=q.device)
+    for i, shift in enumerate(NIBBLE_SHIFTS):
+        packed |= q[..., i::8].to(torch.int32) << shift  # nibble 7 lands in the sign bit: the same 32 bits
+    return packed
 
 
 def int_values(qweight: torch.Tensor, bits: int) -> torch.Tensor:

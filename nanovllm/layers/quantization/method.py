@@ -19,6 +19,11 @@ try:  # the CUDA kernels (Triton); without them CUDA runs the reference below, a
     from nanovllm.kernels import quant_matmul
 except ImportError:
     quant_matmul = None
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # the activations the kernels take (float32 runs the reference)
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    return x.is_cuda and quant_matmul is not None and x.dtype in KERNEL_DTYPES
 
 
 def new_param(shape, dtype, shard_dims=()) -> nn.Parameter:
@@ -56,9 +61,9 @@ class QuantLinearMethod:
         layer.block_size = (spec.block_size or (1, layer.input_size)) if spec.kind == "fp8" else None
         layer.checkpoint_names = []
         for t in checkpoint_tensors(spec, layer.output_size, layer.input_size):
-            dims = tuple(d for d in ((*t.out, "out") if t.out else None, (*t.inn, "in") if t.inn else None) if d)
-            param = new_param(t.shape, t.dtype, tuple((dim, axis, div) for dim, div, axis in dims))
+            param = new_param(t.shape, t.dtype, t.shard_dims)
             param.load_hook = LOAD_HOOKS.get(t.name)
+            param.is_optional = t.is_optional
             setattr(layer, t.name, param)
             layer.checkpoint_names.append(t.name)
 
@@ -98,7 +103,7 @@ class QuantLinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [M, K]
-        if x.is_cuda and quant_matmul is not None:
+        if use_kernels(x):
             if self.spec.kind == "fp8":
                 y = quant_matmul.fp8_linear(x, layer.qweight, layer.scales, layer.block_size)
             else:
