@@ -41,7 +41,8 @@ PROMPTS = [[5, 17, 42, 99, 3], [250, 7, 7, 300, 12, 480, 1, 64]]
 # the weights are the same float32 numbers; a quantized o_proj/down_proj adds its product to the residual after the
 # matmul (one rounding more than the plain layer's fused addmm), so logprobs agree to float32 rounding, not bits
 LOGPROB_TOLERANCE = 1e-5
-ENGINE = dict(num_kvcache_blocks=16, kvcache_block_size=16, swap_space=0, enforce_eager=True)
+ENGINE = dict(device="cpu", dtype="float32", num_kvcache_blocks=16, kvcache_block_size=16, swap_space=0,
+              enforce_eager=True)
 
 
 def _tiny_tensors(rng) -> dict:
@@ -117,6 +118,16 @@ def test_tiny_mixed_gguf_generates_exactly_as_its_float32_dequantization(tiny_gg
         assert g["token_ids"] == w["token_ids"]
         assert _max_logprob_gap(g, w) <= LOGPROB_TOLERANCE
     assert len({tuple(g["token_ids"]) for g in got}) == 2  # not a degenerate model
+
+
+def test_a_block_type_the_engine_does_not_read_is_named_before_loading(tmp_path):
+    """Q5_0 (not among the supported types): one ValueError naming the tensor and its type, from LLM()."""
+    tensors = _tiny_tensors(np.random.default_rng(1))
+    weights = np.random.default_rng(2).standard_normal((FFN, HIDDEN)).astype(np.float32)
+    tensors["blk.1.ffn_up.weight"] = (gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q5_0), "Q5_0")
+    path = write_gguf(str(tmp_path / "q5_0.gguf"), "llama", tensors, METADATA)
+    with pytest.raises(ValueError, match="'blk.1.ffn_up.weight' has type Q5_0; supported: .*Q4_K"):
+        LLM(path, **ENGINE)
 
 
 def test_quantization_option_must_match_a_gguf(tiny_gguf):

@@ -18,8 +18,8 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.utils.calibrate import CALIBRATION_TOKENS
 
 NUM_WINDOWS, WINDOW_TOKENS = 4, 512  # 2,048 tokens, scored in windows that start fresh (no context carried over)
-ENGINE = dict(swap_space=0, enforce_eager=True, max_num_batched_tokens=WINDOW_TOKENS, num_kvcache_blocks=40,
-              kvcache_block_size=16, enable_prefix_caching=False)
+ENGINE = dict(device="cpu", dtype="float32", swap_space=0, enforce_eager=True, num_kvcache_blocks=40,
+              max_num_batched_tokens=WINDOW_TOKENS, kvcache_block_size=16, enable_prefix_caching=False)
 # format name -> (--quantize, --group-size); None: the model as it is
 FORMATS = {"fp8 block 64x64": ("fp8", 64), "fp8 per-channel": ("fp8-channel", 128),
            "w4 AWQ G=64": ("w4", 64), "w4 AWQ G=32": ("w4", 32)}
