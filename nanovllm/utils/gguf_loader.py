@@ -97,11 +97,11 @@ def load_gguf_weights(model: nn.Module, path: str):
             target, shard_id = _map_name(name, packed)
             layer_name = target.rpartition(".")[0]
             method = getattr(modules.get(layer_name), "quant_method", None)
-            if isinstance(value, IntGroups) and isinstance(method, GGUFLinearMethod):
-                parts = {f"{layer_name}.{p}": t for p, t in method.layout_tensors(value).items()}
-            else:
-                parts = {target: _dequantize(value) if isinstance(value, IntGroups) else value}
             try:
+                if isinstance(value, IntGroups) and isinstance(method, GGUFLinearMethod):
+                    parts = {f"{layer_name}.{p}": t for p, t in method.layout_tensors(value).items()}
+                else:
+                    parts = {target: _dequantize(value) if isinstance(value, IntGroups) else value}
                 for param_name, part in parts.items():
                     _load_part(params, param_name, part, shard_id)
             except ValueError as e:
