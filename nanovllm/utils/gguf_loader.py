@@ -1,5 +1,5 @@
-"""Reads a GGUF file's tensors under their Hugging Face names, quantized ones kept in the engine's "int" layout, and
-loads them into the model.
+"""Reads a GGUF file's tensors under their Hugging Face names, quantized ones kept in the engine's "int" layout
+(layers/quantization/gguf.py loads them into the model).
 
 - names: llama.cpp's (blk.N.attn_q.weight) -> Hugging Face's (model.layers.N.self_attn.q_proj.weight);
 - order: llama.cpp stores the q and k rows of a "llama" GGUF permuted for its rope (convert_hf_to_gguf.py's
@@ -14,13 +14,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from torch import nn
 
-from nanovllm.layers.quantization.gguf import GGUFLinearMethod
-from nanovllm.layers.quantization.layout import dequantize_int
 from nanovllm.utils.gguf_blocks import IntGroups, unpack_blocks
-from nanovllm.utils.gguf_model import close_gguf, hf_name, open_gguf
-from nanovllm.utils.loader import _copy_whole, _map_name, _missing_shards, process_weights_after_loading
+from nanovllm.utils.gguf_model import hf_name
 
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # GGUF architectures whose q/k rows llama.cpp permuted (transformers' LlamaConverter undoes the same ones)
@@ -82,53 +78,3 @@ def _unpermute_qk(name: str, rows: np.ndarray, num_heads: int, num_kv_heads: int
     half = rows.shape[0] // heads // 2
     return np.ascontiguousarray(rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape))
 
-
-def load_gguf_weights(model: nn.Module, path: str):
-    """Every tensor of the GGUF into the model: quantized parts into their layer's layout (widened where a merged
-    layer's parts differ, layers/quantization/gguf.py), float tensors as in load_weights. A quantized tensor whose
-    parameter is plain (the embedding, an untied head) is dequantized, exactly in float32."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    modules = dict(model.named_modules())
-    packed = getattr(model, "packed_modules_mapping", {})
-    loaded, shards = set(), {}
-    try:
-        reader = open_gguf(path)
-        for (name, value), tensor in zip(iter_gguf_tensors(reader), reader.tensors):
-            target, shard_id = _map_name(name, packed)
-            layer_name = target.rpartition(".")[0]
-            method = getattr(modules.get(layer_name), "quant_method", None)
-            try:
-                if isinstance(value, IntGroups) and isinstance(method, GGUFLinearMethod):
-                    parts = {f"{layer_name}.{p}": t for p, t in method.layout_tensors(value).items()}
-                else:
-                    parts = {target: _dequantize(value) if isinstance(value, IntGroups) else value}
-                for param_name, part in parts.items():
-                    _load_part(params, param_name, part, shard_id)
-            except ValueError as e:
-                raise ValueError(f"GGUF {path!r}, tensor {tensor.name!r}: {e}") from None
-            loaded.update(parts)
-            if shard_id is not None:
-                shards.setdefault(target, set()).add(shard_id)
-    finally:
-        close_gguf()
-    if getattr(model, "tie_word_embeddings", False):
-        loaded.add("lm_head.weight")
-    required = {name for name, param in params.items() if not getattr(param, "is_optional", False)}
-    missing = sorted(required - loaded) + _missing_shards(shards, packed)
-    if missing:
-        raise ValueError(f"GGUF {path!r} lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    process_weights_after_loading(model)  # no repacking for GGUF layers; the int8 vocabulary option
-
-
-def _load_part(params: dict, name: str, tensor: torch.Tensor, shard_id):
-    param = params.get(name)
-    if param is None:
-        raise ValueError(f"no parameter of the model takes it (as {name!r})")
-    if shard_id is None:
-        getattr(param, "weight_loader", _copy_whole)(param, tensor)
-    else:
-        param.weight_loader(param, tensor, shard_id)
-
-
-def _dequantize(value: IntGroups) -> torch.Tensor:
-    return dequantize_int(value.qweight, value.scales, value.mins, value.bits, value.group_size)

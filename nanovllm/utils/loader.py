@@ -11,17 +11,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from nanovllm.utils.gguf_model import is_gguf_file
-
 # checkpoint tensors that hold nothing the engine reads: rotary tables the engine computes itself
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 ORDINARY_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def load_weights(model: nn.Module, path: str):
-    if is_gguf_file(path):
-        from nanovllm.utils.gguf_loader import load_gguf_weights
-        return load_gguf_weights(model, path)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"model={path!r} has no *.safetensors files")

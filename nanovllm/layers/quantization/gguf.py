@@ -1,5 +1,6 @@
-"""GGUF weights in the "int" layout (layout.py): each linear layer's layout from its GGUF tensors' block types, and
-the linear method that holds them (nanovllm/utils/gguf_loader.py reads the tensors).
+"""GGUF weights in the "int" layout (layout.py): each linear layer's layout from its GGUF tensors' block types, the
+linear method that holds them, and the loading of a GGUF's tensors into the model (nanovllm/utils/gguf_loader.py
+reads them from the file).
 
 A GGUF stores every tensor in its own block type, and a Q4_K_M file mixes them inside one merged layer (q and k in
 Q4_K, v in Q6_K in some layers). A merged layer holds one layout: the one that every part's values fit exactly,
@@ -12,10 +13,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.layers.quantization.layout import unpack_int4
+from nanovllm.layers.quantization.layout import dequantize_int, unpack_int4
 from nanovllm.layers.quantization.method import QuantLinearMethod, UnquantizedLinearMethod, new_param
 from nanovllm.utils.gguf_blocks import IntGroups
-from nanovllm.utils.gguf_model import FLOAT_TYPES, GGUFSpec
+from nanovllm.utils.gguf_loader import iter_gguf_tensors
+from nanovllm.utils.gguf_model import FLOAT_TYPES, GGUFSpec, close_gguf, open_gguf
+from nanovllm.utils.loader import _copy_whole, _map_name, _missing_shards, process_weights_after_loading
 from nanovllm.utils.quant_spec import QuantSpec
 
 
@@ -118,3 +121,54 @@ def _exact_cast(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if not torch.equal(cast.to(values.dtype), values):
         raise ValueError(f"{values.dtype} scales do not fit the layer's {dtype} exactly")
     return cast
+
+
+def load_gguf_weights(model: nn.Module, path: str):
+    """Every tensor of the GGUF into the model: quantized parts into their layer's layout (widened where a merged
+    layer's parts differ, layers/quantization/gguf.py), float tensors as in load_weights. A quantized tensor whose
+    parameter is plain (the embedding, an untied head) is dequantized, exactly in float32."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
+    packed = getattr(model, "packed_modules_mapping", {})
+    loaded, shards = set(), {}
+    try:
+        reader = open_gguf(path)
+        for (name, value), tensor in zip(iter_gguf_tensors(reader), reader.tensors):
+            target, shard_id = _map_name(name, packed)
+            layer_name = target.rpartition(".")[0]
+            method = getattr(modules.get(layer_name), "quant_method", None)
+            try:
+                if isinstance(value, IntGroups) and isinstance(method, GGUFLinearMethod):
+                    parts = {f"{layer_name}.{p}": t for p, t in method.layout_tensors(value).items()}
+                else:
+                    parts = {target: _dequantize(value) if isinstance(value, IntGroups) else value}
+                for param_name, part in parts.items():
+                    _load_part(params, param_name, part, shard_id)
+            except ValueError as e:
+                raise ValueError(f"GGUF {path!r}, tensor {tensor.name!r}: {e}") from None
+            loaded.update(parts)
+            if shard_id is not None:
+                shards.setdefault(target, set()).add(shard_id)
+    finally:
+        close_gguf()
+    if getattr(model, "tie_word_embeddings", False):
+        loaded.add("lm_head.weight")
+    required = {name for name, param in params.items() if not getattr(param, "is_optional", False)}
+    missing = sorted(required - loaded) + _missing_shards(shards, packed)
+    if missing:
+        raise ValueError(f"GGUF {path!r} lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    process_weights_after_loading(model)  # no repacking for GGUF layers; the int8 vocabulary option
+
+
+def _load_part(params: dict, name: str, tensor: torch.Tensor, shard_id):
+    param = params.get(name)
+    if param is None:
+        raise ValueError(f"no parameter of the model takes it (as {name!r})")
+    if shard_id is None:
+        getattr(param, "weight_loader", _copy_whole)(param, tensor)
+    else:
+        param.weight_loader(param, tensor, shard_id)
+
+
+def _dequantize(value: IntGroups) -> torch.Tensor:
+    return dequantize_int(value.qweight, value.scales, value.mins, value.bits, value.group_size)
