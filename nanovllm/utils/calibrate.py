@@ -1,0 +1,95 @@
+"""Error-compensated rounding (GPTQ, Frantar et al. 2022) for `nanovllm convert --quantize --calibrate`: each linear
+layer's weights are rounded one input column at a time, and each column's rounding error is pushed onto the columns
+not yet rounded, weighted by the layer's input statistics H = X^T X over calibration text. The output keeps the
+format's layout (the same scales, codes and packing as round-to-nearest); only which grid points are chosen changes.
+
+Calibration text: Python's own documentation (pydoc_data.topics, in every Python install), its last
+CALIBRATION_TOKENS tokens, so no hub and no dataset is needed. Hessians come from the float model's activations (not
+re-computed after each layer is quantized), all layers at once: about 13 MB per SmolLM2 layer, but about 0.6 GB per
+8B layer, so this is for small models.
+"""
+from __future__ import annotations
+
+import torch
+
+CALIBRATION_TOKENS, CALIBRATION_WINDOW = 2048, 512
+DAMPING = 0.01  # of H's mean diagonal, added to the diagonal (GPTQ's default): keeps H invertible
+COLUMN_BLOCK = 128  # columns rounded per block before the error is pushed onto the rest in one matmul
+
+
+def calibration_windows(tokenizer) -> list[list[int]]:
+    """CALIBRATION_TOKENS tokens from the end of pydoc_data.topics (its topics in sorted order), in windows."""
+    import pydoc_data.topics
+    text = "\n\n".join(pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics))
+    token_ids = tokenizer.encode(text)[-CALIBRATION_TOKENS:]
+    return [token_ids[i:i + CALIBRATION_WINDOW] for i in range(0, len(token_ids), CALIBRATION_WINDOW)]
+
+
+# linear layers that read the same input as another one: its H serves them too
+SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+
+
+def collect_hessians(model_dir: str) -> dict[str, torch.Tensor]:
+    """Checkpoint weight name (model.layers.0.mlp.down_proj.weight) -> H = X^T X / tokens [K, K] of its input, run
+    through the float model with transformers in float32. Layers that read the same input share one tensor."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    windows = calibration_windows(AutoTokenizer.from_pretrained(model_dir))
+    sums: dict[str, torch.Tensor] = {}
+    handles, shared = [], {}
+    for name, module in model.model.layers.named_modules(prefix="model.layers"):
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        if leaf in SHARED_INPUT:
+            shared[f"{name}.weight"] = f"{parent}.{SHARED_INPUT[leaf]}.weight"
+        else:
+            handles.append(module.register_forward_hook(_accumulate(f"{name}.weight", sums)))
+    with torch.no_grad():
+        for window in windows:
+            model(torch.tensor([window]))
+    for handle in handles:
+        handle.remove()
+    num_tokens = sum(len(w) for w in windows)
+    hessians = {name: total / num_tokens for name, total in sums.items()}
+    hessians.update({name: hessians[source] for name, source in shared.items()})
+    return hessians
+
+
+def _accumulate(name: str, sums: dict):
+    def hook(module, inputs, output):
+        x = inputs[0].reshape(-1, inputs[0].size(-1)).to(torch.float32)  # [tokens, K]
+        sums[name] = sums.get(name, 0) + x.T @ x
+    return hook
+
+
+def gptq(w: torch.Tensor, hessian: torch.Tensor, group_size: int, fit, round_to_grid) -> tuple[torch.Tensor, list]:
+    """GPTQ's column loop. w [N, K] float32; group_size divides K. fit(values [N, group_size]) -> the group's grid
+    parameters, taken from the group's values as they are when its first column is reached (a group that starts
+    inside a COLUMN_BLOCK and runs past it sees its later columns before they take that block's errors: a less
+    exact fit, still a grid every column is rounded to); round_to_grid(column [N], params) -> the column on the grid.
+    Returns the weight on the grid [N, K] and each group's parameters."""
+    w = w.clone()
+    n, k = w.shape
+    h = hessian.to(torch.float64).clone()
+    dead = torch.diag(h) == 0  # inputs that were always zero: their weights do not matter
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    h += DAMPING * torch.mean(torch.diag(h)) * torch.eye(k, dtype=torch.float64)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).to(torch.float32)
+    params = []
+    for start in range(0, k, COLUMN_BLOCK):
+        end = min(start + COLUMN_BLOCK, k)
+        block, errors, hinv_block = w[:, start:end].clone(), torch.zeros(n, end - start), hinv[start:end, start:end]
+        for i in range(end - start):
+            if (start + i) % group_size == 0:
+                params.append(fit(torch.cat([block[:, i:], w[:, end:]], dim=1)[:, :group_size]))
+            column = block[:, i]
+            rounded = round_to_grid(column, params[-1])
+            error = (column - rounded) / hinv_block[i, i]
+            block[:, i:] -= error.unsqueeze(1) * hinv_block[i, i:].unsqueeze(0)
+            block[:, i] = rounded
+            errors[:, i] = error
+        w[:, start:end] = block
+        w[:, end:] -= errors @ hinv[start:end, end:]
+    return w, params

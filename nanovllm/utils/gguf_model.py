@@ -1,0 +1,138 @@
+"""A GGUF file as a model: how the engine recognizes one, its Hugging Face config and tokenizer (both read from the
+file's own metadata through transformers' GGUF support: no hub, nothing beside the file is needed), its tensors'
+Hugging Face names, and its quantization (each weight's block type: a Q4_K_M file mixes Q4_K and Q6_K).
+
+Torch-free: Config imports it. The weights are read by nanovllm/utils/gguf_loader.py.
+"""
+import functools
+import os
+from dataclasses import dataclass
+
+GGUF_MAGIC = b"GGUF"
+# transformers' model_type of a GGUF's config -> the architecture name Config checks (SUPPORTED_ARCHITECTURES)
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# tensor name inside a block (blk.N.<name>) -> the Hugging Face module under model.layers.N
+LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # kept quantized (gguf_blocks.py)
+FLOAT_TYPES = ("F32", "F16", "BF16")  # loaded as plain weights
+
+
+@dataclass
+class GGUFSpec:
+    """A GGUF's quantization, Config.quant_spec for a GGUF model: each weight's own block type. The linear layers
+    take their layout from it (layers/quantization/gguf.py)."""
+    tensor_types: dict[str, str]  # Hugging Face weight name -> GGUF type name (Q4_K, F32, ...)
+    method: str = "gguf"
+    kind: str = "int"
+
+
+def is_gguf_file(path) -> bool:
+    """A file that starts with GGUF's magic bytes (vLLM takes a .gguf path the same way)."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def load_gguf_config(path: str):
+    """The Hugging Face config that transformers builds from the GGUF's metadata."""
+    import importlib.util
+    if importlib.util.find_spec("gguf") is None:
+        raise ValueError(f"model={path!r} is a GGUF file, and reading one needs the gguf package: pip install gguf "
+                         f"(or the project's [convert] extra)")
+    from transformers import AutoConfig
+    directory, name = os.path.split(os.path.abspath(path))
+    try:
+        return AutoConfig.from_pretrained(directory, gguf_file=name)
+    except (ValueError, KeyError) as e:  # transformers' words for an architecture it cannot read from a GGUF
+        raise ValueError(f"model={path!r}: transformers cannot read this GGUF's config ({e}); supported GGUF "
+                         f"architectures: {sorted(GGUF_ARCHITECTURES)}") from None
+
+
+def gguf_architecture(path: str, hf_config) -> str:
+    """The architecture name of a GGUF's config; ValueError naming it when the engine does not run it."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in GGUF_ARCHITECTURES:
+        raise ValueError(f"model={path!r} is a GGUF of architecture {model_type!r}; supported GGUF architectures: "
+                         f"{sorted(GGUF_ARCHITECTURES)}")
+    return GGUF_ARCHITECTURES[model_type]
+
+
+def load_gguf_tokenizer(path: str):
+    """The tokenizer (with its chat template) that transformers builds from the GGUF's metadata; None when the file
+    has none (then prompts are token ids, as for a directory without tokenizer files)."""
+    if "tokenizer.ggml.model" not in open_gguf(path).fields:
+        return None
+    from transformers import AutoTokenizer
+    directory, name = os.path.split(os.path.abspath(path))
+    return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+
+
+@functools.lru_cache(maxsize=1)
+def _reader(path: str, mtime_ns: int, size: int):
+    from gguf import GGUFReader
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, KeyError) as e:  # numpy's words for a tensor past the end of the file
+        raise ValueError(f"GGUF file {path!r} is truncated or corrupt ({e})") from None
+
+
+def open_gguf(path: str):
+    """A GGUFReader over the file (memory-mapped: a tensor is read when used). Parsing the metadata takes seconds
+    (the vocabulary is read string by string), so the last file's reader is kept: Config reads the tensor types,
+    the loader the tensors, from one parse; `close_gguf` lets it go. ValueError naming the file when it is shorter
+    than its tensors need or otherwise unreadable."""
+    stat = os.stat(path)
+    return _reader(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+
+
+def close_gguf():
+    """Drops the kept reader (and with it the file's mapping) once the weights are loaded."""
+    _reader.cache_clear()
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor name; None when the engine has no such weight."""
+    base, _, suffix = gguf_name.rpartition(".")
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{suffix}"
+    if base in TOP_NAMES:
+        return f"{TOP_NAMES[base]}.{suffix}"
+    return None
+
+
+def gguf_tensor_types(reader) -> dict[str, str]:
+    """Hugging Face name -> GGUF type name of every tensor; ValueError naming a tensor that no weight of the engine
+    takes, or a type it cannot read, before any tensor is read."""
+    types = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            raise ValueError(f"GGUF tensor {tensor.name!r} has no weight in the engine's model (known: "
+                             f"{sorted(TOP_NAMES)} and blk.N.{{{', '.join(LAYER_NAMES)}}})")
+        type_name = tensor.tensor_type.name
+        if type_name not in QUANTIZED_TYPES + FLOAT_TYPES:
+            raise ValueError(f"GGUF tensor {tensor.name!r} has type {type_name}; supported: "
+                             f"{list(QUANTIZED_TYPES + FLOAT_TYPES)}")
+        types[name] = type_name
+    return types
+
+
+def gguf_quant_spec(path: str, option: str | None) -> GGUFSpec:
+    """Config.quant_spec of a GGUF model. `option` is Config.quantization: None, "auto" or "gguf" (vLLM's name)."""
+    if option not in (None, "auto", "gguf"):
+        raise ValueError(f"quantization={option!r} does not match model={path!r}, a GGUF file; pass None, 'auto' "
+                         f"or 'gguf'")
+    return GGUFSpec(gguf_tensor_types(open_gguf(path)))
