@@ -4,8 +4,8 @@ Qwen3-8B layer shapes, decode (M = 1..16) and prefill/batch (M = 128..8192) rows
     python benchmarks/bench_quant_kernels.py [--m 1 16 1024] [--shapes qkv o] [--json OUT] [--budget-s 160]
     python benchmarks/bench_quant_kernels.py --sweep-splits  # decode split-K counts for W4 and block FP8
 
-Variants: bf16 `F.linear`; `int_linear` 4-bit (at 1-2 rows the CUDA-core kernel; `w4-mma` times the 16-row
-dot kernel there instead) and 8-bit, group 128 with fp16 scales and fp32 mins (AWQ's and
+Variants: bf16 `F.linear`; `int_linear` 4-bit (at 1-2 rows a CUDA-core kernel; `w4-mma` and `fp8blk-mma` time
+the 16-row dot kernel there instead) and 8-bit, group 128 with fp16 scales and fp32 mins (AWQ's and
 GPTQ's layout after repacking); `fp8_linear` with 128 x 128 blocks and per-channel (at M >= 256 these quantize the
 activations to FP8; per-channel goes to torch._scaled_mm); and, at M >= 256 only, the alternatives the dispatch
 did not pick: the Triton FP8 GEMM for per-channel weights (`fp8ch-tri`), torch._scaled_mm's 1 x 128 / 128 x 128
@@ -48,9 +48,9 @@ PREFILL_M = [128, 512, 1024, 4096, 8192]
 CHECK_M = (16, 1024)
 GROUP = 128
 L2_DEFEAT_BYTES = 256 << 20
-VARIANTS = ["bf16", "w4", "w4-mma", "w8", "fp8blk", "fp8ch", "fp8ch-tri", "fp8blk-smm", "fp8blk-a16"]
+VARIANTS = ["bf16", "w4", "w4-mma", "w8", "fp8blk", "fp8blk-mma", "fp8ch", "fp8ch-tri", "fp8blk-smm", "fp8blk-a16"]
 LARGE_M_ONLY = {"fp8ch-tri", "fp8blk-smm", "fp8blk-a16"}
-SMALL_M_ONLY = {"w4-mma"}  # the 16-row dot kernel where the plan takes the CUDA-core one (1-2 rows)
+SMALL_M_ONLY = {"w4-mma", "fp8blk-mma"}  # the 16-row dot kernel where the plan takes a CUDA-core one (1-2 rows)
 DEVICE = "cuda"  # the CPU smoke check of the references sets "cpu" (with TRITON_INTERPRET=1)
 
 
@@ -98,6 +98,10 @@ def call(variant: str, x: torch.Tensor, t: dict) -> torch.Tensor:
         (M, K), N = x.shape, t["qweight"].shape[0]
         plan = qm.plan_weight_only(M, N, K, GROUP, qm.device_limits(x.device))  # no weight kind: the dot kernel
         return qm.weight_only_linear(x, t["qweight"], t["scales"], t["mins"], quant_gemm.KIND_INT4, 1, GROUP, plan)
+    if variant == "fp8blk-mma":
+        (M, K), N = x.shape, t["qweight"].shape[0]
+        plan = qm.plan_weight_only(M, N, K, 128, qm.device_limits(x.device))  # no weight kind: the dot kernel
+        return qm.weight_only_linear(x, t["qweight"], t["scales"], None, quant_gemm.KIND_FP8, 128, 128, plan)
     if variant == "fp8ch-tri":
         return qm.fp8_w8a8_linear(x, t["qweight"], t["scales"], 1, x.shape[1], use_scaled_mm=False)
     if variant == "fp8blk-smm":
@@ -192,7 +196,7 @@ def sweep_splits(shapes: list, copy_bw: float):
             copies = [first] + [make_weights(variant, N, K) for _ in range(num_copies - 1)]
             for M in (1, 16):
                 x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
-                plan = qm.plan_weight_only(M, N, K, GROUP, qm.device_limits(x.device), kind)
+                plan = qm.plan_weight_only(M, N, K, GROUP, qm.device_limits(x.device), kind, group_n)
                 total_steps = math.ceil(K / plan.block_k)
                 cells = []
                 for splits in (1, 2, 4, 8, 16):
@@ -208,25 +212,31 @@ def sweep_splits(shapes: list, copy_bw: float):
 
 
 def print_table(rows: list, variants: list, copy_bw: float):
+    """Two tables, decode (M <= 16) and larger M, each with the variants that ran there."""
     by_key = {(r["shape"], r["M"], r["variant"]): r for r in rows}
-    shapes_ms = sorted({(r["shape"], r["M"]) for r in rows}, key=lambda s: (list(SHAPES).index(s[0]), s[1]))
     print(f"copy bandwidth (1 GiB copy_, read + write): {copy_bw:.0f} GB/s")
     print("cell: us / speedup over bf16 / (M <= 16: % of copy bandwidth read; else TFLOP/s)")
-    print(f"{'shape':>8} {'M':>5} " + " ".join(f"{v:>21}" for v in variants))
-    for shape, M in shapes_ms:
-        base = by_key.get((shape, M, "bf16"), {}).get("us")
-        cells = []
-        for v in variants:
-            r = by_key.get((shape, M, v))
-            if r is None:
-                cells.append(f"{'-':>21}")
-            elif "us" not in r:
-                cells.append(f"{'ERR':>21}")
-            else:
-                third = f"{r['pct_copy']:.0f}%" if M <= 16 else f"{r['tflops']:.0f}T"
-                speed = f"{base / r['us']:.2f}x" if base else "?"
-                cells.append(f"{r['us']:>9.1f}/{speed:>6}/{third:>4}")
-        print(f"{shape:>8} {M:>5} " + " ".join(cells))
+    for decode in (True, False):
+        group = [r for r in rows if (r["M"] <= 16) == decode]
+        names = [v for v in variants if any(r["variant"] == v for r in group)]
+        shapes_ms = sorted({(r["shape"], r["M"]) for r in group}, key=lambda s: (list(SHAPES).index(s[0]), s[1]))
+        if not shapes_ms:
+            continue
+        print(f"{'shape':>8} {'M':>5} " + " ".join(f"{v:>20}" for v in names))
+        for shape, M in shapes_ms:
+            base = by_key.get((shape, M, "bf16"), {}).get("us")
+            cells = []
+            for v in names:
+                r = by_key.get((shape, M, v))
+                if r is None:
+                    cells.append(f"{'-':>20}")
+                elif "us" not in r:
+                    cells.append(f"{'ERR':>20}")
+                else:
+                    third = f"{r['pct_copy']:.0f}%" if M <= 16 else f"{r['tflops']:.0f}T"
+                    speed = f"{base / r['us']:.2f}x" if base else "?"
+                    cells.append(f"{r['us']:>8.1f}/{speed:>6}/{third:>4}")
+            print(f"{shape:>8} {M:>5} " + " ".join(cells))
     checked = [r for r in rows if "max_rel_err" in r]
     if checked:
         print("max |y - ref| / max |ref| against the fp32 dequantized reference:")

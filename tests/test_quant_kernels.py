@@ -130,7 +130,11 @@ print(json.dumps(res))
 
 FP8_CASES = [  # M, N, K, (bn, bk), x dtype, what it covers
     (3, 200, 320, (128, 128), "bfloat16", "block FP8 decode, N and K ragged"),
-    (2, 48, 160, (1, 160), "float16", "per-channel decode"),
+    (1, 200, 320, (128, 128), "bfloat16", "block FP8, one row on the CUDA cores"),
+    (2, 48, 160, (1, 160), "float16", "per-channel, two rows on the CUDA cores"),
+    (1, 40, 96, (40, 96), "bfloat16", "per-tensor, one row on the CUDA cores"),
+    (2, 30, 160, (16, 48), "float16", "16-row blocks, two rows: the dot kernel"),
+    (4, 48, 160, (1, 160), "float16", "per-channel decode"),
     (4, 40, 96, (40, 96), "bfloat16", "per-tensor decode"),
     (5, 30, 160, (16, 48), "float16", "block 48: 16-column K steps"),
     (5, 30, 160, (16, 40), "float16", "block 40: per-element dequantization"),
@@ -153,9 +157,9 @@ for M, N, K, (bn, bk), x_dtype, _ in FP8_CASES:
     w = dequant_fp8(qweight, scales, bn, bk)
     w8a8 = qm._w8a8_applies(x, K, bk)
     x_ref = quantize_act_ref(x, bk if scales.shape[1] > 1 else K) if w8a8 else None
-    scale_after_dot = not w8a8 and qm.plan_weight_only(M, N, K, bk).scale_after_dot
+    plan = qm.plan_weight_only(M, N, K, bk, weight_kind=2, group_n=bn)
     res.append(dict(errors(y, x, w, x_ref), unquantized=errors(y, x, w), w8a8=w8a8, dtype=str(y.dtype),
-                    scale_after_dot=scale_after_dot))
+                    scale_after_dot=not w8a8 and plan.scale_after_dot, cuda_cores=not w8a8 and plan.cuda_cores))
 print(json.dumps(res))
 """
 
@@ -201,6 +205,7 @@ def test_fp8_linear_matches_the_contract_dequantization():
         bound = eps * res["max_ref"] + (eps * res["abs_dot"] if dequantized else 0.0)
         assert res["err"] <= 1.01 * bound, (what, res)
         assert res["w8a8"] == what.startswith("W8A8"), what
+        assert res["cuda_cores"] == ("CUDA cores" in what), what
         if res["w8a8"]:  # e4m3 activations: each rounded by at most 2^-4 relative
             assert res["unquantized"]["err"] <= 2 ** -4 * res["unquantized"]["abs_dot"], (what, res)
 

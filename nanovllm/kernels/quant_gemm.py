@@ -256,3 +256,53 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, num_k_steps, st
     if TWO_ROWS:
         tl.store(out + stride_om, tl.sum(acc1, axis=1).to(out_ptr.dtype.element_ty),
                  mask=n_ok & (tl.full([BLOCK_N], 1, tl.int32) < M))
+
+
+@triton.jit
+def _fp8_row_dot(acc, q, x_row_ptr, offs_k, row, M, K, step_scale):
+    """acc + q * (x * step_scale) for one row: [BLOCK_N, BLOCK_K] fp32, thread-local."""
+    ok = (offs_k < K) & (tl.full(offs_k.shape, row, tl.int32) < M)
+    x = tl.load(x_row_ptr + offs_k, mask=ok, other=0.0).to(tl.float32) * step_scale
+    return acc + q * x[None, :]
+
+
+@triton.jit(do_not_specialize=["M", "num_k_steps"])
+def _fp8_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, num_k_steps, stride_xm, stride_qn, stride_sn, stride_om,
+                     stride_split, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, TWO_ROWS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """FP8 decode of one or two rows (TWO_ROWS) on the CUDA cores: out[:M, n] for BLOCK_N columns over
+    num_k_steps K steps of BLOCK_K. Per weight value: a conversion from e4m3 (two values per instruction to fp16,
+    then one to fp32) and one fma per row, no shared memory. The scales never touch a weight value: with one
+    scale column (per-channel, per-tensor) each output column is scaled at the end; with blocks, a program's
+    BLOCK_N columns lie in one block row (GROUP_N is a multiple of BLOCK_N) and a step in one block column
+    (BLOCK_K divides GROUP_K), so the step's single scale multiplies x (BLOCK_K values, not BLOCK_N x BLOCK_K)."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_rows = q_ptr + offs_n[:, None].to(tl.int64) * stride_qn
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    k_begin = split * num_k_steps * BLOCK_K
+    for step in range(num_k_steps):
+        k0 = k_begin + step * BLOCK_K
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        # no prefetch of the next step into registers here: it took 179 registers a thread where 121 let four
+        # programs share an SM, which keeps as many loads in flight
+        q = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+        step_scale = 1.0
+        if GROUP_K < K:
+            step_scale = tl.load(s_ptr + (pid_n * BLOCK_N // GROUP_N) * stride_sn + k0 // GROUP_K)
+        acc0 = _fp8_row_dot(acc0, q, x_ptr, offs_k, 0, M, K, step_scale)
+        if TWO_ROWS:
+            acc1 = _fp8_row_dot(acc1, q, x_ptr + stride_xm, offs_k, 1, M, K, step_scale)
+    y0 = tl.sum(acc0, axis=1)
+    y1 = tl.sum(acc1, axis=1)
+    if GROUP_K >= K:  # one scale column: per output column (per-channel) or one for all (per-tensor)
+        col_scale = tl.load(s_ptr + (offs_n // GROUP_N).to(tl.int64) * stride_sn, mask=n_ok, other=0.0)
+        y0 = y0 * col_scale
+        y1 = y1 * col_scale
+    out = out_ptr + split * stride_split + offs_n
+    tl.store(out, y0.to(out_ptr.dtype.element_ty), mask=n_ok)
+    if TWO_ROWS:
+        tl.store(out + stride_om, y1.to(out_ptr.dtype.element_ty), mask=n_ok & (tl.full([BLOCK_N], 1, tl.int32) < M))
