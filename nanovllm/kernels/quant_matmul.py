@@ -12,9 +12,8 @@ Which kernel runs (a plan per shape, chosen on the host from M, N, K: no autotun
 inside a CUDA graph capture or a served step):
   - weight-only (quant_gemm.py): the weights are dequantized in registers and multiplied with the 16-bit
     activations. M <= 64 uses 16-64-row tiles with split-K (decode: the weights are read once, the GPU's loads
-    kept in flight by slicing K), and 4-bit and FP8 weights at 1-2 rows CUDA-core kernels, also split-K; larger
-    M uses
-    128 x 128 tiles.
+    kept in flight by slicing K), and 4-bit and FP8 weights at 1-2 rows CUDA-core kernels, also split-K;
+    larger M uses 128 x 128 tiles.
   - FP8 weights at M >= FP8_ACT_QUANT_MIN_ROWS (quant_fp8.py): activations quantized per token (and per bk
     columns for block weights) and an FP8 tensor-core GEMM. Per-channel and per-tensor weights go to
     torch._scaled_mm's rowwise scaling instead (`USE_SCALED_MM`, on by default); 128 x 128 block weights can go to
