@@ -4,7 +4,8 @@ Qwen3-8B layer shapes, decode (M = 1..16) and prefill/batch (M = 128..8192) rows
     python benchmarks/bench_quant_kernels.py [--m 1 16 1024] [--shapes qkv o] [--json OUT] [--budget-s 160]
     python benchmarks/bench_quant_kernels.py --sweep-splits  # decode split-K counts for W4 and block FP8
 
-Variants: bf16 `F.linear`; `int_linear` 4-bit and 8-bit, group 128 with fp16 scales and fp32 mins (AWQ's and
+Variants: bf16 `F.linear`; `int_linear` 4-bit (at 1-2 rows a CUDA-core kernel; `w4-mma` and `fp8blk-mma` time
+the 16-row dot kernel there instead) and 8-bit, group 128 with fp16 scales and fp32 mins (AWQ's and
 GPTQ's layout after repacking); `fp8_linear` with 128 x 128 blocks and per-channel (at M >= 256 these quantize the
 activations to FP8; per-channel goes to torch._scaled_mm); and, at M >= 256 only, the alternatives the dispatch
 did not pick: the Triton FP8 GEMM for per-channel weights (`fp8ch-tri`), torch._scaled_mm's 1 x 128 / 128 x 128
@@ -47,8 +48,9 @@ PREFILL_M = [128, 512, 1024, 4096, 8192]
 CHECK_M = (16, 1024)
 GROUP = 128
 L2_DEFEAT_BYTES = 256 << 20
-VARIANTS = ["bf16", "w4", "w8", "fp8blk", "fp8ch", "fp8ch-tri", "fp8blk-smm", "fp8blk-a16"]
+VARIANTS = ["bf16", "w4", "w4-mma", "w8", "fp8blk", "fp8blk-mma", "fp8ch", "fp8ch-tri", "fp8blk-smm", "fp8blk-a16"]
 LARGE_M_ONLY = {"fp8ch-tri", "fp8blk-smm", "fp8blk-a16"}
+SMALL_M_ONLY = {"w4-mma", "fp8blk-mma"}  # the 16-row dot kernel where the plan takes a CUDA-core one (1-2 rows)
 DEVICE = "cuda"  # the CPU smoke check of the references sets "cpu" (with TRITON_INTERPRET=1)
 
 
@@ -63,8 +65,8 @@ def make_weights(variant: str, N: int, K: int) -> dict:
     dev = DEVICE
     if variant == "bf16":
         return {"w": torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02}
-    if variant in ("w4", "w8"):
-        if variant == "w4":
+    if variant in ("w4", "w4-mma", "w8"):
+        if variant != "w8":
             qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (N, K // 8), device=dev, dtype=torch.int32)
         else:
             qweight = torch.randint(-128, 128, (N, K), device=dev, dtype=torch.int8)
@@ -80,8 +82,8 @@ def make_weights(variant: str, N: int, K: int) -> dict:
 def dequantized(variant: str, t: dict) -> torch.Tensor:
     if variant == "bf16":
         return t["w"].float()
-    if variant in ("w4", "w8"):
-        q = unpack_int4(t["qweight"]) if variant == "w4" else t["qweight"]
+    if variant in ("w4", "w4-mma", "w8"):
+        q = t["qweight"] if variant == "w8" else unpack_int4(t["qweight"])
         return q.float() * t["scales"].float().repeat_interleave(GROUP, 1) + t["mins"].repeat_interleave(GROUP, 1)
     (bn, bk), (N, K) = t["block"], t["qweight"].shape
     return t["qweight"].float() * t["scales"].repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
@@ -92,6 +94,14 @@ def call(variant: str, x: torch.Tensor, t: dict) -> torch.Tensor:
         return F.linear(x, t["w"])
     if variant in ("w4", "w8"):
         return qm.int_linear(x, t["qweight"], t["scales"], t["mins"], 4 if variant == "w4" else 8, GROUP)
+    if variant == "w4-mma":
+        (M, K), N = x.shape, t["qweight"].shape[0]
+        plan = qm.plan_weight_only(M, N, K, GROUP, qm.device_limits(x.device))  # no weight kind: the dot kernel
+        return qm.weight_only_linear(x, t["qweight"], t["scales"], t["mins"], quant_gemm.KIND_INT4, 1, GROUP, plan)
+    if variant == "fp8blk-mma":
+        (M, K), N = x.shape, t["qweight"].shape[0]
+        plan = qm.plan_weight_only(M, N, K, 128, qm.device_limits(x.device))  # no weight kind: the dot kernel
+        return qm.weight_only_linear(x, t["qweight"], t["scales"], None, quant_gemm.KIND_FP8, 128, 128, plan)
     if variant == "fp8ch-tri":
         return qm.fp8_w8a8_linear(x, t["qweight"], t["scales"], 1, x.shape[1], use_scaled_mm=False)
     if variant == "fp8blk-smm":
@@ -150,6 +160,8 @@ def bench_variant(name: str, variant: str, N: int, K: int, ms: list, copy_bw: fl
     for M in ms:
         if variant in LARGE_M_ONLY and M < qm.FP8_ACT_QUANT_MIN_ROWS:
             continue
+        if variant in SMALL_M_ONLY and M > qm.CUDA_CORE_MAX_ROWS:
+            continue
         if time.monotonic() > deadline:
             errors.append(f"{name} {variant} M={M}: skipped, over the time budget")
             continue
@@ -184,7 +196,7 @@ def sweep_splits(shapes: list, copy_bw: float):
             copies = [first] + [make_weights(variant, N, K) for _ in range(num_copies - 1)]
             for M in (1, 16):
                 x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
-                plan = qm.plan_weight_only(M, N, K, GROUP, qm.device_limits(x.device))
+                plan = qm.plan_weight_only(M, N, K, GROUP, qm.device_limits(x.device), kind, group_n)
                 total_steps = math.ceil(K / plan.block_k)
                 cells = []
                 for splits in (1, 2, 4, 8, 16):
@@ -200,25 +212,31 @@ def sweep_splits(shapes: list, copy_bw: float):
 
 
 def print_table(rows: list, variants: list, copy_bw: float):
+    """Two tables, decode (M <= 16) and larger M, each with the variants that ran there."""
     by_key = {(r["shape"], r["M"], r["variant"]): r for r in rows}
-    shapes_ms = sorted({(r["shape"], r["M"]) for r in rows}, key=lambda s: (list(SHAPES).index(s[0]), s[1]))
     print(f"copy bandwidth (1 GiB copy_, read + write): {copy_bw:.0f} GB/s")
     print("cell: us / speedup over bf16 / (M <= 16: % of copy bandwidth read; else TFLOP/s)")
-    print(f"{'shape':>8} {'M':>5} " + " ".join(f"{v:>21}" for v in variants))
-    for shape, M in shapes_ms:
-        base = by_key.get((shape, M, "bf16"), {}).get("us")
-        cells = []
-        for v in variants:
-            r = by_key.get((shape, M, v))
-            if r is None:
-                cells.append(f"{'-':>21}")
-            elif "us" not in r:
-                cells.append(f"{'ERR':>21}")
-            else:
-                third = f"{r['pct_copy']:.0f}%" if M <= 16 else f"{r['tflops']:.0f}T"
-                speed = f"{base / r['us']:.2f}x" if base else "?"
-                cells.append(f"{r['us']:>9.1f}/{speed:>6}/{third:>4}")
-        print(f"{shape:>8} {M:>5} " + " ".join(cells))
+    for decode in (True, False):
+        group = [r for r in rows if (r["M"] <= 16) == decode]
+        names = [v for v in variants if any(r["variant"] == v for r in group)]
+        shapes_ms = sorted({(r["shape"], r["M"]) for r in group}, key=lambda s: (list(SHAPES).index(s[0]), s[1]))
+        if not shapes_ms:
+            continue
+        print(f"{'shape':>8} {'M':>5} " + " ".join(f"{v:>20}" for v in names))
+        for shape, M in shapes_ms:
+            base = by_key.get((shape, M, "bf16"), {}).get("us")
+            cells = []
+            for v in names:
+                r = by_key.get((shape, M, v))
+                if r is None:
+                    cells.append(f"{'-':>20}")
+                elif "us" not in r:
+                    cells.append(f"{'ERR':>20}")
+                else:
+                    third = f"{r['pct_copy']:.0f}%" if M <= 16 else f"{r['tflops']:.0f}T"
+                    speed = f"{base / r['us']:.2f}x" if base else "?"
+                    cells.append(f"{r['us']:>8.1f}/{speed:>6}/{third:>4}")
+            print(f"{shape:>8} {M:>5} " + " ".join(cells))
     checked = [r for r in rows if "max_rel_err" in r]
     if checked:
         print("max |y - ref| / max |ref| against the fp32 dequantized reference:")

@@ -3,9 +3,10 @@ layout contract, on the CPU under Triton's interpreter (TRITON_INTERPRET=1 befor
 checks run in a subprocess). tests/test_quant_kernels_gpu.py runs the same reference on CUDA.
 
 Tolerances, as a fraction of the largest output (eps = 2^-7 for bf16 outputs, 2^-10 for fp16):
-  - scale after the dot (the decode tiles, up to 32 rows): integers and e4m3 values are exact in the 16-bit dot,
-    the products are summed in fp32 and the result is rounded once, so the error is one output rounding: eps (the
-    interpreter truncates to bf16 where the GPU rounds to nearest, hence a whole eps);
+  - scale after the dot (the decode tiles, up to 32 rows, and the 4-bit CUDA-core kernel at 1-2 rows): integers
+    and e4m3 values are exact in the 16-bit dot (and 1 + q / 16 times x in fp32), the products are summed in fp32
+    and the result is rounded once, so the error is one output rounding: eps (the interpreter truncates to bf16
+    where the GPU rounds to nearest, hence a whole eps);
   - a dequantized tile (prefill tiles, and groups no dot step can align with): each weight is rounded to x's dtype
     before the dot, so eps of the output plus eps of sum |x| |w| over the row;
   - FP8 activations: against the reference fed the same e4m3 activations (quantized here), eps; against the
@@ -88,7 +89,10 @@ def errors(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, x_ref: torch.Tenso
 # ----------------------------------------------------------------- the interpreter runs
 INT_CASES = [  # M, N, K, group, bits, x dtype, scale dtype, min dtype, what it covers
     (3, 40, 1024, 128, 4, "bfloat16", "float16", "float32", "decode split-K, AWQ-like, N ragged"),
-    (1, 24, 128, 32, 4, "float16", "bfloat16", None, "one row, symmetric, fp16 offset"),
+    (1, 24, 128, 32, 4, "float16", "bfloat16", None, "one row on the CUDA cores, symmetric"),
+    (1, 200, 1024, 128, 4, "bfloat16", "float16", "float32", "one row on the CUDA cores, split-K, N ragged"),
+    (2, 72, 512, 64, 4, "float16", "float32", "bfloat16", "two rows on the CUDA cores"),
+    (4, 24, 128, 32, 4, "float16", "bfloat16", None, "four rows, fp16 offset"),
     (5, 33, 96, 32, 8, "bfloat16", "float32", "bfloat16", "8-bit, Q5_K-like mins"),
     (4, 20, 64, 16, 8, "float16", "float32", None, "8-bit Q6_K-like group 16"),
     (2, 16, 384, 384, 4, "bfloat16", "float16", "float32", "per-channel group = K, not a power of two"),
@@ -108,10 +112,10 @@ for M, N, K, G, bits, x_dtype, s_dtype, m_dtype, _ in INT_CASES:
                                                m_dtype and getattr(torch, m_dtype))
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(getattr(torch, x_dtype))
     y = qm.int_linear(x, qweight, scales, mins, bits, G)
-    plan = qm.plan_weight_only(M, N, K, G)
+    plan = qm.plan_weight_only(M, N, K, G, weight_kind=0 if bits == 4 else 1)
     res.append(dict(errors(y, x, dequant_int(q, scales, mins, G)), dtype=str(y.dtype), shape=list(y.shape),
                     splits=plan.num_splits, per_element=plan.per_element, block_m=plan.block_m,
-                    scale_after_dot=plan.scale_after_dot))
+                    scale_after_dot=plan.scale_after_dot, cuda_cores=plan.cuda_cores))
 # explicit small tiles: several K steps per program, several programs along M and N, both modes, fp16 and bf16
 for x_dtype, scale_after_dot, splits in [(torch.float16, False, 1), (torch.bfloat16, False, 1),
                                          (torch.bfloat16, True, 2), (torch.float16, True, 1)]:
@@ -126,7 +130,11 @@ print(json.dumps(res))
 
 FP8_CASES = [  # M, N, K, (bn, bk), x dtype, what it covers
     (3, 200, 320, (128, 128), "bfloat16", "block FP8 decode, N and K ragged"),
-    (2, 48, 160, (1, 160), "float16", "per-channel decode"),
+    (1, 200, 320, (128, 128), "bfloat16", "block FP8, one row on the CUDA cores"),
+    (2, 48, 160, (1, 160), "float16", "per-channel, two rows on the CUDA cores"),
+    (1, 40, 96, (40, 96), "bfloat16", "per-tensor, one row on the CUDA cores"),
+    (2, 30, 160, (16, 48), "float16", "16-row blocks, two rows: the dot kernel"),
+    (4, 48, 160, (1, 160), "float16", "per-channel decode"),
     (4, 40, 96, (40, 96), "bfloat16", "per-tensor decode"),
     (5, 30, 160, (16, 48), "float16", "block 48: 16-column K steps"),
     (5, 30, 160, (16, 40), "float16", "block 40: per-element dequantization"),
@@ -149,9 +157,9 @@ for M, N, K, (bn, bk), x_dtype, _ in FP8_CASES:
     w = dequant_fp8(qweight, scales, bn, bk)
     w8a8 = qm._w8a8_applies(x, K, bk)
     x_ref = quantize_act_ref(x, bk if scales.shape[1] > 1 else K) if w8a8 else None
-    scale_after_dot = not w8a8 and qm.plan_weight_only(M, N, K, bk).scale_after_dot
+    plan = qm.plan_weight_only(M, N, K, bk, weight_kind=2, group_n=bn)
     res.append(dict(errors(y, x, w, x_ref), unquantized=errors(y, x, w), w8a8=w8a8, dtype=str(y.dtype),
-                    scale_after_dot=scale_after_dot))
+                    scale_after_dot=not w8a8 and plan.scale_after_dot, cuda_cores=not w8a8 and plan.cuda_cores))
 print(json.dumps(res))
 """
 
@@ -180,6 +188,10 @@ def test_int_linear_matches_the_contract_dequantization():
     by_what = dict(zip([c[-1] for c in INT_CASES], results))
     assert by_what["decode split-K, AWQ-like, N ragged"]["splits"] > 1  # the split-K path ran, with its reduction
     assert by_what["decode split-K, AWQ-like, N ragged"]["scale_after_dot"]
+    assert by_what["one row on the CUDA cores, split-K, N ragged"]["cuda_cores"]
+    assert by_what["one row on the CUDA cores, split-K, N ragged"]["splits"] > 1
+    assert by_what["two rows on the CUDA cores"]["cuda_cores"]
+    assert not by_what["four rows, fp16 offset"]["cuda_cores"]
     assert by_what["prefill 128 x 128 tile, M and N ragged"]["block_m"] == 128
     assert by_what["group 8: per-element dequantization"]["per_element"]
     assert not by_what["per-channel group = K, not a power of two"]["per_element"]
@@ -193,6 +205,7 @@ def test_fp8_linear_matches_the_contract_dequantization():
         bound = eps * res["max_ref"] + (eps * res["abs_dot"] if dequantized else 0.0)
         assert res["err"] <= 1.01 * bound, (what, res)
         assert res["w8a8"] == what.startswith("W8A8"), what
+        assert res["cuda_cores"] == ("CUDA cores" in what), what
         if res["w8a8"]:  # e4m3 activations: each rounded by at most 2^-4 relative
             assert res["unquantized"]["err"] <= 2 ** -4 * res["unquantized"]["abs_dot"], (what, res)
 

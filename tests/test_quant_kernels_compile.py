@@ -1,5 +1,5 @@
 """The quantized linear kernels compile for an H100/H200 (sm_90) and an RTX 40-series GPU (sm_89) on a machine
-without a GPU, within the shared memory a block may use there: every plan the dispatch can pick (decode split-K,
+without a GPU, within the shared memory a block may use there: every plan the dispatch can pick (decode split-K, the CUDA-core kernels,
 the 128-row tile, per-element groups, both 16-bit dtypes, the FP8 GEMM with block and per-token scales, the
 activation quantizer). Triton's interpreter, which tests/test_quant_kernels.py runs them in, does not type-check,
 so a kernel it runs may still fail to compile; and a tile that fits an H100's 227 KB of shared memory per block
@@ -63,20 +63,23 @@ from nanovllm.kernels import quant_matmul as qm
 
 limits = qm.DeviceLimits(NUM_SMS, SHARED_LIMIT_BYTES)
 K, N = 4096, 4096  # Qwen3-8B o_proj: plans with several K steps per program, as the engine runs them
-for bits, group, dtype, rows in [(4, 128, torch.bfloat16, (1, 16, 48, 256)), (4, 128, torch.float16, (256,)),
+for bits, group, dtype, rows in [(4, 128, torch.bfloat16, (1, 2, 16, 48, 256)), (4, 128, torch.float16, (1, 256)),
                                  (8, 32, torch.bfloat16, (4, 256)), (8, 16, torch.float16, (256,)),
                                  (4, 8, torch.bfloat16, (2, 256))]:
     qweight = torch.zeros(N, K // 8 if bits == 4 else K, dtype=torch.int32 if bits == 4 else torch.int8)
     scales, mins = torch.ones(N, K // group, dtype=torch.float16), torch.zeros(N, K // group)
     for M in rows:
-        plan = qm.plan_weight_only(M, N, K, group, limits)
         kind = quant_gemm.KIND_INT4 if bits == 4 else quant_gemm.KIND_INT8
+        plan = qm.plan_weight_only(M, N, K, group, limits, kind)
         qm.weight_only_linear(torch.zeros(M, K, dtype=dtype), qweight, scales, mins, kind, 1, group, plan)
 wq = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
-for M in (1, 64):
+for M in (1, 3, 64):  # the CUDA-core kernel, the 16-row tile, the 64-row tile
     x = torch.zeros(M, K, dtype=torch.bfloat16)
     qm.weight_only_linear(x, wq, torch.ones(N // 128, K // 128), None, quant_gemm.KIND_FP8, 128, 128,
-                          qm.plan_weight_only(M, N, K, 128, limits))
+                          qm.plan_weight_only(M, N, K, 128, limits, quant_gemm.KIND_FP8, 128))
+x = torch.zeros(2, K, dtype=torch.float16)  # per-channel, two rows on the CUDA cores
+qm.weight_only_linear(x, wq, torch.ones(N, 1), None, quant_gemm.KIND_FP8, 1, K,
+                      qm.plan_weight_only(2, N, K, K, limits, quant_gemm.KIND_FP8, 1))
 x = torch.zeros(256, K, dtype=torch.bfloat16)
 qm.fp8_w8a8_linear(x, wq, torch.ones(N // 128, K // 128), 128, 128, use_scaled_mm=False, limits=limits)
 qm.fp8_w8a8_linear(x, wq, torch.ones(N, 1), 1, K, use_scaled_mm=False, limits=limits)
@@ -91,5 +94,5 @@ def test_every_quant_kernel_compiles_within_shared_memory(cc, shared_limit_bytes
     proc = subprocess.run([sys.executable, "-c", COMPILE_ALL, str(cc), str(shared_limit_bytes), str(num_sms)],
                           check=False, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["_fp8_gemm_kernel", "_quantize_act_kernel", "_sum_splits_kernel",
-                                   "_wo_gemm_kernel"]
+    assert proc.stdout.split() == ["_fp8_gemm_kernel", "_fp8_gemv_kernel", "_int4_gemv_kernel",
+                                   "_quantize_act_kernel", "_sum_splits_kernel", "_wo_gemm_kernel"]

@@ -16,7 +16,7 @@ from test_quant_kernels import (
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the quantized kernels need a CUDA GPU")
 
-ROWS = [1, 7, 16, 33, 200]  # scale-after-dot split-K, 16 rows, the 64-row tile, the 128-row tile
+ROWS = [1, 2, 7, 16, 33, 200]  # CUDA-core 4-bit, 16-row split-K tiles, the 64-row tile, the 128-row tile
 
 
 def _qm():

@@ -186,3 +186,123 @@ def _sum_splits_kernel(part_ptr, out_ptr, numel, num_splits, BLOCK: tl.constexpr
         total += tl.load(part_ptr + split * numel + offs, mask=ok, other=0.0)
     tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
 
+
+
+
+
+@triton.jit
+def _int4_row_dot(words, x_cols, row, M):
+    """(sum over s of (1 + q_s / 16) * x[8 w + s], sum over s of x[8 w + s]): [BLOCK_N, BLOCK_K // 8] and
+    [BLOCK_K // 8], fp32, for x_cols pointing at x[8 w] of the step's words w in row `row` (0 past M). The float 1 + q / 16 is nibble q
+    moved to mantissa bits 19-22 and or-ed with the bits of 1.0: a shift and one and-or, exact, and its product
+    with a bf16/fp16 x is exact too; the caller takes sum(x q) = 16 * (first - second). Each thread keeps its
+    words' eight values to itself: no reduction across threads until the end of the kernel."""
+    part = tl.zeros(words.shape, dtype=tl.float32)
+    x_sum = tl.zeros(x_cols.shape, dtype=tl.float32)
+    row_ok = tl.full(x_cols.shape, row, tl.int32) < M  # a tensor: the interpreter takes no scalar mask
+    for s in tl.static_range(8):
+        if 4 * s <= 19:
+            bits = words << (19 - 4 * s)
+        else:
+            bits = words >> (4 * s - 19)
+        f = ((bits & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q / 16
+        x = tl.load(x_cols + s, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_K // 8]
+        part += f * x[None, :]
+        x_sum += x
+    return part, x_sum
+
+
+@triton.jit(do_not_specialize=["M", "num_k_steps"])
+def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, num_k_steps, stride_xm, stride_qn, stride_sn,
+                      stride_mn, stride_om, stride_split, GROUP_K: tl.constexpr, HAS_MINS: tl.constexpr,
+                      TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """4-bit decode of one or two rows (TWO_ROWS) on the CUDA cores: out[:M, n] for BLOCK_N columns over
+    num_k_steps K steps of BLOCK_K (BLOCK_K divides the group, the group divides K: no step runs past K).
+    Per weight value: a shift, an and-or building the float 1 + q / 16 (_int4_row_dot) and one fma per row, the
+    products summed in fp32. No tensor-core operand layout, so the unpacked values never pass through shared
+    memory, which costs the dot kernel a 16-bit store and a load per value (~7.5 instructions per value in its
+    sm_90 loop). Each step's scale and min apply to the step's per-word sums."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_rows = q_ptr + offs_n[:, None].to(tl.int64) * stride_qn
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    k_begin = split * num_k_steps * BLOCK_K
+    offs_w = k_begin // 8 + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(w_rows + offs_w[None, :], mask=n_ok[:, None], other=0)  # [BLOCK_N, BLOCK_K // 8]
+    for step in range(num_k_steps):
+        k0 = k_begin + step * BLOCK_K
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        # the next step's words load while this step's are unpacked (registers, not shared memory: two buffers)
+        offs_next = offs_w + BLOCK_K // 8
+        next_words = tl.load(w_rows + offs_next[None, :], other=0,
+                             mask=n_ok[:, None] & (offs_next[None, :] < (k_begin + num_k_steps * BLOCK_K) // 8))
+        x_cols = x_ptr + offs_w * 8
+        kg = k0 // GROUP_K
+        s = tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn + kg, mask=n_ok, other=0.0).to(tl.float32)
+        bias = -16.0 * s  # sum(x q) s + sum(x) mn = 16 s sum(x (1 + q / 16)) + (mn - 16 s) sum(x)
+        if HAS_MINS:
+            bias += tl.load(m_ptr + offs_n.to(tl.int64) * stride_mn + kg, mask=n_ok, other=0.0).to(tl.float32)
+        part, x_sum = _int4_row_dot(words, x_cols, 0, M)
+        acc0 += (16.0 * s)[:, None] * part + bias[:, None] * x_sum[None, :]
+        if TWO_ROWS:
+            part, x_sum = _int4_row_dot(words, x_cols + stride_xm, 1, M)
+            acc1 += (16.0 * s)[:, None] * part + bias[:, None] * x_sum[None, :]
+        words = next_words
+    out = out_ptr + split * stride_split + offs_n
+    tl.store(out, tl.sum(acc0, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+    if TWO_ROWS:
+        tl.store(out + stride_om, tl.sum(acc1, axis=1).to(out_ptr.dtype.element_ty),
+                 mask=n_ok & (tl.full([BLOCK_N], 1, tl.int32) < M))
+
+
+@triton.jit
+def _fp8_row_dot(acc, q, x_row_ptr, offs_k, row, M, K, step_scale):
+    """acc + q * (x * step_scale) for one row: [BLOCK_N, BLOCK_K] fp32, thread-local."""
+    ok = (offs_k < K) & (tl.full(offs_k.shape, row, tl.int32) < M)
+    x = tl.load(x_row_ptr + offs_k, mask=ok, other=0.0).to(tl.float32) * step_scale
+    return acc + q * x[None, :]
+
+
+@triton.jit(do_not_specialize=["M", "num_k_steps"])
+def _fp8_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, num_k_steps, stride_xm, stride_qn, stride_sn, stride_om,
+                     stride_split, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, TWO_ROWS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """FP8 decode of one or two rows (TWO_ROWS) on the CUDA cores: out[:M, n] for BLOCK_N columns over
+    num_k_steps K steps of BLOCK_K. Per weight value: a conversion from e4m3 (two values per instruction to fp16,
+    then one to fp32) and one fma per row, no shared memory. The scales never touch a weight value: with one
+    scale column (per-channel, per-tensor) each output column is scaled at the end; with blocks, a program's
+    BLOCK_N columns lie in one block row (GROUP_N is a multiple of BLOCK_N) and a step in one block column
+    (BLOCK_K divides GROUP_K), so the step's single scale multiplies x (BLOCK_K values, not BLOCK_N x BLOCK_K)."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_rows = q_ptr + offs_n[:, None].to(tl.int64) * stride_qn
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    k_begin = split * num_k_steps * BLOCK_K
+    for step in range(num_k_steps):
+        k0 = k_begin + step * BLOCK_K
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        # no prefetch of the next step into registers here: it took 179 registers a thread where 121 let four
+        # programs share an SM, which keeps as many loads in flight
+        q = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+        step_scale = 1.0
+        if GROUP_K < K:
+            step_scale = tl.load(s_ptr + (pid_n * BLOCK_N // GROUP_N) * stride_sn + k0 // GROUP_K)
+        acc0 = _fp8_row_dot(acc0, q, x_ptr, offs_k, 0, M, K, step_scale)
+        if TWO_ROWS:
+            acc1 = _fp8_row_dot(acc1, q, x_ptr + stride_xm, offs_k, 1, M, K, step_scale)
+    y0 = tl.sum(acc0, axis=1)
+    y1 = tl.sum(acc1, axis=1)
+    if GROUP_K >= K:  # one scale column: per output column (per-channel) or one for all (per-tensor)
+        col_scale = tl.load(s_ptr + (offs_n // GROUP_N).to(tl.int64) * stride_sn, mask=n_ok, other=0.0)
+        y0 = y0 * col_scale
+        y1 = y1 * col_scale
+    out = out_ptr + split * stride_split + offs_n
+    tl.store(out, y0.to(out_ptr.dtype.element_ty), mask=n_ok)
+    if TWO_ROWS:
+        tl.store(out + stride_om, y1.to(out_ptr.dtype.element_ty), mask=n_ok & (tl.full([BLOCK_N], 1, tl.int32) < M))

@@ -12,7 +12,8 @@ Which kernel runs (a plan per shape, chosen on the host from M, N, K: no autotun
 inside a CUDA graph capture or a served step):
   - weight-only (quant_gemm.py): the weights are dequantized in registers and multiplied with the 16-bit
     activations. M <= 64 uses 16-64-row tiles with split-K (decode: the weights are read once, the GPU's loads
-    kept in flight by slicing K); larger M uses 128 x 128 tiles.
+    kept in flight by slicing K), and 4-bit and FP8 weights at 1-2 rows CUDA-core kernels, also split-K;
+    larger M uses 128 x 128 tiles.
   - FP8 weights at M >= FP8_ACT_QUANT_MIN_ROWS (quant_fp8.py): activations quantized per token (and per bk
     columns for block weights) and an FP8 tensor-core GEMM. Per-channel and per-tensor weights go to
     torch._scaled_mm's rowwise scaling instead (`USE_SCALED_MM`, on by default); 128 x 128 block weights can go to
@@ -39,6 +40,10 @@ USE_SCALED_MM = os.environ.get("NANOVLLM_FP8_SCALED_MM", "1") != "0"  # per-chan
 USE_SCALED_MM_BLOCKWISE = os.environ.get("NANOVLLM_FP8_BLOCK_SCALED_MM", "0") == "1"
 _MAX_BLOCK_K = 128  # a K step; 128 holds a whole group of the common G = 128
 SCALE_AFTER_DOT_MAX_ROWS = 32  # taller tiles dequantize the tile instead (quant_gemm.py's docstring says why)
+# 4-bit and FP8 weights at up to this many rows run on the CUDA cores: about 5 instructions per 4-bit value on
+# sm_90 for one row, where the 16-row dot kernel's loop spends ~7.5 (static counts of the compiled loops; not yet
+# timed: bench_quant_kernels.py's w4 and w4-mma columns compare them)
+CUDA_CORE_MAX_ROWS = 2
 # split-K: the 4-warp decode programs (~128 registers a thread) fit four to an SM's 64K registers, and all of them
 # resident keep the most loads in flight; a split streams at least 4 steps so that its 4-stage pipeline fills.
 # Larger tiles split only to fill one wave.
@@ -58,6 +63,7 @@ class TilePlan:
     num_stages: int
     per_element: bool  # the group cannot align with a K step: dequantize per element (any group size, slower)
     scale_after_dot: bool  # the raw weights go into the dot, the scales multiply its result (quant_gemm.py)
+    cuda_cores: bool = False  # 1-2 rows: quant_gemm's _int4_gemv_kernel / _fp8_gemv_kernel, fmas, no dot
 
 
 @dataclass(frozen=True)
@@ -86,14 +92,25 @@ def aligned_block_k(group_k: int, limit: int = _MAX_BLOCK_K) -> int:
     return block_k if block_k >= 16 else 0
 
 
-def plan_weight_only(M: int, N: int, K: int, group_k: int, limits: DeviceLimits = H100_LIMITS) -> TilePlan:
+def plan_weight_only(M: int, N: int, K: int, group_k: int, limits: DeviceLimits = H100_LIMITS,
+                     weight_kind: int | None = None, group_n: int = 1) -> TilePlan:
     """Up to 32 rows (decode): 16- or 32-row tiles of 64 columns, 4 warps, the scales after the dot, K steps of up
     to 128 columns, and K split until ~4 programs per SM (split_k): each weight is read once and the split keeps
     enough loads in flight. 33-64 rows: 64 x 64 tiles. Larger M: 128 x 128 tiles, 64-column K steps, 8 warps, 4 stages
     (one accumulator of 64 fp32 registers per thread; ~190 registers and no spills on sm_90 for 4-bit weights),
     each step's tile dequantized before the dot. Devices with under 160 KB of shared memory per block (sm_89) get
-    64 x 128 tiles with 4 warps and 3 stages."""
+    64 x 128 tiles with 4 warps and 3 stages. 4-bit weights at 1-2 rows take the CUDA-core kernel (128 columns,
+    4 warps, _int4_gemv_kernel's docstring says why), and so do FP8 weights whose scales fit
+    _fp8_gemv_kernel (one scale column, or blocks of a multiple of 64 rows)."""
     small_smem = limits.shared_memory_bytes < 160 * 1024
+    block_k = aligned_block_k(group_k)
+    if M <= CUDA_CORE_MAX_ROWS and _fits_cuda_core_kernel(weight_kind, K, group_n, group_k):
+        block_k = block_k or 128  # FP8 with one scale column: any K step
+        # 128 columns of 4-bit words, 64 of FP8 values: a thread holds 64 values either way, and for FP8 its
+        # [64, 128] fp32 accumulator per row (128 columns spilled with two rows on sm_90)
+        block_n = 128 if weight_kind == quant_gemm.KIND_INT4 else 64
+        num_splits, num_k_steps = split_k(M, N, K, 1, block_n, block_k, limits, _DECODE_PROGRAMS_PER_SM)
+        return TilePlan(1, block_n, block_k, num_splits, num_k_steps, 4, 1, False, True, cuda_cores=True)
     if M <= SCALE_AFTER_DOT_MAX_ROWS:
         block_m, block_n, num_warps, num_stages, max_block_k = max(16, triton.next_power_of_2(M)), 64, 4, 4, 128
     elif M <= 64:
@@ -111,6 +128,16 @@ def plan_weight_only(M: int, N: int, K: int, group_k: int, limits: DeviceLimits 
                                       _DECODE_PROGRAMS_PER_SM if block_m <= 64 else 1)
     return TilePlan(block_m, block_n, block_k, num_splits, num_k_steps, num_warps, num_stages, per_element,
                     scale_after_dot)
+
+
+def _fits_cuda_core_kernel(weight_kind: int | None, K: int, group_n: int, group_k: int) -> bool:
+    """4-bit weights whose group a dot step can hold; FP8 weights with one scale column, or with blocks of a
+    multiple of 64 rows and of 16 columns (a 64-column program sees one scale per step)."""
+    if weight_kind == quant_gemm.KIND_INT4:
+        return aligned_block_k(group_k) > 0
+    if weight_kind == quant_gemm.KIND_FP8:
+        return group_k >= K or (group_n % 64 == 0 and aligned_block_k(group_k) > 0)
+    return False
 
 
 def split_k(M: int, N: int, K: int, block_m: int, block_n: int, block_k: int, limits: DeviceLimits,
@@ -149,9 +176,44 @@ def weight_only_linear(x, qweight, scales, mins, kind: int, group_n: int, group_
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    plan = plan or plan_weight_only(M, N, K, group_k, device_limits(x.device))
+    plan = plan or plan_weight_only(M, N, K, group_k, device_limits(x.device), kind, group_n)
     split = plan.num_splits > 1
     target = torch.empty((plan.num_splits, M, N), dtype=torch.float32, device=x.device) if split else out
+    if plan.cuda_cores and kind == quant_gemm.KIND_FP8:
+        _launch_fp8_gemv(x, qweight, scales, target, group_n, group_k, plan)
+    elif plan.cuda_cores:
+        _launch_int4_gemv(x, qweight, scales, mins, target, group_k, plan)
+    else:
+        _launch_wo_gemm(x, qweight, scales, mins, target, kind, group_n, group_k, plan)
+    if split:
+        block = 1024
+        quant_gemm._sum_splits_kernel[(triton.cdiv(M * N, block),)](target, out, M * N, plan.num_splits,
+                                                                     BLOCK=block, num_warps=4)
+    return out
+
+
+def _launch_int4_gemv(x, qweight, scales, mins, target, group_k: int, plan: TilePlan):
+    M, N = x.shape[0], qweight.shape[0]
+    split = plan.num_splits > 1
+    quant_gemm._int4_gemv_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
+        x, qweight, scales, scales if mins is None else mins, target, M, N, plan.num_k_steps, x.stride(0),
+        qweight.stride(0), scales.stride(0), 0 if mins is None else mins.stride(0), target.stride(-2),
+        target.stride(0) if split else 0, GROUP_K=group_k, HAS_MINS=mins is not None, TWO_ROWS=M > 1,
+        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
+
+
+def _launch_fp8_gemv(x, qweight, scales, target, group_n: int, group_k: int, plan: TilePlan):
+    (M, K), N = x.shape, qweight.shape[0]
+    split = plan.num_splits > 1
+    quant_gemm._fp8_gemv_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
+        x, qweight, scales, target, M, N, K, plan.num_k_steps, x.stride(0), qweight.stride(0), scales.stride(0),
+        target.stride(-2), target.stride(0) if split else 0, GROUP_N=group_n, GROUP_K=group_k, TWO_ROWS=M > 1,
+        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
+
+
+def _launch_wo_gemm(x, qweight, scales, mins, target, kind: int, group_n: int, group_k: int, plan: TilePlan):
+    (M, K), N = x.shape, qweight.shape[0]
+    split = plan.num_splits > 1
     offset, offset_bits = _offset_bits(x.dtype, kind) if plan.scale_after_dot else (0, 0)
     grid = (triton.cdiv(M, plan.block_m) * triton.cdiv(N, plan.block_n), plan.num_splits)
     quant_gemm._wo_gemm_kernel[grid](
@@ -163,11 +225,6 @@ def weight_only_linear(x, qweight, scales, mins, kind: int, group_n: int, group_
         EMULATE_DOT_FP32=_interpreting() and x.dtype == torch.bfloat16,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=8, num_warps=plan.num_warps,
         num_stages=plan.num_stages)
-    if split:
-        block = 1024
-        quant_gemm._sum_splits_kernel[(triton.cdiv(M * N, block),)](target, out, M * N, plan.num_splits,
-                                                                     BLOCK=block, num_warps=4)
-    return out
 
 
 def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
