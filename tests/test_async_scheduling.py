@@ -39,13 +39,13 @@ def lag_one_step_when_async(llm):
         return
     resolve, previous = llm.scheduler.resolve, {}
 
-    def lagged(rows, token_ids):
+    def lagged(rows, token_ids, *args):
         late = []
         for row, token_id in zip(rows, token_ids):
             seq_id = None if row is None else row[0].seq_id
             late.append(previous.get(seq_id, token_id))
             previous[seq_id] = token_id
-        return resolve(rows, late)
+        return resolve(rows, late, *args)
     llm.scheduler.resolve = lagged
 
 
