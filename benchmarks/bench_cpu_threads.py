@@ -65,7 +65,8 @@ def main():
     args = parser.parse_args()
     if args.child is not None:
         return child(args.child, args.num_tokens)
-    print(f"# {os.uname().nodename}, usable cores {len(os.sched_getaffinity(0))}, {time.strftime('%Y-%m-%d %H:%M')} UTC")
+    print(f"# {os.uname().nodename}, usable cores {len(os.sched_getaffinity(0))}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')} UTC")
     for load in args.loads:
         busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) if load == "busy" else None
         try:

