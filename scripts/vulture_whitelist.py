@@ -41,6 +41,8 @@ check_bandwidth
 check_tp2
 # a Triton kernel's signature shared with its variants (bench_gemm.py's split-K kernel ignores K)
 K
+# pytest calls its hooks by name (tests/conftest.py)
+pytest_collection_modifyitems
 # pytest reads module-level pytestmark; fixtures used for their setup and teardown only
 pytestmark
 serves_good

@@ -50,11 +50,10 @@ def lag_one_step_when_async(llm):
 
 
 def test_a_planted_async_lag_fails_the_comparison(qwen3_dir):
+    """The plant reaches both engines and changes the asynchronous one alone; without it the two agree
+    (test_async_equals_sync's unpressured case, same prompts and params)."""
     sync, got, _ = sync_and_async(qwen3_dir, PROMPTS, greedy(20), tiny_llm_kwargs(), plant=lag_one_step_when_async)
     assert got != sync
-    unplanted, _ = generate(qwen3_dir, PROMPTS, greedy(20), lag_one_step_when_async,
-                            **tiny_llm_kwargs(async_scheduling=False))
-    assert unplanted == sync  # the plant touches the asynchronous engine only
 
 
 @pytest.mark.parametrize("pressure", PRESSURES)
