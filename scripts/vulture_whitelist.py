@@ -59,3 +59,8 @@ rotary_interleaved
 rotary_sin
 # functools.lru_cache keys: a GGUF file's reader is parsed again when the file's mtime or size changes
 mtime_ns
+# pytest fixtures that act by being requested (a test names them as parameters and never reads the value)
+torch_threads
+no_model_load
+# torch reads its backend settings
+_.allow_tf32
