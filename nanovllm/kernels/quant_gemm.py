@@ -56,6 +56,16 @@ def _swizzled_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
 
 
 @triton.jit
+def _split_steps(K, num_k_steps, BLOCK_K: tl.constexpr):
+    """(first K column, K steps) of this program's split: num_k_steps, or fewer in the last split when the splits
+    do not divide K's steps evenly. No step starts at or past K, so no load (a scale's, a min's, an unmasked x or
+    word) reads past its row or its tensor."""
+    split = tl.program_id(1)
+    steps_left = tl.cdiv(K, BLOCK_K) - split * num_k_steps
+    return split * num_k_steps * BLOCK_K, tl.minimum(num_k_steps, steps_left)
+
+
+@triton.jit
 def _load_weight_tile(q_ptr, stride_qn, offs_n, k0, offs_k, N, K, WEIGHT_KIND: tl.constexpr,
                       AS_DOT_OPERAND: tl.constexpr, OFFSET_BITS: tl.constexpr, DTYPE: tl.constexpr,
                       EMULATE_DOT_FP32: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -145,8 +155,8 @@ def _wo_gemm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, K, num_k_steps, s
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_begin = split * num_k_steps * BLOCK_K
-    for step in range(num_k_steps):
+    k_begin, num_steps = _split_steps(K, num_k_steps, BLOCK_K)
+    for step in range(num_steps):
         k0 = k_begin + step * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + offs_k[None, :], mask=m_ok & (offs_k[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
@@ -213,7 +223,7 @@ def _int4_row_dot(words, x_cols, row, M):
 
 
 @triton.jit(do_not_specialize=["M", "num_k_steps"])
-def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, num_k_steps, stride_xm, stride_qn, stride_sn,
+def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, K, num_k_steps, stride_xm, stride_qn, stride_sn,
                       stride_mn, stride_om, stride_split, GROUP_K: tl.constexpr, HAS_MINS: tl.constexpr,
                       TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """4-bit decode of one or two rows (TWO_ROWS) on the CUDA cores: out[:M, n] for BLOCK_N columns over
@@ -229,16 +239,17 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, num_k_steps, st
     w_rows = q_ptr + offs_n[:, None].to(tl.int64) * stride_qn
     acc0 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    k_begin = split * num_k_steps * BLOCK_K
+    k_begin, num_steps = _split_steps(K, num_k_steps, BLOCK_K)
+    k_end = k_begin + num_steps * BLOCK_K  # <= K: BLOCK_K divides the group, the group divides K
     offs_w = k_begin // 8 + tl.arange(0, BLOCK_K // 8)
     words = tl.load(w_rows + offs_w[None, :], mask=n_ok[:, None], other=0)  # [BLOCK_N, BLOCK_K // 8]
-    for step in range(num_k_steps):
+    for step in range(num_steps):
         k0 = k_begin + step * BLOCK_K
         offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         # the next step's words load while this step's are unpacked (registers, not shared memory: two buffers)
         offs_next = offs_w + BLOCK_K // 8
         next_words = tl.load(w_rows + offs_next[None, :], other=0,
-                             mask=n_ok[:, None] & (offs_next[None, :] < (k_begin + num_k_steps * BLOCK_K) // 8))
+                             mask=n_ok[:, None] & (offs_next[None, :] < k_end // 8))
         x_cols = x_ptr + offs_w * 8
         kg = k0 // GROUP_K
         s = tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn + kg, mask=n_ok, other=0.0).to(tl.float32)
@@ -283,8 +294,8 @@ def _fp8_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, num_k_steps, stride_
     w_rows = q_ptr + offs_n[:, None].to(tl.int64) * stride_qn
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    k_begin = split * num_k_steps * BLOCK_K
-    for step in range(num_k_steps):
+    k_begin, num_steps = _split_steps(K, num_k_steps, BLOCK_K)
+    for step in range(num_steps):
         k0 = k_begin + step * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
         # no prefetch of the next step into registers here: it took 179 registers a thread where 121 let four

@@ -196,8 +196,8 @@ def _launch_int4_gemv(x, qweight, scales, mins, target, group_k: int, plan: Tile
     M, N = x.shape[0], qweight.shape[0]
     split = plan.num_splits > 1
     quant_gemm._int4_gemv_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
-        x, qweight, scales, scales if mins is None else mins, target, M, N, plan.num_k_steps, x.stride(0),
-        qweight.stride(0), scales.stride(0), 0 if mins is None else mins.stride(0), target.stride(-2),
+        x, qweight, scales, scales if mins is None else mins, target, M, N, x.shape[1], plan.num_k_steps,
+        x.stride(0), qweight.stride(0), scales.stride(0), 0 if mins is None else mins.stride(0), target.stride(-2),
         target.stride(0) if split else 0, GROUP_K=group_k, HAS_MINS=mins is not None, TWO_ROWS=M > 1,
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
 
