@@ -8,7 +8,6 @@ padded with NaN (or, for the words, with nonzero nibbles), so a load past a row'
 as a split reading K steps past K, turns the output into NaN or a wrong value instead of passing unseen.
 """
 import pytest
-import torch
 
 pytest.importorskip("triton")
 
@@ -105,3 +104,41 @@ def test_plans_at_the_engines_shapes_keep_int32_offsets_and_cover_k(kind):
             plan = qm.plan_weight_only(M, N, K, group_k, qm.H100_LIMITS, kind, group_n)
             _check_plan(plan, M, N, K, f"{name} M={M} {plan}")
 
+
+
+DEQUANT_SCRIPT = """
+import json
+import torch
+from test_quant_kernels import dequant_int, errors, make_int_weight
+from nanovllm.kernels import quant_gemm, quant_matmul as qm
+res = []
+# N ragged against the 32-row programs, K against the 256-column ones; groups that are and are not powers of two
+for N, K, G, bits, x_dtype, s_dtype, m_dtype in [(72, 352, 32, 4, "bfloat16", "float16", "float32"),
+                                                 (40, 264, 24, 4, "float16", "bfloat16", None),
+                                                 (33, 300, 20, 8, "bfloat16", "float32", "bfloat16"),
+                                                 (50, 512, 128, 8, "float16", "float16", None)]:
+    qweight, q, scales, mins = make_int_weight(N, K, G, bits, getattr(torch, s_dtype),
+                                               m_dtype and getattr(torch, m_dtype))
+    kind = quant_gemm.KIND_INT4 if bits == 4 else quant_gemm.KIND_INT8
+    dtype = getattr(torch, x_dtype)
+    # float32 out: the formula's bits (the interpreter truncates fp32 to bf16 where the GPU rounds to nearest)
+    w = qm.dequantize_int_weight(qweight, scales, mins, kind, G, torch.float32)
+    ref = dequant_int(q, scales, mins, G)
+    M = qm.DEQUANT_GEMM_MIN_ROWS[kind] + 3
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
+    y = qm.int_linear(x, qweight, scales, mins, bits, G)
+    res.append(dict(errors(y, x, ref), exact=bool(torch.equal(w, ref)), dtype=str(y.dtype),
+                    shape=list(y.shape), M=M, N=N))
+print(json.dumps(res))
+"""
+
+
+def test_large_m_dequantizes_the_weight_exactly_then_multiplies():
+    """From DEQUANT_GEMM_MIN_ROWS rows on, int_linear is F.linear on the weight dequantized by the contract's
+    formula and rounded once to x's dtype: the dequantized weight (in fp32) equals the reference's bit for bit, and the
+    product is within a dequantized tile's bound (eps of the output and of sum |x| |w|)."""
+    for res in interpret(DEQUANT_SCRIPT):
+        eps = 2 ** -7 if res["dtype"] == "torch.bfloat16" else 2 ** -10
+        assert res["exact"], res
+        assert res["shape"] == [res["M"], res["N"]], res
+        assert res["err"] <= 1.01 * (eps * res["max_ref"] + eps * res["abs_dot"]), res

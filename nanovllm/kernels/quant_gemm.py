@@ -145,8 +145,8 @@ def _wo_gemm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, K, num_k_steps, s
     """out[split] (fp32 partials when split-K, else the output in its dtype) for one [BLOCK_M, BLOCK_N] tile over
     num_k_steps K steps starting at split * num_k_steps * BLOCK_K. SCALE_AFTER_DOT: the raw weights go into the
     dot and the scales and mins apply to its fp32 result (module docstring); else each step's tile is dequantized
-    (q * s + mn in fp32, rounded to x's dtype) and the dots accumulate in place. EMULATE_DOT_FP32: Triton's CPU interpreter
-    computes bf16 dots wrongly, so its tests run the dot in fp32 (the operands are exact in both)."""
+    (q * s + mn in fp32, rounded to x's dtype) and the dots accumulate in place. EMULATE_DOT_FP32: Triton's CPU
+    interpreter computes bf16 dots wrongly, so its tests run the dot in fp32 (the operands are exact in both)."""
     pid_m, pid_n = _swizzled_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -203,10 +203,10 @@ def _sum_splits_kernel(part_ptr, out_ptr, numel, num_splits, BLOCK: tl.constexpr
 @triton.jit
 def _int4_row_dot(words, x_cols, row, M):
     """(sum over s of (1 + q_s / 16) * x[8 w + s], sum over s of x[8 w + s]): [BLOCK_N, BLOCK_K // 8] and
-    [BLOCK_K // 8], fp32, for x_cols pointing at x[8 w] of the step's words w in row `row` (0 past M). The float 1 + q / 16 is nibble q
-    moved to mantissa bits 19-22 and or-ed with the bits of 1.0: a shift and one and-or, exact, and its product
-    with a bf16/fp16 x is exact too; the caller takes sum(x q) = 16 * (first - second). Each thread keeps its
-    words' eight values to itself: no reduction across threads until the end of the kernel."""
+    [BLOCK_K // 8], fp32, for x_cols pointing at x[8 w] of the step's words w in row `row` (0 past M). The float
+    1 + q / 16 is nibble q moved to mantissa bits 19-22 and or-ed with the bits of 1.0: a shift and one and-or,
+    exact, and its product with a bf16/fp16 x is exact too; the caller takes sum(x q) = 16 * (first - second).
+    Each thread keeps its words' eight values to itself: no reduction across threads until the end of the kernel."""
     part = tl.zeros(words.shape, dtype=tl.float32)
     x_sum = tl.zeros(x_cols.shape, dtype=tl.float32)
     row_ok = tl.full(x_cols.shape, row, tl.int32) < M  # a tensor: the interpreter takes no scalar mask
