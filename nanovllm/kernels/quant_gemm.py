@@ -66,22 +66,20 @@ def _split_steps(K, num_k_steps, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _int4_dot_operand(q_ptr, stride_qn, offs_n, k0, N, K, OFFSET_BITS: tl.constexpr, DTYPE: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The 4-bit tile [BLOCK_K, BLOCK_N] as the 16-bit floats OFFSET + q, built without a 3-d tensor: the words
+def _int4_nibbles(q_ptr, stride_qn, offs_n, k0, N, K, BLOCK_K: tl.constexpr):
+    """The 4-bit values [BLOCK_N, BLOCK_K] as int32 0..15 (0 past N and K), built without a 3-d tensor: the words
     load as [BLOCK_N, BLOCK_K // 8] (a row's words contiguous), three interleaves repeat each word 8 times along
-    K inside the thread that holds it (no exchange between threads), the shift picks nibble k % 8, and the
-    transposed tile goes to the dot (its operand conversion goes through shared memory either way). The 3-d
-    [BLOCK_K // 8, 8, BLOCK_N] unpack before it, reshaped to 2-d, ran at ~440 GB/s on an H100, where the 8-bit
-    tiles of the same kernel streamed at ~1.9 TB/s."""
+    K inside the thread that holds it (no exchange between threads), and the shift picks nibble k % 8. The 3-d
+    [BLOCK_K // 8, 8, BLOCK_N] unpack before it, reshaped to 2-d, stored the dot operand to shared memory one
+    16-bit value at a time (sm_90 PTX) and streamed ~440 GB/s on an H100, where the 8-bit tiles of the same kernel
+    did ~1.9 TB/s."""
     offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     ok = (offs_n[:, None] < N) & (offs_w[None, :] < K // 8)
     words = tl.load(q_ptr + offs_n[:, None].to(tl.int64) * stride_qn + offs_w[None, :], mask=ok, other=0)
     words = tl.interleave(words, words)
     words = tl.interleave(words, words)
     words = tl.interleave(words, words)  # [BLOCK_N, BLOCK_K]: column k holds word k // 8
-    nibbles = (words >> (4 * (tl.arange(0, BLOCK_K) % 8))[None, :]) & 0xF
-    return tl.trans((nibbles | OFFSET_BITS).to(tl.int16).to(DTYPE, bitcast=True))
+    return (words >> (4 * (tl.arange(0, BLOCK_K) % 8))[None, :]) & 0xF
 
 
 @triton.jit
@@ -89,21 +87,15 @@ def _load_weight_tile(q_ptr, stride_qn, offs_n, k0, offs_k, N, K, WEIGHT_KIND: t
                       AS_DOT_OPERAND: tl.constexpr, OFFSET_BITS: tl.constexpr, DTYPE: tl.constexpr,
                       EMULATE_DOT_FP32: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """The weight tile [BLOCK_K, BLOCK_N] (k rows, n columns); columns past N and rows past K read 0.
-    AS_DOT_OPERAND: exact 16-bit floats for the dot, OFFSET + q for 4-bit (built from bits, and narrowed to 16 bits
-    before the reshape so that the tile never lives in registers as int32: that spilled the 128 x 128 tiles),
-    q otherwise. Else the raw values: 4-bit as int32 0..15, int8, e4m3."""
+    AS_DOT_OPERAND: exact 16-bit floats for the dot, OFFSET + q for 4-bit (built from bits, _int4_nibbles), q
+    otherwise. Else the raw values: 4-bit as int32 0..15, int8, e4m3."""
     n_ok = offs_n[None, :] < N
     row = offs_n[None, :].to(tl.int64) * stride_qn
-    if WEIGHT_KIND == 0 and AS_DOT_OPERAND:
-        return _int4_dot_operand(q_ptr, stride_qn, offs_n, k0, N, K, OFFSET_BITS, DTYPE, BLOCK_K, BLOCK_N)
     if WEIGHT_KIND == 0:
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # k0 is a multiple of BLOCK_K, itself of 8
-        words = tl.load(q_ptr + row + offs_w[:, None], mask=n_ok & (offs_w[:, None] < K // 8), other=0)
-        shifts = 4 * tl.arange(0, 8)
-        nibbles = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K // 8, 8, BLOCK_N]: k = 8 w + s
-        if AS_DOT_OPERAND:
+        nibbles = _int4_nibbles(q_ptr, stride_qn, offs_n, k0, N, K, BLOCK_K)  # [BLOCK_N, BLOCK_K]
+        if AS_DOT_OPERAND:  # narrowed to 16 bits before the transpose (an int32 tile spilled the 128 x 128 tiles)
             nibbles = (nibbles | OFFSET_BITS).to(tl.int16).to(DTYPE, bitcast=True)
-        return tl.reshape(nibbles, (BLOCK_K, BLOCK_N))
+        return tl.trans(nibbles)
     q = tl.load(q_ptr + row + offs_k[:, None], mask=n_ok & (offs_k[:, None] < K), other=0.0)
     if AS_DOT_OPERAND:
         if EMULATE_DOT_FP32:
