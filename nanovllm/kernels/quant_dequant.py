@@ -12,7 +12,15 @@ once to the output dtype: the same weights the 128-row tiles of quant_gemm.py fe
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.quant_gemm import _exact_f32
+from nanovllm.kernels.quant_gemm import _exact_f32, _int4_nibbles
+
+
+@triton.jit
+def _repeat8(t):
+    """[R, C] -> [R, 8 C], each value 8 times in a row (register-local, as _int4_nibbles repeats its words)."""
+    t = tl.interleave(t, t)
+    t = tl.interleave(t, t)
+    return tl.interleave(t, t)
 
 
 @triton.jit
@@ -20,29 +28,30 @@ def _dequant_int_kernel(q_ptr, s_ptr, m_ptr, out_ptr, N, K, stride_qn, stride_sn
                         WEIGHT_KIND: tl.constexpr, GROUP_K: tl.constexpr, HAS_MINS: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[n, k] = q[n, k] * s[n, k // GROUP_K] (+ mn[n, k // GROUP_K]) for one [BLOCK_N, BLOCK_K] tile.
-    4-bit (WEIGHT_KIND 0): GROUP_K is a multiple of 8, so each word's eight values share one group and the scales
-    are gathered per word, not per value."""
+    When GROUP_K is a multiple of 8 (always for 4-bit) each 8 aligned values share a group, and the scales are
+    gathered once per 8 values and repeated in registers like _int4_nibbles' words."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n[:, None] < N
     rows = offs_n[:, None].to(tl.int64)
     k0 = tl.program_id(1) * BLOCK_K
     if WEIGHT_KIND == 0:
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        ok = n_ok & (offs_w[None, :] < K // 8)
-        words = tl.load(q_ptr + rows * stride_qn + offs_w[None, :], mask=ok, other=0)  # [BLOCK_N, BLOCK_K // 8]
-        groups = (offs_w * 8 // GROUP_K)[None, :]
-        s = tl.load(s_ptr + rows * stride_sn + groups, mask=ok, other=0.0).to(tl.float32)
-        nibbles = (words[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 0xF  # k = 8 w + j
-        w = _exact_f32(nibbles, 0) * s[:, :, None]
+        q = _int4_nibbles(q_ptr, stride_qn, offs_n, k0, N, K, BLOCK_K)  # [BLOCK_N, BLOCK_K], int32 0..15
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        q = tl.load(q_ptr + rows * stride_qn + offs_k[None, :], mask=n_ok & (offs_k[None, :] < K), other=0)
+    w = _exact_f32(q, WEIGHT_KIND)
+    if GROUP_K % 8 == 0:  # every 8 aligned values share a group: one scale (and min) load per 8, repeated
+        offs_g = k0 + 8 * tl.arange(0, BLOCK_K // 8)
+        ok = n_ok & (offs_g[None, :] < K)
+        groups = (offs_g // GROUP_K)[None, :]
+        w = w * _repeat8(tl.load(s_ptr + rows * stride_sn + groups, mask=ok, other=0.0).to(tl.float32))
         if HAS_MINS:
-            w = w + tl.load(m_ptr + rows * stride_mn + groups, mask=ok, other=0.0).to(tl.float32)[:, :, None]
-        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+            w = w + _repeat8(tl.load(m_ptr + rows * stride_mn + groups, mask=ok, other=0.0).to(tl.float32))
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         ok = n_ok & (offs_k[None, :] < K)
-        q = tl.load(q_ptr + rows * stride_qn + offs_k[None, :], mask=ok, other=0)
         groups = (offs_k // GROUP_K)[None, :]
-        w = _exact_f32(q, 1) * tl.load(s_ptr + rows * stride_sn + groups, mask=ok, other=0.0).to(tl.float32)
+        w = w * tl.load(s_ptr + rows * stride_sn + groups, mask=ok, other=0.0).to(tl.float32)
         if HAS_MINS:
             w = w + tl.load(m_ptr + rows * stride_mn + groups, mask=ok, other=0.0).to(tl.float32)
     offs_k = k0 + tl.arange(0, BLOCK_K)
