@@ -1,10 +1,10 @@
-"""The quantized linear kernels compile for an H100/H200 (sm_90) and an RTX 40-series GPU (sm_89) on a machine
-without a GPU, within the shared memory a block may use there: every plan the dispatch can pick (decode split-K, the CUDA-core kernels,
-the 128-row tile, per-element groups, both 16-bit dtypes, the FP8 GEMM with block and per-token scales, the
-activation quantizer). Triton's interpreter, which tests/test_quant_kernels.py runs them in, does not type-check,
-so a kernel it runs may still fail to compile; and a tile that fits an H100's 227 KB of shared memory per block
-may not fit an RTX 4070's 99 KB. The launches become compiles under a stand-in CUDA driver (the same approach as
-tests/test_triton_compile.py), in a subprocess: the driver is process-wide."""
+"""The quantized linear kernels compile for an H100/H200 (sm_90) and an RTX 40-series GPU (sm_89) on a machine without
+a GPU, within the shared memory a block may use there: every plan the dispatch can pick (decode split-K, the CUDA-
+core kernels, the 128-row tile, per-element groups, both 16-bit dtypes, the FP8 GEMM with block and per-token
+scales, the activation quantizer). Triton's interpreter, which tests/test_quant_kernels.py runs them in, does not
+type-check, so a kernel it runs may still fail to compile; and a tile that fits an H100's 227 KB of shared memory
+per block may not fit an RTX 4070's 99 KB. The launches become compiles under a stand-in CUDA driver (the same
+approach as tests/test_triton_compile.py), in a subprocess: the driver is process-wide."""
 import subprocess
 import sys
 
@@ -49,8 +49,8 @@ def compile_only(self, *args, grid, warmup, **kwargs):
     kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
     assert kernel is not None and kernel.asm.get("cubin"), self.fn.__name__
     shared = kernel.metadata.shared
-    assert shared <= SHARED_LIMIT_BYTES, (f"{self.fn.__name__} needs {shared} bytes of shared memory on sm_{TARGET_CC}, "
-                                          f"over {SHARED_LIMIT_BYTES}: {kwargs}")
+    assert shared <= SHARED_LIMIT_BYTES, (f"{self.fn.__name__} needs {shared} bytes of shared memory on "
+                                          f"sm_{TARGET_CC}, over {SHARED_LIMIT_BYTES}: {kwargs}")
     compiled.add(self.fn.__name__)
     return kernel
 
@@ -80,6 +80,11 @@ for M in (1, 3, 64):  # the CUDA-core kernel, the 16-row tile, the 64-row tile
 x = torch.zeros(2, K, dtype=torch.float16)  # per-channel, two rows on the CUDA cores
 qm.weight_only_linear(x, wq, torch.ones(N, 1), None, quant_gemm.KIND_FP8, 1, K,
                       qm.plan_weight_only(2, N, K, K, limits, quant_gemm.KIND_FP8, 1))
+for bits, group, dtype in [(4, 128, torch.bfloat16), (8, 32, torch.float16)]:  # the large-M dequantization
+    qweight = torch.zeros(N, K // 8 if bits == 4 else K, dtype=torch.int32 if bits == 4 else torch.int8)
+    kind = quant_gemm.KIND_INT4 if bits == 4 else quant_gemm.KIND_INT8
+    qm.dequantize_int_weight(qweight, torch.ones(N, K // group, dtype=torch.float16), torch.zeros(N, K // group),
+                             kind, group, dtype)
 x = torch.zeros(256, K, dtype=torch.bfloat16)
 qm.fp8_w8a8_linear(x, wq, torch.ones(N // 128, K // 128), 128, 128, use_scaled_mm=False, limits=limits)
 qm.fp8_w8a8_linear(x, wq, torch.ones(N, 1), 1, K, use_scaled_mm=False, limits=limits)
@@ -94,5 +99,5 @@ def test_every_quant_kernel_compiles_within_shared_memory(cc, shared_limit_bytes
     proc = subprocess.run([sys.executable, "-c", COMPILE_ALL, str(cc), str(shared_limit_bytes), str(num_sms)],
                           check=False, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["_fp8_gemm_kernel", "_fp8_gemv_kernel", "_int4_gemv_kernel",
+    assert proc.stdout.split() == ["_dequant_int_kernel", "_fp8_gemm_kernel", "_fp8_gemv_kernel", "_int4_gemv_kernel",
                                    "_quantize_act_kernel", "_sum_splits_kernel", "_wo_gemm_kernel"]

@@ -136,3 +136,29 @@ def test_kernels_compile_with_inductor_without_graph_breaks():
     compiled = torch.compile(run, fullgraph=True)
     for got, want in zip(compiled(), run(), strict=True):
         assert torch.equal(got, want)
+
+
+def _nan_padded(t: torch.Tensor, extra: int = 4) -> torch.Tensor:
+    """t as a view into a buffer with `extra` NaN columns after each row: a load past a row's end shows as NaN."""
+    buf = torch.full((t.shape[0], t.shape[1] + extra), float("nan"), dtype=t.dtype, device=t.device)
+    buf[:, :t.shape[1]] = t
+    return buf[:, :t.shape[1]]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("M", [1, 2, 3, 12, 16, 24, 48, 100, 300])  # the engine's warm-up rows among them
+def test_qwen3_8b_qkv_ragged_splits_read_nothing_past_k(M, bits):
+    """Qwen3-8B's qkv (N = 6144, K = 4096, G = 128) is the layer whose decode splits do not divide K's steps (5
+    splits of 7 steps of 32): the last split must stop at K. Its scales and mins sit in NaN-padded buffers, so a
+    read past a row's last group turns outputs into NaN (W8 at 16 rows gave NaN, and AWQ crashed the warm-up)."""
+    qm = _qm()
+    N, K, G = 6144, 4096, 128
+    qweight, q, scales, mins = make_int_weight(N, K, G, bits, torch.float16, torch.float32)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
+    kind = 0 if bits == 4 else 1
+    # weight_only_linear, not int_linear: the custom op makes the scales contiguous, which would drop the padding
+    y = qm.weight_only_linear(x.cuda(), qweight.cuda(), _nan_padded(scales.cuda()), _nan_padded(mins.cuda()), kind,
+                              1, G)
+    assert not y.isnan().any()
+    plan = qm.plan_weight_only(M, N, K, G, qm.device_limits(y.device), kind)
+    _check(y, x, dequant_int(q, scales, mins, G), plan.scale_after_dot)

@@ -52,7 +52,8 @@ def _quantize_act_kernel(x_ptr, xq_ptr, xs_ptr, K, group_cols, num_chunks, strid
 
 @triton.jit(do_not_specialize=["M"])  # a new batch size compiles nothing mid-run
 def _fp8_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_xsm, stride_xsg, stride_wn,
-                     stride_wsn, stride_om, GROUP_N: tl.constexpr, PER_STEP_SCALES: tl.constexpr, EMULATE_DOT_FP32: tl.constexpr,
+                     stride_wsn, stride_om, GROUP_N: tl.constexpr, PER_STEP_SCALES: tl.constexpr,
+                     EMULATE_DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """out = (xq * xs) @ (w * ws).T for one [BLOCK_M, BLOCK_N] tile. PER_STEP_SCALES: the scales change every
     BLOCK_K (= the weights' bk) columns, x_scale [M, K / bk] and w_scale [N / bn, K / bk]; otherwise x_scale [M, 1],

@@ -56,23 +56,46 @@ def _swizzled_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
 
 
 @triton.jit
+def _split_steps(K, num_k_steps, BLOCK_K: tl.constexpr):
+    """(first K column, K steps) of this program's split: num_k_steps, or fewer in the last split when the splits
+    do not divide K's steps evenly. No step starts at or past K, so no load (a scale's, a min's, an unmasked x or
+    word) reads past its row or its tensor."""
+    split = tl.program_id(1)
+    steps_left = tl.cdiv(K, BLOCK_K) - split * num_k_steps
+    return split * num_k_steps * BLOCK_K, tl.minimum(num_k_steps, steps_left)
+
+
+@triton.jit
+def _int4_nibbles(q_ptr, stride_qn, offs_n, k0, N, K, BLOCK_K: tl.constexpr):
+    """The 4-bit values [BLOCK_N, BLOCK_K] as int32 0..15 (0 past N and K), built without a 3-d tensor: the words
+    load as [BLOCK_N, BLOCK_K // 8] (a row's words contiguous), three interleaves repeat each word 8 times along
+    K inside the thread that holds it (no exchange between threads), and the shift picks nibble k % 8. The 3-d
+    [BLOCK_K // 8, 8, BLOCK_N] unpack before it, reshaped to 2-d, stored the dot operand to shared memory one
+    16-bit value at a time (sm_90 PTX) and streamed ~440 GB/s on an H100, where the 8-bit tiles of the same kernel
+    did ~1.9 TB/s."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    ok = (offs_n[:, None] < N) & (offs_w[None, :] < K // 8)
+    words = tl.load(q_ptr + offs_n[:, None].to(tl.int64) * stride_qn + offs_w[None, :], mask=ok, other=0)
+    words = tl.interleave(words, words)
+    words = tl.interleave(words, words)
+    words = tl.interleave(words, words)  # [BLOCK_N, BLOCK_K]: column k holds word k // 8
+    return (words >> (4 * (tl.arange(0, BLOCK_K) % 8))[None, :]) & 0xF
+
+
+@triton.jit
 def _load_weight_tile(q_ptr, stride_qn, offs_n, k0, offs_k, N, K, WEIGHT_KIND: tl.constexpr,
                       AS_DOT_OPERAND: tl.constexpr, OFFSET_BITS: tl.constexpr, DTYPE: tl.constexpr,
                       EMULATE_DOT_FP32: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """The weight tile [BLOCK_K, BLOCK_N] (k rows, n columns); columns past N and rows past K read 0.
-    AS_DOT_OPERAND: exact 16-bit floats for the dot, OFFSET + q for 4-bit (built from bits, and narrowed to 16 bits
-    before the reshape so that the tile never lives in registers as int32: that spilled the 128 x 128 tiles),
-    q otherwise. Else the raw values: 4-bit as int32 0..15, int8, e4m3."""
+    AS_DOT_OPERAND: exact 16-bit floats for the dot, OFFSET + q for 4-bit (built from bits, _int4_nibbles), q
+    otherwise. Else the raw values: 4-bit as int32 0..15, int8, e4m3."""
     n_ok = offs_n[None, :] < N
     row = offs_n[None, :].to(tl.int64) * stride_qn
     if WEIGHT_KIND == 0:
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # k0 is a multiple of BLOCK_K, itself of 8
-        words = tl.load(q_ptr + row + offs_w[:, None], mask=n_ok & (offs_w[:, None] < K // 8), other=0)
-        shifts = 4 * tl.arange(0, 8)
-        nibbles = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K // 8, 8, BLOCK_N]: k = 8 w + s
-        if AS_DOT_OPERAND:
+        nibbles = _int4_nibbles(q_ptr, stride_qn, offs_n, k0, N, K, BLOCK_K)  # [BLOCK_N, BLOCK_K]
+        if AS_DOT_OPERAND:  # narrowed to 16 bits before the transpose (an int32 tile spilled the 128 x 128 tiles)
             nibbles = (nibbles | OFFSET_BITS).to(tl.int16).to(DTYPE, bitcast=True)
-        return tl.reshape(nibbles, (BLOCK_K, BLOCK_N))
+        return tl.trans(nibbles)
     q = tl.load(q_ptr + row + offs_k[:, None], mask=n_ok & (offs_k[:, None] < K), other=0.0)
     if AS_DOT_OPERAND:
         if EMULATE_DOT_FP32:
@@ -135,8 +158,8 @@ def _wo_gemm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, K, num_k_steps, s
     """out[split] (fp32 partials when split-K, else the output in its dtype) for one [BLOCK_M, BLOCK_N] tile over
     num_k_steps K steps starting at split * num_k_steps * BLOCK_K. SCALE_AFTER_DOT: the raw weights go into the
     dot and the scales and mins apply to its fp32 result (module docstring); else each step's tile is dequantized
-    (q * s + mn in fp32, rounded to x's dtype) and the dots accumulate in place. EMULATE_DOT_FP32: Triton's CPU interpreter
-    computes bf16 dots wrongly, so its tests run the dot in fp32 (the operands are exact in both)."""
+    (q * s + mn in fp32, rounded to x's dtype) and the dots accumulate in place. EMULATE_DOT_FP32: Triton's CPU
+    interpreter computes bf16 dots wrongly, so its tests run the dot in fp32 (the operands are exact in both)."""
     pid_m, pid_n = _swizzled_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -145,8 +168,8 @@ def _wo_gemm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, K, num_k_steps, s
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_begin = split * num_k_steps * BLOCK_K
-    for step in range(num_k_steps):
+    k_begin, num_steps = _split_steps(K, num_k_steps, BLOCK_K)
+    for step in range(num_steps):
         k0 = k_begin + step * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + offs_k[None, :], mask=m_ok & (offs_k[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
@@ -193,10 +216,10 @@ def _sum_splits_kernel(part_ptr, out_ptr, numel, num_splits, BLOCK: tl.constexpr
 @triton.jit
 def _int4_row_dot(words, x_cols, row, M):
     """(sum over s of (1 + q_s / 16) * x[8 w + s], sum over s of x[8 w + s]): [BLOCK_N, BLOCK_K // 8] and
-    [BLOCK_K // 8], fp32, for x_cols pointing at x[8 w] of the step's words w in row `row` (0 past M). The float 1 + q / 16 is nibble q
-    moved to mantissa bits 19-22 and or-ed with the bits of 1.0: a shift and one and-or, exact, and its product
-    with a bf16/fp16 x is exact too; the caller takes sum(x q) = 16 * (first - second). Each thread keeps its
-    words' eight values to itself: no reduction across threads until the end of the kernel."""
+    [BLOCK_K // 8], fp32, for x_cols pointing at x[8 w] of the step's words w in row `row` (0 past M). The float
+    1 + q / 16 is nibble q moved to mantissa bits 19-22 and or-ed with the bits of 1.0: a shift and one and-or,
+    exact, and its product with a bf16/fp16 x is exact too; the caller takes sum(x q) = 16 * (first - second).
+    Each thread keeps its words' eight values to itself: no reduction across threads until the end of the kernel."""
     part = tl.zeros(words.shape, dtype=tl.float32)
     x_sum = tl.zeros(x_cols.shape, dtype=tl.float32)
     row_ok = tl.full(x_cols.shape, row, tl.int32) < M  # a tensor: the interpreter takes no scalar mask
@@ -213,7 +236,7 @@ def _int4_row_dot(words, x_cols, row, M):
 
 
 @triton.jit(do_not_specialize=["M", "num_k_steps"])
-def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, num_k_steps, stride_xm, stride_qn, stride_sn,
+def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, K, num_k_steps, stride_xm, stride_qn, stride_sn,
                       stride_mn, stride_om, stride_split, GROUP_K: tl.constexpr, HAS_MINS: tl.constexpr,
                       TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """4-bit decode of one or two rows (TWO_ROWS) on the CUDA cores: out[:M, n] for BLOCK_N columns over
@@ -229,16 +252,17 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, num_k_steps, st
     w_rows = q_ptr + offs_n[:, None].to(tl.int64) * stride_qn
     acc0 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    k_begin = split * num_k_steps * BLOCK_K
+    k_begin, num_steps = _split_steps(K, num_k_steps, BLOCK_K)
+    k_end = k_begin + num_steps * BLOCK_K  # <= K: BLOCK_K divides the group, the group divides K
     offs_w = k_begin // 8 + tl.arange(0, BLOCK_K // 8)
     words = tl.load(w_rows + offs_w[None, :], mask=n_ok[:, None], other=0)  # [BLOCK_N, BLOCK_K // 8]
-    for step in range(num_k_steps):
+    for step in range(num_steps):
         k0 = k_begin + step * BLOCK_K
         offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         # the next step's words load while this step's are unpacked (registers, not shared memory: two buffers)
         offs_next = offs_w + BLOCK_K // 8
         next_words = tl.load(w_rows + offs_next[None, :], other=0,
-                             mask=n_ok[:, None] & (offs_next[None, :] < (k_begin + num_k_steps * BLOCK_K) // 8))
+                             mask=n_ok[:, None] & (offs_next[None, :] < k_end // 8))
         x_cols = x_ptr + offs_w * 8
         kg = k0 // GROUP_K
         s = tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn + kg, mask=n_ok, other=0.0).to(tl.float32)
@@ -283,8 +307,8 @@ def _fp8_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, num_k_steps, stride_
     w_rows = q_ptr + offs_n[:, None].to(tl.int64) * stride_qn
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    k_begin = split * num_k_steps * BLOCK_K
-    for step in range(num_k_steps):
+    k_begin, num_steps = _split_steps(K, num_k_steps, BLOCK_K)
+    for step in range(num_steps):
         k0 = k_begin + step * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
         # no prefetch of the next step into registers here: it took 179 registers a thread where 121 let four

@@ -13,7 +13,8 @@ inside a CUDA graph capture or a served step):
   - weight-only (quant_gemm.py): the weights are dequantized in registers and multiplied with the 16-bit
     activations. M <= 64 uses 16-64-row tiles with split-K (decode: the weights are read once, the GPU's loads
     kept in flight by slicing K), and 4-bit and FP8 weights at 1-2 rows CUDA-core kernels, also split-K;
-    larger M uses 128 x 128 tiles.
+    larger M uses 128 x 128 tiles, except that "int" weights from DEQUANT_GEMM_MIN_ROWS rows on are dequantized
+    to x's dtype in one pass (quant_dequant.py) and multiplied by cuBLAS, as vLLM does for AWQ at large batches.
   - FP8 weights at M >= FP8_ACT_QUANT_MIN_ROWS (quant_fp8.py): activations quantized per token (and per bk
     columns for block weights) and an FP8 tensor-core GEMM. Per-channel and per-tensor weights go to
     torch._scaled_mm's rowwise scaling instead (`USE_SCALED_MM`, on by default); 128 x 128 block weights can go to
@@ -29,15 +30,21 @@ import typing
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 
-from nanovllm.kernels import quant_fp8, quant_gemm
+from nanovllm.kernels import quant_dequant, quant_fp8, quant_gemm
 
 FP8_ACT_QUANT_MIN_ROWS = 256  # FP8 weights: below this many rows the weight-only kernel (bf16 dot, exact x) runs
 USE_SCALED_MM = os.environ.get("NANOVLLM_FP8_SCALED_MM", "1") != "0"  # per-channel/-tensor FP8 at large M
 # 128 x 128 block FP8 through torch._scaled_mm (cuBLASLt block scaling) instead of the Triton GEMM: off until
 # bench_quant_kernels.py's fp8blk-smm column has shown it runs and wins on the installed torch and CUDA
 USE_SCALED_MM_BLOCKWISE = os.environ.get("NANOVLLM_FP8_BLOCK_SCALED_MM", "0") == "1"
+# "int" weights at this many rows or more: the weight dequantized to x's dtype in one pass (quant_dequant.py), then
+# cuBLAS. From the first H100 timings of the 128-row Triton tiles (~175 TFLOP/s for 4-bit, ~340 for 8-bit, cuBLAS
+# bf16 ~780) and one pass over the weights at copy bandwidth: 4-bit breaks even near M = 128 (qkv: 58 us tiles,
+# ~31 + 22 us dequant + GEMM) and wins 3x by M = 512; 8-bit's tiles stay ahead up to ~256 rows.
+DEQUANT_GEMM_MIN_ROWS = {quant_gemm.KIND_INT4: 128, quant_gemm.KIND_INT8: 256}
 _MAX_BLOCK_K = 128  # a K step; 128 holds a whole group of the common G = 128
 SCALE_AFTER_DOT_MAX_ROWS = 32  # taller tiles dequantize the tile instead (quant_gemm.py's docstring says why)
 # 4-bit and FP8 weights at up to this many rows run on the CUDA cores: about 5 instructions per 4-bit value on
@@ -196,8 +203,8 @@ def _launch_int4_gemv(x, qweight, scales, mins, target, group_k: int, plan: Tile
     M, N = x.shape[0], qweight.shape[0]
     split = plan.num_splits > 1
     quant_gemm._int4_gemv_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
-        x, qweight, scales, scales if mins is None else mins, target, M, N, plan.num_k_steps, x.stride(0),
-        qweight.stride(0), scales.stride(0), 0 if mins is None else mins.stride(0), target.stride(-2),
+        x, qweight, scales, scales if mins is None else mins, target, M, N, x.shape[1], plan.num_k_steps,
+        x.stride(0), qweight.stride(0), scales.stride(0), 0 if mins is None else mins.stride(0), target.stride(-2),
         target.stride(0) if split else 0, GROUP_K=group_k, HAS_MINS=mins is not None, TWO_ROWS=M > 1,
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
 
@@ -225,6 +232,21 @@ def _launch_wo_gemm(x, qweight, scales, mins, target, kind: int, group_n: int, g
         EMULATE_DOT_FP32=_interpreting() and x.dtype == torch.bfloat16,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=8, num_warps=plan.num_warps,
         num_stages=plan.num_stages)
+
+
+def dequantize_int_weight(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, kind: int,
+                          group_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The "int" weight [N, K] in dtype (quant_dequant.py): a fresh tensor from the caching allocator, so that a
+    CUDA graph capture takes it from its pool and nothing syncs with the host."""
+    N = qweight.shape[0]
+    K = qweight.shape[1] * (8 if kind == quant_gemm.KIND_INT4 else 1)
+    out = torch.empty((N, K), dtype=dtype, device=qweight.device)
+    block_n, block_k = 32, 256  # a row's words: 128 bytes (4-bit), 256 bytes (8-bit)
+    quant_dequant._dequant_int_kernel[(triton.cdiv(N, block_n), triton.cdiv(K, block_k))](
+        qweight, scales, scales if mins is None else mins, out, N, K, qweight.stride(0), scales.stride(0),
+        0 if mins is None else mins.stride(0), out.stride(0), WEIGHT_KIND=kind, GROUP_K=group_k,
+        HAS_MINS=mins is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out
 
 
 def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
@@ -263,8 +285,10 @@ def _int_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    mins: typing.Optional[torch.Tensor],  # noqa: UP045 -- what every torch schema inference reads
                    bits: int, group_size: int) -> torch.Tensor:
     kind = quant_gemm.KIND_INT4 if bits == 4 else quant_gemm.KIND_INT8
-    return weight_only_linear(x, qweight, scales.contiguous(), None if mins is None else mins.contiguous(), kind,
-                              1, group_size)
+    scales, mins = scales.contiguous(), None if mins is None else mins.contiguous()
+    if x.shape[0] >= DEQUANT_GEMM_MIN_ROWS[kind]:
+        return F.linear(x, dequantize_int_weight(qweight, scales, mins, kind, group_size, x.dtype))
+    return weight_only_linear(x, qweight, scales, mins, kind, 1, group_size)
 
 
 @_int_linear_op.register_fake
@@ -330,7 +354,8 @@ def _can_scaled_mm(x: torch.Tensor, N: int, K: int, block: tuple[int, int] | Non
         return False
     if block is None:
         return True
-    return block == (128, 128) and K % 128 == 0 and N % 128 == 0 and torch.cuda.get_device_capability(x.device) == (9, 0)
+    sm90 = torch.cuda.get_device_capability(x.device) == (9, 0)
+    return block == (128, 128) and K % 128 == 0 and N % 128 == 0 and sm90
 
 
 def fp8_w8a8_linear(x, qweight, scales, group_n: int, group_k: int, use_scaled_mm: bool | None = None,
@@ -358,8 +383,9 @@ def fp8_w8a8_linear(x, qweight, scales, group_n: int, group_k: int, use_scaled_m
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
     quant_fp8._fp8_gemm_kernel[grid](
         xq, xs, qweight, scales, out, M, N, K, xq.stride(0), xs.stride(0), xs.stride(1), qweight.stride(0),
-        scales.stride(0), out.stride(0), GROUP_N=group_n, PER_STEP_SCALES=per_step, EMULATE_DOT_FP32=False, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=group_k if per_step else 128, GROUP_M=8, num_warps=num_warps, num_stages=num_stages)
+        scales.stride(0), out.stride(0), GROUP_N=group_n, PER_STEP_SCALES=per_step, EMULATE_DOT_FP32=False,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=group_k if per_step else 128, GROUP_M=8, num_warps=num_warps,
+        num_stages=num_stages)
     return out
 
 
