@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanovllm.kernels import quant_gemm
 from nanovllm.kernels import quant_matmul as qm
+from nanovllm.kernels import quant_plans
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # (N, K)
 DECODE_M = [1, 2, 4, 8, 16]
@@ -167,7 +168,7 @@ def bench_variant(name: str, variant: str, N: int, K: int, ms: list, copy_bw: fl
     for M in ms:
         if variant in LARGE_M_ONLY and M < qm.FP8_ACT_QUANT_MIN_ROWS:
             continue
-        if variant in SMALL_M_ONLY and M > qm.CUDA_CORE_MAX_ROWS:
+        if variant in SMALL_M_ONLY and M > quant_plans.CUDA_CORE_MAX_ROWS:
             continue
         if variant in TILE_KINDS and M < qm.DEQUANT_GEMM_MIN_ROWS[TILE_KINDS[variant]]:
             continue

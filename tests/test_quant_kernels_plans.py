@@ -15,6 +15,7 @@ from test_quant_kernels import interpret  # noqa: E402
 
 from nanovllm.kernels import quant_gemm  # noqa: E402
 from nanovllm.kernels import quant_matmul as qm  # noqa: E402
+from nanovllm.kernels import quant_plans  # noqa: E402
 
 RAGGED_M = list(range(1, 71)) + [100, 300]
 
@@ -101,7 +102,7 @@ def test_plans_at_the_engines_shapes_keep_int32_offsets_and_cover_k(kind):
     group_k, group_n = (128, 128) if kind == quant_gemm.KIND_FP8 else (128, 1)
     for name, (N, K) in QWEN3_8B.items():
         for M in ENGINE_M:
-            plan = qm.plan_weight_only(M, N, K, group_k, qm.H100_LIMITS, kind, group_n)
+            plan = qm.plan_weight_only(M, N, K, group_k, quant_plans.H100_LIMITS, kind, group_n)
             _check_plan(plan, M, N, K, f"{name} M={M} {plan}")
 
 
