@@ -9,7 +9,6 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.core.memory_plan import GiB, format_breakdown
-from nanovllm.engine.caller_lock import CallerLock, closing, one_caller, one_caller_stream
 from nanovllm.engine.device import resolve_device, with_card_batch_limits
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output import StreamCursor, TextOutput
@@ -31,7 +30,6 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
-        self.caller_lock = CallerLock()  # one caller at a time; none after close (nanovllm/engine/caller_lock.py)
         self.config = config = Config(model, **with_card_batch_limits(kwargs))
         self.runner = self.workers = self.host_tier = None
         # where the GPU memory went, in bytes (nanovllm/core/memory_plan.py); None on CPU or with kv_cache_memory_bytes
@@ -116,7 +114,6 @@ class LLMEngine:
             self.workers.wait()
 
     # --- requests
-    @one_caller
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         sampling_params = checked_params(sampling_params)
         seq = Sequence(self._prompt_token_ids(prompt, sampling_params), sampling_params,
@@ -157,7 +154,6 @@ class LLMEngine:
                              f"{self.num_gpu_blocks}; lower max_tokens or raise num_kvcache_blocks / the KV budget")
         return token_ids
 
-    @one_caller
     def abort_request(self, seq_id: int):
         seq = self.requests.pop(seq_id, None)
         self._logprob_seq_ids.discard(seq_id)
@@ -170,14 +166,12 @@ class LLMEngine:
         return self.scheduler.is_finished() and self._in_flight is None
 
     # --- the loop
-    @one_caller
     def reset_prefix_cache(self) -> bool:
         """Forget the GPU and host prefix caches (Scheduler.reset_prefix_cache), the disk's transfers finished first."""
         if self.host_tier is not None and not (self.scheduler.running or self.scheduler.swapped):
             self.host_tier.settle_disk(self.runner.copy_engine)
         return self.scheduler.reset_prefix_cache()
 
-    @one_caller
     def step(self) -> list[Sequence]:
         """Schedule and launch one step, read back the previous one (asynchronous scheduling) or this one, and
         return the sequences that finished."""
@@ -296,7 +290,6 @@ class LLMEngine:
             self._prompt_token_ids(prompt, sp)
         return [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
 
-    @one_caller
     def generate(self, prompts: list[str] | list[list[int]] | str, sampling_params=None, use_tqdm: bool = True):
         """Run prompts to completion; returns {"text", "token_ids", "finish_reason", "logprobs", "prompt_logprobs"}
         per prompt, in input order (the logprobs None unless SamplingParams asked for them)."""
@@ -321,7 +314,6 @@ class LLMEngine:
                     self.abort_request(seq_id)
         return [self.output(self.requests.pop(seq_id)) for seq_id in seq_ids]
 
-    @one_caller_stream
     def generate_stream(self, prompts: list[str] | list[list[int]] | str, sampling_params=None):
         """Like generate, but yields {"index", "token_ids", "text", "finish_reason", "logprobs", "prompt_logprobs"}
         with the new tokens, text and logprobs of a request as soon as a step produces them; finish_reason is None
@@ -376,7 +368,6 @@ class LLMEngine:
         stats.update(self.host_tier.stats() if self.host_tier is not None else HostTier.no_tier_stats())
         return stats
 
-    @closing
     def close(self):
         """Release the KV caches, the host pool and the worker processes; safe to call twice."""
         self._close_disk_tier()
