@@ -383,6 +383,22 @@ def test_the_413_reaches_a_client_still_sending(base_url):
     assert r.status_code == 413, r.text
 
 
+@pytest.mark.parametrize("pause_s", [0.0, 0.5])
+def test_an_over_cap_upload_is_not_reset_under_the_client(server, pause_s):
+    """Closing on an unread body resets the connection: a client still sending gets ECONNRESET from its write
+    (and, where the reset wins the race with the answer, never reads the 413; the openai client then sends the
+    body again). The server now reads and drops the rest first: the whole upload goes through, then the 413."""
+    import socket
+    num_bytes = 20 * 1024 * 1024
+    with socket.create_connection(("127.0.0.1", server), timeout=60) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {num_bytes}\r\n\r\n".encode())
+        sock.sendall(b" " * (1 << 20))
+        time.sleep(pause_s)  # 0.5 s: the server has answered and closed before the rest is sent
+        sock.sendall(b" " * (num_bytes - (1 << 20)))  # raised ConnectionResetError
+        assert sock.recv(65536).split(b"\r\n")[0] == b"HTTP/1.1 413 Request Entity Too Large"
+
+
 def test_the_openai_client_sees_the_413_and_uploads_once(base_url):
     """The openai client took the reset for a network error and sent the whole body twice more."""
     openai = pytest.importorskip("openai")
