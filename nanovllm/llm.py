@@ -1,4 +1,4 @@
-from nanovllm.engine.caller_lock import one_caller
+from nanovllm.engine.caller_lock import CallerLock, closing, one_caller, one_caller_stream
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.tokenizer import chat_token_ids
 from nanovllm.sampling_params import SamplingParams
@@ -8,7 +8,21 @@ class LLM(LLMEngine):
     """The public entry point: `LLM(model_dir, **options).generate(prompts, sampling_params)`.
 
     Use `with LLM(...) as llm:` or call `llm.close()` to release the KV cache, the host pool and worker processes.
+    One caller at a time: a second thread's call waits for the first to return; after close() every call raises
+    RuntimeError (nanovllm/engine/caller_lock.py).
     """
+
+    def __init__(self, model: str, **kwargs):
+        self.caller_lock = CallerLock()  # before the engine starts: a failed start calls close()
+        super().__init__(model, **kwargs)
+
+    add_request = one_caller(LLMEngine.add_request)
+    abort_request = one_caller(LLMEngine.abort_request)
+    reset_prefix_cache = one_caller(LLMEngine.reset_prefix_cache)
+    step = one_caller(LLMEngine.step)
+    generate = one_caller(LLMEngine.generate)
+    generate_stream = one_caller_stream(LLMEngine.generate_stream)
+    close = closing(LLMEngine.close)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request without sampling params gets (vLLM's name): the model's generation_config.json defaults

@@ -17,6 +17,8 @@ import os
 
 import xxhash
 
+from nanovllm_offload.disk_space import write_json_atomically
+
 LAYOUT = "block-major: (num_layers, 2, block_size, num_kv_heads, head_dim)"
 WEIGHT_HASHES_FILE = "weight_hashes.json"  # under kv_disk_path; no scan or `cache clear` touches it
 HASH_CHUNK_BYTES = 8 << 20  # large reads: hashing runs at the file's read speed
@@ -129,20 +131,8 @@ class WeightHashCache:
         return digest
 
     def save(self):
-        if self.path is None or not self.is_changed:
-            return
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(self.entries, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
-        except OSError as error:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            logger.warning("disk tier: could not save the weights' digests to %s (%s): the next start hashes "
-                           "them again", self.path, error)
+        if self.path is not None and self.is_changed:
+            write_json_atomically(self.path, self.entries, "the next start hashes the weights again")
 
     def _load(self) -> dict:
         try:

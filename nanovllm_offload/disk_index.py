@@ -117,6 +117,17 @@ class DiskIndex:
             victims.append(key)
         return victims
 
+    def pop_oldest(self, num_bytes: int) -> list[BlockKey]:
+        """Drops least recently used entries until num_bytes are freed (or none is left): room for a write that met a
+        full file system. The caller deletes their files."""
+        victims, num_freed = [], 0
+        while self.entries and num_freed < num_bytes:
+            key, (size_bytes, _) = self.entries.popitem(last=False)
+            self.num_bytes -= size_bytes
+            victims.append(key)
+            num_freed += size_bytes
+        return victims
+
     def replace_with_scan(self, scanned: list[ScannedFile], scan_started_ns: int):
         """Takes a fresh scan as the truth, except for entries added or used since the scan started (the scan may
         have missed them, or seen their older mtime)."""

@@ -4,10 +4,7 @@ The engine's thread only asks and submits; reads and writes run on a few I/O thr
 caller's buffers (pinned host blocks, in the engine), and come back through `poll()`. The index (disk_index.py)
 decides what is there and what to evict; the file format (disk_format.py) makes every file whole or a clean miss.
 """
-import dataclasses
-import errno
 import itertools
-import json
 import logging
 import os
 import queue
@@ -15,42 +12,17 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from nanovllm_offload import disk_space
 from nanovllm_offload.disk_fingerprint import Fingerprint
 from nanovllm_offload.disk_format import (HEADER_BYTES, ReadStatus, as_byte_view, read_block_file,
                                           remove_if_same_file, unlink_quietly, write_block_file)
+from nanovllm_offload.disk_handles import DiskRead, DiskWrite
+from nanovllm_offload.disk_space import NO_SPACE_ERRNOS, fitted_capacity, write_json_atomically
 from nanovllm_offload.disk_index import (META_FILE, BlockKey, DiskIndex, block_path, fingerprint_dir, scan)
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
 PROBE_BYTES = 64 << 20  # the start-up read probe: enough to time the I/O threads at the depth hits read at
-NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a full file system, or the user's quota: room can be made
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class DiskWrite:
-    """One block written (or not: disk full, directory removed). The source buffer is free again once polled."""
-    block_hash: int
-    is_ok: bool = False
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class DiskRead:
-    """Blocks read into the caller's buffers. statuses[i] says whether buffer i holds block_hashes[i]; a prefix hit
-    uses the first `num_leading_ok` of them. Complete once polled."""
-    block_hashes: list[int]
-    statuses: list[ReadStatus | None]
-    num_pending: int
-    is_probe: bool = False  # a speed probe: read to be timed, not used (the blocks keep their LRU places)
-    first_start_s: float = float("inf")
-    last_end_s: float = 0.0
-
-    @property
-    def num_ok(self) -> int:
-        return sum(s is ReadStatus.OK for s in self.statuses)
-
-    @property
-    def num_leading_ok(self) -> int:
-        return next((i for i, s in enumerate(self.statuses) if s is not ReadStatus.OK), len(self.statuses))
 
 
 class DiskStore:
@@ -80,7 +52,7 @@ class DiskStore:
             raise ValueError(f"kv_disk_gib={capacity_bytes / GiB:.6g} cannot hold one KV block file of "
                              f"{self.file_bytes:,} bytes; raise kv_disk_gib")
         self.fsync, self.rescan_interval_s, self.stale_tmp_s, self.ema = fsync, rescan_interval_s, stale_tmp_s, ema
-        self.num_io_threads = num_io_threads
+        self.room_bytes = self.file_bytes * num_io_threads  # the writes in flight need it free, before their evictions
         self._is_cap_lowered = False  # the first lowering is logged as a warning, later ones at debug level
         # The prior decides only until the first read (the start-up probe's, usually): that read replaces it, the
         # later ones move an EMA. Blending the first into the prior would leave a disk that reads faster than the
@@ -263,11 +235,12 @@ class DiskStore:
                 is_full = True
                 if attempt == 0:
                     self._evict_for_room()
-                else:
+                else:  # another I/O thread's write may have taken the room: fit the cap, and make room again
                     self._fit_cap_to_file_system(at_start=False)
                     with self._lock:
                         victims = self._index.pop_victims()
                     self._delete(victims)
+                    self._evict_for_room()
         if is_full:  # the caller evicts down to the cap after this write
             self._fit_cap_to_file_system(at_start=False)
         return num_bytes
@@ -275,31 +248,20 @@ class DiskStore:
     def _evict_for_room(self):
         """Frees the room of one write per I/O thread, least recently used files first (of any fingerprint)."""
         with self._lock:
-            victims = []
-            num_freed = 0
-            while self._index.entries and num_freed < self._room_bytes:
-                key, (size_bytes, _) = next(iter(self._index.entries.items()))
-                self._index.remove(key)
-                victims.append(key)
-                num_freed += size_bytes
+            victims = self._index.pop_oldest(self.room_bytes)
         self._delete(victims)
-
-    @property
-    def _room_bytes(self) -> int:
-        """What the writes in flight at once need free before the eviction after each."""
-        return self.file_bytes * self.num_io_threads
 
     def _fit_cap_to_file_system(self, at_start: bool):
         """Lowers the cap to the tier's files plus the free space, less the room for the writes in flight (never
         below one file). At start a cap over that (the default 64 GiB on a small disk) is a warning, not an error:
         the tier still keeps what fits."""
         try:
-            free_bytes = free_disk_bytes(self.path)
+            free_bytes = disk_space.free_disk_bytes(self.path)
         except OSError:
             return
         with self._lock:
             old_cap = self._index.capacity_bytes
-            fits = max(self.file_bytes, self._index.num_bytes + free_bytes - self._room_bytes)
+            fits = fitted_capacity(self._index.num_bytes, free_bytes, self.room_bytes, self.file_bytes)
             if fits >= old_cap:
                 return
             self._index.capacity_bytes = fits
@@ -417,28 +379,12 @@ class DiskStore:
         self._write_meta()
 
     def _write_meta(self):
-        """meta.json: what `nanovllm cache ls` shows for this fingerprint (written once, atomically: a temporary
-        file renamed, removed when the write fails). A failed write (a full disk) is logged, not raised: the blocks
-        do not need it."""
+        """meta.json: what `nanovllm cache ls` shows for this fingerprint (written once; a failed write, on a full
+        disk, is logged, not raised: the blocks do not need it)."""
         path = os.path.join(fingerprint_dir(self.path, self.fingerprint.hex), META_FILE)
-        if os.path.exists(path):
-            return
-        tmp = os.path.join(os.path.dirname(path), f".{META_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
-        try:
-            with open(tmp, "w") as f:
-                json.dump(dict(self.fingerprint.meta, fingerprint=self.fingerprint.hex), f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except OSError as error:
-            unlink_quietly(tmp)
-            logger.warning("disk tier: could not write %s (%s); `nanovllm cache ls` will not name this model", path,
-                           error)
-
-
-def free_disk_bytes(path: str) -> int:
-    """Bytes an unprivileged writer may still use on the file system that holds path."""
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
+        if not os.path.exists(path):
+            write_json_atomically(path, dict(self.fingerprint.meta, fingerprint=self.fingerprint.hex),
+                                  "`nanovllm cache ls` will not name this model")
 
 def _touch_file(path: str):
     """A hit's last use, kept in the file's mtime so that LRU order survives restarts."""

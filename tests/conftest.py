@@ -345,3 +345,35 @@ def bases(quant_root):
     """The float32 checkpoints the quantized ones are made from: a tied Qwen3, an untied Llama, a Qwen2."""
     from quant_checkpoints import write_base
     return {kind: write_base(kind, str(quant_root / f"base-{kind}")) for kind in ("qwen3", "llama", "qwen2")}
+
+
+def run_with_forced_swaps(llm, prompts, params) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    """Run prompts to the end by add_request/step, swapping each running sequence out once at every block boundary
+    (all its KV blocks full); the next step swaps it back in, so every run of the same prompts has the same batch
+    compositions whatever its tiers do. Returns each prompt's tokens and, per step, the batch as sorted
+    (prompt index, tokens computed) pairs. Two engines compared this way differ only in the tiers: a run whose
+    GPU blocks stay cached (enable_prefix_caching=True, host_cache_policy="off") brings nothing back from the host,
+    one without prefix caching brings every block back; FP8 rounding that depends on the batch shape is the same
+    in both. Needs async_scheduling=False (a sequence is preempted between steps)."""
+    block_size = llm.config.kvcache_block_size
+    seq_ids = [llm.add_request(p, params) for p in prompts]
+    index = {seq_id: i for i, seq_id in enumerate(seq_ids)}
+    compositions, swapped_at = [], set()
+    schedule = llm.scheduler.schedule
+
+    def recorded_schedule():
+        out = schedule()
+        compositions.append(sorted((index[s.seq_id], n) for s, n in zip(out.seqs, out.num_new_tokens)))
+        return out
+    llm.scheduler.schedule = recorded_schedule
+    try:
+        while not llm.is_finished():
+            for seq in list(llm.scheduler.running):
+                at = (seq.seq_id, seq.num_tokens)
+                if seq.num_completion_tokens and (seq.num_tokens - 1) % block_size == 0 and at not in swapped_at:
+                    swapped_at.add(at)
+                    llm.scheduler.preempt(seq, mode="swap")
+            llm.step()
+    finally:
+        llm.scheduler.schedule = schedule
+    return [llm.output(llm.requests.pop(seq_id))["token_ids"] for seq_id in seq_ids], compositions

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import close_llm, greedy, random_prompts, tiny_llm_kwargs
+from conftest import close_llm, greedy, random_prompts, run_with_forced_swaps, tiny_llm_kwargs
 from nanovllm.layers.kv_layout import KVLayout, dequantize_fp8, hadamard, quantize_fp8
 
 
@@ -86,23 +86,43 @@ def test_fp8_engine_gets_the_blocks_its_bytes_buy(qwen3_dir):
     assert blocks == {"auto": (256 << 10) // 4096, "fp8": (256 << 10) // 1088}, blocks
 
 
+@pytest.mark.parametrize("tier", ["exact", "one byte changed"])
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_a_swapped_fp8_sequence_continues_exactly_as_one_that_never_left(qwen3_dir, kv_cache_dtype):
-    """The block's scales travel with it: swapped out to the host and back, the KV is byte for byte what it was,
-    so the tokens equal those of a run with room for everything (no preemption). A block copied without its
-    scales would dequantize with the next owner's."""
+def test_a_swapped_fp8_sequence_continues_exactly_as_one_that_never_left(qwen3_dir, kv_cache_dtype, tier):
+    """The block's scales travel with it: swapped out to the host and back, the KV is byte for byte what it was.
+    FP8 output depends on the batch composition (a K value one float bit apart in another batch shape can round
+    to another FP8 byte), so both runs have the same batches (run_with_forced_swaps): the reference keeps its
+    blocks cached on the GPU and brings nothing back from the host, the other brings every block back. A tier
+    that changes one byte per block on the way back is caught."""
     from nanovllm import LLM
-    prompts = random_prompts([5, 40, 130, 300, 17, 77], seed=0)
-    kwargs = dict(kvcache_block_size=16, max_model_len=512, kv_cache_dtype=kv_cache_dtype)
-    with LLM(qwen3_dir, **tiny_llm_kwargs(**kwargs)) as llm:
-        base = [o["token_ids"] for o in llm.generate(prompts, greedy(48), use_tqdm=False)]
-    with LLM(qwen3_dir, **tiny_llm_kwargs(num_kvcache_blocks=24, preemption_mode="swap", **kwargs)) as llm:
-        swap = [o["token_ids"] for o in llm.generate(prompts, greedy(48), use_tqdm=False)]
+    prompts = random_prompts([5, 40, 130, 100, 17, 77], seed=0)
+    kwargs = dict(kvcache_block_size=16, max_model_len=512, kv_cache_dtype=kv_cache_dtype, preemption_mode="swap",
+                  async_scheduling=False)
+    with LLM(qwen3_dir, **tiny_llm_kwargs(host_cache_policy="off", **kwargs)) as llm:
+        base, base_batches = run_with_forced_swaps(llm, prompts, greedy(48))
+        assert llm.stats()["preemptions_swap"] > 0 and llm.stats()["blocks_swapped_in"] == 0
+    with LLM(qwen3_dir, **tiny_llm_kwargs(enable_prefix_caching=False, **kwargs)) as llm:
+        if tier == "one byte changed":
+            change_one_byte_per_block_on_swap_in(llm)
+        swap, batches = run_with_forced_swaps(llm, prompts, greedy(48))
         stats = llm.stats()
-    assert swap == base
+    assert batches == base_batches
+    assert (swap == base) == (tier == "exact")
     assert stats["preemptions_swap"] > 0 and stats["blocks_swapped_in"] > 0 and stats["recomputed_tokens"] == 0
     layout = KVLayout(2, 16, 2, 32, torch.float32, kv_cache_dtype)  # the tiny Qwen3: 2 layers, 2 kv heads, dim 32
     assert stats["bytes_swapped_out"] == stats["blocks_swapped_out"] * layout.block_bytes
+
+
+def change_one_byte_per_block_on_swap_in(llm):
+    """A broken tier: flips a bit of one FP8 value (layer 0's K) in each host block as it is swapped in."""
+    host = llm.runner.host_cache.kv.view(torch.uint8).view(llm.host_tier.num_blocks, -1)
+    swap_in = llm.runner.copy_engine.swap_in
+
+    def broken_swap_in(pairs, *args, **kwargs):
+        for cpu_block_id, _ in pairs:
+            host[cpu_block_id, 100] ^= 0x40
+        return swap_in(pairs, *args, **kwargs)
+    llm.runner.copy_engine.swap_in = broken_swap_in
 
 
 def test_fp8_host_prefix_cache_hits_give_the_same_tokens(qwen3_dir):

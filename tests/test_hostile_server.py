@@ -306,3 +306,106 @@ def test_a_non_loopback_bind_without_a_key_warns(monkeypatch, caplog, capsys, qw
     with caplog.at_level(logging.WARNING, logger="nanovllm.server"):
         assert cli.main(["serve", qwen3_dir, "--host", "0.0.0.0"]) == 2
     assert "without --api-key" in caplog.text and "not loading" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ large bodies
+
+BODY_BYTES = 7 * 1024 * 1024  # under the 8 MiB cap: parsed, not refused for its size
+
+
+def sized_body(head: dict, field: str, item: str, num_bytes: int = BODY_BYTES) -> bytes:
+    """`head` as JSON with `field` holding a JSON array of `item` repeated up to num_bytes."""
+    prefix = json.dumps(head)[:-1].encode() + f', "{field}": ['.encode()
+    num_items = (num_bytes - len(prefix)) // (len(item) + 1)
+    return prefix + ",".join([item] * num_items).encode() + b"]}"
+
+
+LARGE_BODIES = {  # built once, before any timing: building them holds the GIL the server's thread needs
+    "token ids": lambda: ("/v1/completions", sized_body({"model": MODEL, "max_tokens": 2}, "prompt", "12345")),
+    "messages": lambda: ("/v1/chat/completions", sized_body(
+        {"model": MODEL, "max_tokens": 2}, "messages", json.dumps({"role": "user", "content": "hi"}))),
+    "unknown fields": lambda: ("/v1/completions", json.dumps(
+        completion(**{f"x{i}": {"a": [1, {"b": "c"}]} for i in range(BODY_BYTES // 32)})).encode()),
+    "a long unknown list": lambda: ("/v1/completions", sized_body(completion(), "extra", "[1, 2.5, \"x\"]")),
+    "deep nesting": lambda: ("/v1/completions", json.dumps(completion())[:-1].encode() + b', "x": '
+                             + b"[" * (BODY_BYTES // 2) + b"]" * (BODY_BYTES // 2) + b"}"),
+    "a long unknown string": lambda: ("/v1/completions", json.dumps(completion(x="y" * BODY_BYTES)).encode()),
+}
+LARGE_BODY_ERRORS = {"token ids": "max_model_len", "messages": "object members", "unknown fields": "object members",
+                     "a long unknown list": "max_model_len", "deep nesting": "nests JSON"}
+
+
+@pytest.mark.parametrize("kind", list(LARGE_BODIES))
+def test_a_large_body_of_any_kind_is_parsed_without_stalling_other_streams(base_url, kind):
+    """JSON parsing and pydantic validation of a 7 MiB body ran on the event loop: a victim stream paused for
+    seconds. Now large bodies are parsed in a worker thread, and shapes that could only be refused, and would hold
+    the GIL for long (deep nesting, many object members, more array items than max_model_len), are refused before
+    they are parsed."""
+    path, body = LARGE_BODIES[kind]()
+    assert DEFAULT_MAX_REQUEST_BYTES > len(body) > 6 * 1024 * 1024
+    response = refuse_while_streaming(base_url, lambda: post(base_url, path, body))
+    if kind in LARGE_BODY_ERRORS:
+        assert response.status_code == 400 and LARGE_BODY_ERRORS[kind] in response.json()["error"]["message"], \
+            response.text
+    else:
+        assert response.status_code == 200, response.text
+    assert_still_serving(base_url)
+
+
+def test_large_bodies_still_get_the_same_answers(base_url):
+    """Past the thread hop: a valid large body is served, bad JSON and bad fields are the same 400s."""
+    good = completion(prompt="The capital of France is", max_tokens=2, padding="x" * 100_000)
+    assert post(base_url, "/v1/completions", good).status_code == 200
+    r = post(base_url, "/v1/completions", json.dumps(good).encode()[:-5])
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text
+    r = post(base_url, "/v1/completions", dict(good, max_tokens="2"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    r = post(base_url, "/v1/completions", dict(good, prompt="x\ud800"))
+    assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"], r.text
+
+
+# ------------------------------------------------------------------------------------------------ 413 seen
+
+def test_the_413_reaches_a_client_still_sending(base_url):
+    """The server answered before reading the body and closed: httpx, still sending, saw a reset. The rest of the
+    body is now read and dropped first; with and without a Content-Length."""
+    body = b" " * (20 * 1024 * 1024)
+    for _ in range(3):
+        r = httpx.post(f"{base_url}/v1/completions", content=body, timeout=60,
+                       headers={**AUTH, "Content-Type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+
+    def chunks():
+        for _ in range(20):
+            yield b" " * 1_000_000
+    r = httpx.post(f"{base_url}/v1/completions", content=chunks(), timeout=60,
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 413, r.text
+
+
+@pytest.mark.parametrize("pause_s", [0.0, 0.5])
+def test_an_over_cap_upload_is_not_reset_under_the_client(server, pause_s):
+    """Closing on an unread body resets the connection: a client still sending gets ECONNRESET from its write
+    (and, where the reset wins the race with the answer, never reads the 413; the openai client then sends the
+    body again). The server now reads and drops the rest first: the whole upload goes through, then the 413."""
+    import socket
+    num_bytes = 20 * 1024 * 1024
+    with socket.create_connection(("127.0.0.1", server), timeout=60) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {num_bytes}\r\n\r\n".encode())
+        sock.sendall(b" " * (1 << 20))
+        time.sleep(pause_s)  # 0.5 s: the server has answered and closed before the rest is sent
+        sock.sendall(b" " * (num_bytes - (1 << 20)))  # raised ConnectionResetError
+        assert sock.recv(65536).split(b"\r\n")[0] == b"HTTP/1.1 413 Request Entity Too Large"
+
+
+def test_the_openai_client_sees_the_413_and_uploads_once(base_url):
+    """The openai client took the reset for a network error and sent the whole body twice more."""
+    openai = pytest.importorskip("openai")
+    uploads = []
+    http_client = httpx.Client(event_hooks={"request": [lambda request: uploads.append(request.url.path)]})
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, http_client=http_client, max_retries=2)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(model=MODEL, prompt="hello " * 2_000_000, max_tokens=2)
+    assert caught.value.status_code == 413 and uploads == ["/v1/completions"], (caught.value, uploads)
+    http_client.close()

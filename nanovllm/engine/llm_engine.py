@@ -8,7 +8,6 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.core.memory_plan import GiB, format_breakdown
-from nanovllm.engine.caller_lock import CallerLock, closing, one_caller, one_caller_stream
 from nanovllm.engine.device import resolve_device, with_card_batch_limits, with_cpu_host_tier_default
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.logit_rules import LogitRules, bad_words_token_ids
@@ -33,7 +32,6 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
-        self.caller_lock = CallerLock()  # one caller at a time; none after close (nanovllm/engine/caller_lock.py)
         self.config = config = Config(model, **with_cpu_host_tier_default(with_card_batch_limits(kwargs)))
         self.runner = self.workers = self.host_tier = None
         # where the GPU memory went, in bytes (nanovllm/core/memory_plan.py); None on CPU or with kv_cache_memory_bytes
@@ -119,7 +117,6 @@ class LLMEngine:
             self.workers.wait()
 
     # --- requests
-    @one_caller
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Queue one sequence; returns its seq id (step() returns it when it finishes). n > 1 and best_of need
         generate() or generate_stream(), which gather the samples of a prompt."""
@@ -143,7 +140,6 @@ class LLMEngine:
         """Validate a request without touching engine state (RequestIntake); raises ValueError naming the problem."""
         return self.intake.prompt_token_ids(prompt, sampling_params)
 
-    @one_caller
     def abort_request(self, seq_id: int):
         seq = self.requests.pop(seq_id, None)
         self._logprob_seq_ids.discard(seq_id)
@@ -157,14 +153,12 @@ class LLMEngine:
         return self.scheduler.is_finished() and self._in_flight is None
 
     # --- the loop
-    @one_caller
     def reset_prefix_cache(self) -> bool:
         """Forget the GPU and host prefix caches (Scheduler.reset_prefix_cache), the disk's transfers finished first."""
         if self.host_tier is not None and not (self.scheduler.running or self.scheduler.swapped):
             self.host_tier.settle_disk(self.runner.copy_engine)
         return self.scheduler.reset_prefix_cache()
 
-    @one_caller
     def step(self) -> list[Sequence]:
         """Schedule and launch one step, read back the previous one (asynchronous scheduling) or this one, and
         return the sequences that finished."""
@@ -267,7 +261,6 @@ class LLMEngine:
             requests.append(PromptRequest(str(seq_ids[0]), self.intake.prompt_text(prompt), sp, seq_ids))
         return requests
 
-    @one_caller
     def generate(self, prompts: list[str] | list[list[int]] | str, sampling_params=None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run prompts to completion; returns one RequestOutput per prompt, in input order (nanovllm/outputs.py:
@@ -297,7 +290,6 @@ class LLMEngine:
         return [self.text_output.request_output(r.request_id, r.prompt, [self.requests.pop(i) for i in r.seq_ids],
                                                 r.params) for r in requests]
 
-    @one_caller_stream
     def generate_stream(self, prompts: list[str] | list[list[int]] | str, sampling_params=None):
         """Like generate, but yields {"index", "output_index", "token_ids", "text", "finish_reason", "logprobs",
         "prompt_logprobs"} with the new tokens, text and logprobs of a sample as soon as a step produces them
@@ -357,7 +349,6 @@ class LLMEngine:
         stats.update(self.host_tier.stats() if self.host_tier is not None else HostTier.no_tier_stats())
         return stats
 
-    @closing
     def close(self):
         """Release the KV caches, the host pool and the worker processes; safe to call twice."""
         self._close_disk_tier()

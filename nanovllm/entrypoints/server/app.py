@@ -19,12 +19,13 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.entrypoints.server import streaming
+from nanovllm.entrypoints.server.body import MAX_JSON_MEMBERS, ChatBody, CompletionBody
 from nanovllm.entrypoints.server.choices import submit_choices
 from nanovllm.entrypoints.server.engine_loop import EngineError, EngineLoop
 from nanovllm.entrypoints.server.guards import APIKeyCheck, BodySizeLimit, InternalErrors, error_response
 from nanovllm.entrypoints.server.info_routes import add_info_routes
 from nanovllm.entrypoints.server.metrics import METRICS_CONTENT_TYPE, format_metrics
-from nanovllm.entrypoints.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from nanovllm.entrypoints.server.protocol import APIError
 
 if TYPE_CHECKING:
     from nanovllm.llm import LLM
@@ -59,6 +60,7 @@ def build_app(llm: LLM, served_model_name: str, api_key: str | None = None,
 
     app = FastAPI(title="nanovllm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine = engine
+    app.state.max_json_items = llm.config.max_model_len + MAX_JSON_MEMBERS  # body.py: what a body may hold
     _install_error_handlers(app)
     app.add_middleware(InternalErrors)  # added first: the innermost, it sees what the routes raise
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
@@ -125,7 +127,7 @@ def _add_routes(app: FastAPI, engine: EngineLoop, llm: LLM, served_model_name: s
                                             "owned_by": "nanovllm", "max_model_len": llm.config.max_model_len}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(body: CompletionBody, request: Request):
         body.check(served_model_name, llm.config.max_logprobs)
         streams = await submit_choices(engine, preparers, llm, [{"prompt": p} for p in body.prompts()],
                                        body.sampling(body.max_tokens))
@@ -136,7 +138,7 @@ def _add_routes(app: FastAPI, engine: EngineLoop, llm: LLM, served_model_name: s
         return streaming.completion_response(reply, streams, await streaming.collect(streams, watch))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(body: ChatBody, request: Request):
         body.check(served_model_name, llm.config.max_logprobs)
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         streams = await submit_choices(engine, preparers, llm, [{"messages": body.template_messages()}],

@@ -2,6 +2,7 @@
 clean 500. Each answers with OpenAI's error body."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 
@@ -39,9 +40,17 @@ class APIKeyCheck:
         await self.app(scope, receive, send)
 
 
+# A client that sends an over-cap body does not read the answer until it has sent it all; closing the connection on
+# unread bytes resets it, and the client sees the reset instead of the 413 (and the openai client sends the body
+# again, twice). So the rest of the body is read and dropped, up to these bounds, before the 413 goes out.
+MAX_DRAIN_BYTES = 64 * 1024 * 1024
+MAX_DRAIN_S = 10.0
+
+
 class BodyTooLarge(StarletteHTTPException):
-    """Raised from `receive` once a body without a Content-Length passes the cap; FastAPI lets an HTTPException
-    raised while it reads the body through to the error handlers (any other exception would become a 400)."""
+    """Raised from `receive` once a body without a Content-Length passes the cap (its rest read and dropped first,
+    see MAX_DRAIN_BYTES); FastAPI lets an HTTPException raised while it reads the body through to the error
+    handlers (any other exception would become a 400)."""
 
     def __init__(self, max_bytes: int):
         super().__init__(413, _too_large_message(max_bytes), headers={"Connection": "close"})
@@ -51,10 +60,31 @@ def _too_large_message(max_bytes: int) -> str:
     return f"the request body is larger than the server's cap of {max_bytes:,} bytes (--max-request-bytes)"
 
 
+async def drain_body(receive, more_body: bool = True):
+    """Read and drop the rest of a request body, up to MAX_DRAIN_BYTES and MAX_DRAIN_S: past those the connection is
+    closed on what is left (the client may then see a reset)."""
+    num_bytes = 0
+
+    async def drain():
+        nonlocal num_bytes, more_body
+        while more_body and num_bytes <= MAX_DRAIN_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":  # http.disconnect: the client is gone
+                return
+            num_bytes += len(message.get("body", b""))
+            more_body = message.get("more_body", False)
+    try:
+        await asyncio.wait_for(drain(), MAX_DRAIN_S)
+    except asyncio.TimeoutError:
+        pass
+
+
 class BodySizeLimit:
-    """A request body over `max_bytes` gets 413: at once when its Content-Length says so, else as soon as the bytes
-    read pass the cap, so a huge body is never buffered whole. The unread rest of the body leaves the connection
-    unusable, so the 413 says `Connection: close`. (Starlette ships such a middleware only in its newest versions.)"""
+    """A request body over `max_bytes` gets 413: when its Content-Length says so, before the app sees it; else as
+    soon as the bytes read pass the cap, so a huge body is never buffered whole. Either way the rest of the body is
+    read and dropped first (drain_body), so the client, still sending, gets to read the 413; a client that sent
+    `Expect: 100-continue` is answered at once and never sends the body. The 413 says `Connection: close`.
+    (Starlette ships such a middleware only in its newest versions.)"""
 
     def __init__(self, app, max_bytes: int):
         self.app = app
@@ -63,8 +93,11 @@ class BodySizeLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = Headers(scope=scope).get("content-length", "")
+        headers = Headers(scope=scope)
+        length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_bytes:
+            if headers.get("expect", "").lower() != "100-continue":
+                await drain_body(receive)
             error = APIError(413, _too_large_message(self.max_bytes), code="request_too_large")
             return await error_response(error, headers={"Connection": "close"})(scope, receive, send)
         num_bytes = 0
@@ -74,6 +107,7 @@ class BodySizeLimit:
             message = await receive()
             num_bytes += len(message.get("body", b""))
             if num_bytes > self.max_bytes:
+                await drain_body(receive, message.get("more_body", False))
                 raise BodyTooLarge(self.max_bytes)
             return message
         await self.app(scope, receive_capped, send)

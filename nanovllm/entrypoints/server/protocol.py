@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, model_validator
 
 from nanovllm.sampling_params import MAX_LOGPROBS
 
@@ -124,7 +124,9 @@ class _SamplingRequest(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _utf8_only(cls, data: Any) -> Any:
+    def _utf8_only(cls, data: Any, info: ValidationInfo) -> Any:
+        if not (info.context or {}).get("may_hold_surrogates", True):  # body.py found no surrogate escape
+            return data
         where = find_unencodable(data)
         if where is not None:
             raise ValueError(f"{where} has a lone surrogate (a \\ud800-\\udfff escape that is not part of a pair); "
