@@ -304,13 +304,13 @@ def test_two_threads_calling_generate_at_once_each_get_their_own_tokens(llm, ser
         results, errors = [None, None], []
         barrier = threading.Barrier(2)
 
-        def run(i):
+        def run(i, barrier, results, errors):
             try:
                 barrier.wait()
                 results[i] = [o["token_ids"] for o in llm.generate(prompts[i], params[i], use_tqdm=False)]
             except BaseException as e:  # noqa: BLE001 (reported below)
                 errors.append(e)
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        threads = [threading.Thread(target=run, args=(i, barrier, results, errors)) for i in range(2)]
         for t in threads:
             t.start()
         for t in threads:
