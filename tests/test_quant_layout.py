@@ -79,3 +79,17 @@ def test_layout_spec_refuses_what_the_layout_cannot_hold():
         layout_spec(3, 32, True)
     with pytest.raises(ValueError, match="bits=4, group_size=12"):
         layout_spec(4, 12, True)
+
+
+def test_int8_rows_are_rounded_a_chunk_at_a_time_with_the_same_result(monkeypatch):
+    """quantize_rows_int8 converts HEAD_CHUNK_ROWS rows at a time (no float32 copy of a whole vocabulary): chunks
+    of 3 rows, an all-zero row and a ragged last chunk give the whole-tensor rounding's bytes and scales."""
+    from nanovllm.layers import embed_head
+    w = torch.randn(10, 16, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    w[4] = 0
+    full_scales = w.float().abs().amax(1, keepdim=True) / 127
+    full_scales = torch.where(full_scales > 0, full_scales, torch.ones_like(full_scales))
+    full_q = torch.round(w.float() / full_scales).clamp(-127, 127).to(torch.int8)
+    monkeypatch.setattr(embed_head, "HEAD_CHUNK_ROWS", 3)
+    q, scales = embed_head.quantize_rows_int8(w)
+    assert torch.equal(q, full_q) and torch.equal(scales, full_scales)

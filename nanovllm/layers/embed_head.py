@@ -18,11 +18,18 @@ HEAD_CHUNK_ROWS = 8192  # vocabulary rows converted at a time where no int8 kern
 
 
 def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[V, H] float -> (int8 [V, H], float32 scales [V, 1]), round to nearest with a scale of max|row| / 127."""
-    w = weight.float()
-    scales = w.abs().amax(1, keepdim=True) / INT8_MAX
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row (TP padding) stays zero
-    return torch.round(w / scales).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scales
+    """[V, H] float -> (int8 [V, H], float32 scales [V, 1]), round to nearest with a scale of max|row| / 127.
+    HEAD_CHUNK_ROWS rows at a time: a float32 copy of a whole vocabulary (2.3 GiB for Qwen3-8B's) would not fit
+    beside the weights inside an 8 GiB budget."""
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty((weight.size(0), 1), dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.size(0), HEAD_CHUNK_ROWS):
+        w = weight[start:start + HEAD_CHUNK_ROWS].float()
+        row_scales = w.abs().amax(1, keepdim=True) / INT8_MAX
+        row_scales = torch.where(row_scales > 0, row_scales, torch.ones_like(row_scales))  # all-zero rows stay zero
+        q[start:start + HEAD_CHUNK_ROWS] = torch.round(w / row_scales).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        scales[start:start + HEAD_CHUNK_ROWS] = row_scales
+    return q, scales
 
 
 class VocabParallelEmbedding(nn.Module):
