@@ -40,8 +40,8 @@ USE_SCALED_MM = os.environ.get("NANOVLLM_FP8_SCALED_MM", "1") != "0"  # per-chan
 # bench_quant_kernels.py's fp8blk-smm column has shown it runs and wins on the installed torch and CUDA
 USE_SCALED_MM_BLOCKWISE = os.environ.get("NANOVLLM_FP8_BLOCK_SCALED_MM", "0") == "1"
 # "int" weights at this many rows or more: the weight dequantized to x's dtype in one pass (quant_dequant.py), then
-# cuBLAS. From the first H100 timings of the 128-row Triton tiles (~175 TFLOP/s for 4-bit, ~340 for 8-bit, cuBLAS
-# bf16 ~780) and one pass over the weights at copy bandwidth: 4-bit breaks even near M = 128 (qkv: 58 us tiles,
+# cuBLAS. Measured on an H100, the 128-row Triton tiles ran at ~175 TFLOP/s for 4-bit and ~340 for 8-bit against
+# cuBLAS bf16's ~780; with one pass over the weights at copy bandwidth 4-bit breaks even near M = 128 (qkv: 58 us tiles,
 # ~31 + 22 us dequant + GEMM) and wins 3x by M = 512; 8-bit's tiles stay ahead up to ~256 rows.
 DEQUANT_GEMM_MIN_ROWS = {quant_gemm.KIND_INT4: 128, quant_gemm.KIND_INT8: 256}
 

@@ -52,13 +52,19 @@ def load_weights(model: nn.Module, path: str):
             except ValueError as e:
                 raise ValueError(f"checkpoint {path!r}, weight {name!r}: {e}") from None
             loaded.add(target)
+    check_all_loaded(model, params, loaded, shards, packed, f"checkpoint {path!r}")
+    process_weights_after_loading(model)
+
+
+def check_all_loaded(model: nn.Module, params: dict, loaded: set, shards: dict, packed: dict, source: str):
+    """ValueError naming `source` and the first missing weights: a required parameter nothing loaded, or a packed
+    one that got only some of its parts (a tied head counts as loaded)."""
     if getattr(model, "tie_word_embeddings", False):
         loaded.add("lm_head.weight")
     required = {name for name, param in params.items() if not getattr(param, "is_optional", False)}
     missing = sorted(required - loaded) + _missing_shards(shards, packed)
     if missing:
-        raise ValueError(f"checkpoint {path!r} lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    process_weights_after_loading(model)
+        raise ValueError(f"{source} lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
 
 def process_weights_after_loading(model: nn.Module):

@@ -18,7 +18,7 @@ from nanovllm.layers.quantization.method import QuantLinearMethod, UnquantizedLi
 from nanovllm.utils.gguf_blocks import IntGroups
 from nanovllm.utils.gguf_loader import iter_gguf_tensors
 from nanovllm.utils.gguf_model import FLOAT_TYPES, GGUFSpec, close_gguf, open_gguf
-from nanovllm.utils.loader import _copy_whole, _map_name, _missing_shards, process_weights_after_loading
+from nanovllm.utils.loader import _copy_whole, _map_name, check_all_loaded, process_weights_after_loading
 from nanovllm.utils.quant_spec import QuantSpec
 
 
@@ -151,12 +151,7 @@ def load_gguf_weights(model: nn.Module, path: str):
                 shards.setdefault(target, set()).add(shard_id)
     finally:
         close_gguf()
-    if getattr(model, "tie_word_embeddings", False):
-        loaded.add("lm_head.weight")
-    required = {name for name, param in params.items() if not getattr(param, "is_optional", False)}
-    missing = sorted(required - loaded) + _missing_shards(shards, packed)
-    if missing:
-        raise ValueError(f"GGUF {path!r} lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    check_all_loaded(model, params, loaded, shards, packed, f"GGUF {path!r}")
     process_weights_after_loading(model)  # no repacking for GGUF layers; the int8 vocabulary option
 
 
