@@ -89,7 +89,7 @@ class HostTimer:
         self._wrap(llm.scheduler, "schedule")
         self._wrap(llm_engine, "make_plan")
         self._wrap(model_runner, "prepare_step_inputs")
-        self._wrap(llm.runner, "sampling_tensors")
+        self._wrap(llm.runner.sampling, "sampling_tensors")
         self._wrap(llm.scheduler, "advance")
         self._wrap(llm.scheduler, "resolve")
 
@@ -171,7 +171,7 @@ def profile_step(runner, num_decode: int, prefill_len: int = 0, context_len: int
 
     def step():
         with torch.inference_mode():
-            logits, _ = runner._forward(plan)  # (sampled rows' logits, prompt logprobs)
+            logits, _ = runner.forward(plan)  # (sampled rows' logits, prompt logprobs)
             runner.sampler(logits, sampling)
     for _ in range(3):
         step()

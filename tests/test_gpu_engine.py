@@ -53,7 +53,7 @@ else:
     with LLM(model, **kwargs) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=%d, ignore_eos=True), use_tqdm=False)
         print(json.dumps({"token_ids": [o["token_ids"] for o in outs], "stats": llm.stats(),
-                          "backend": llm.runner.backend.name, "graphs": len(llm.runner.graphs)}))
+                          "backend": llm.runner.backend.name, "graphs": len(llm.runner.graph_runner.decode_graphs)}))
 """ % (PROMPT_LENS, MAX_TOKENS, MAX_TOKENS)
 
 
@@ -99,7 +99,7 @@ prompts = [[rng.randrange(3, 1024) for _ in range(rng.randint(5, 200))] for _ in
 with LLM(model, **kwargs) as llm:
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     print(json.dumps({"token_ids": [o["token_ids"] for o in outs], "backend": llm.runner.backend.name,
-                      "graphs": sorted(llm.runner.graphs)}))
+                      "graphs": sorted(llm.runner.graph_runner.decode_graphs)}))
 """
 
 

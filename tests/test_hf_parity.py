@@ -108,10 +108,10 @@ def test_chunked_prefill_matches_hf(llama_dir, monkeypatch, split_mixed):
 def test_piecewise_mixed_step_forward_matches_hf(qwen3_dir, monkeypatch, switches):
     """The pieces that piecewise CUDA graphs capture (engine/cuda_graph.py), called eagerly on CPU: the same
     shared buffers, token buckets and padding rows as on the GPU, with attention in between."""
-    from nanovllm.engine.model_runner import ModelRunner
+    from nanovllm.engine.graph_runner import GraphRunner
     buckets = []
-    pick = ModelRunner._mixed_graph_for
-    monkeypatch.setattr(ModelRunner, "_mixed_graph_for", lambda self, plan: (
+    pick = GraphRunner.mixed_graph_for
+    monkeypatch.setattr(GraphRunner, "mixed_graph_for", lambda self, plan: (
         buckets.append((plan.num_tokens, g.num_tokens)) if (g := pick(self, plan)) else None) or g)
     switches(piecewise_graphs="1")
     prompts = random_prompts((40, 37, 33, 5), seed=31)
@@ -150,16 +150,16 @@ def test_decode_graph_static_buffers_match_hf(qwen3_dir, monkeypatch, switches):
 def test_decode_batches_over_the_capture_size_run_eagerly(qwen3_dir, monkeypatch, switches):
     """max_cudagraph_capture_size=2: graphs for 1 and 2 rows only; a 3-row decode step runs the model eagerly,
     and once a row finishes the other two replay the 2-row graph. Tokens match HF either way."""
-    from nanovllm.engine.model_runner import ModelRunner
+    from nanovllm.engine.graph_runner import GraphRunner
     lookups = []
-    graph_for = ModelRunner._graph_for
-    monkeypatch.setattr(ModelRunner, "_graph_for", lambda self, plan: (
+    graph_for = GraphRunner.decode_graph_for
+    monkeypatch.setattr(GraphRunner, "decode_graph_for", lambda self, plan: (
         lookups.append((plan.is_decode_only, len(plan.query_lens), graph_for(self, plan))), lookups[-1][2])[1])
     switches(decode_graphs_on_cpu=True)
     prompts = random_prompts((9, 5, 14), seed=33)
     max_new = (4, 12, 12)
     with LLM(qwen3_dir, **tiny_llm_kwargs(max_cudagraph_capture_size=2)) as llm:
-        assert llm.runner.graph_batch_sizes == [1, 2]
+        assert llm.runner.graph_runner.decode_batch_sizes == [1, 2]
         outs = llm.generate(prompts, [greedy(n) for n in max_new], use_tqdm=False)
     assert_matches_hf(qwen3_dir, prompts[:1], outs[:1], 4, what="eager decode over the capture size")
     assert_matches_hf(qwen3_dir, prompts[1:], outs[1:], 12, what="decode graphs")

@@ -35,12 +35,12 @@ def fake_runner(clock: FakeClock, forward_seconds: list[float], num_blocks: int 
                                                     max_model_len=max_model_len),
                              block_size=block_size, kv_cache=torch.empty(num_blocks, 1), device=torch.device("cpu"),
                              rank=0, plans=[])
-    runner._warmup_plan = lambda query_lens: ModelRunner._warmup_plan(runner, query_lens)
+    runner.warmup_plan = lambda query_lens: ModelRunner.warmup_plan(runner, query_lens)
 
     def forward(plan):
         runner.plans.append(plan)
         clock.now += forward_seconds[len(runner.plans) - 1]
-    runner._forward = forward
+    runner.forward = forward
     return runner
 
 

@@ -1,12 +1,8 @@
-"""CUDA graphs: whole decode forwards per padded batch size, and piecewise prefill/mixed forwards per token bucket."""
+"""CUDA graphs: whole decode forwards per padded batch size, and piecewise prefill/mixed forwards per token bucket.
+Which sizes and buckets exist, and which graph a step replays, is the graph runner's (engine/graph_runner.py)."""
 import torch
 
 from nanovllm.utils.context import AttentionMetadata, reset_context, set_context
-
-# the token buckets of the piecewise graphs (padding: at most 25% from 256 up); a step of more tokens is GPU-bound
-# and runs eagerly. The memory profile sizes the graph pool for the largest, the prefill probe times a step of it.
-MIXED_GRAPH_TOKENS = (16, 32, 64, 128, 192) + tuple(range(256, 2049, 256))
-MAX_MIXED_GRAPH_TOKENS = MIXED_GRAPH_TOKENS[-1]
 
 
 class DecodeGraph:

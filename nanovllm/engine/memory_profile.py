@@ -3,9 +3,10 @@ allocator, the weights, the activation peak of the largest step, the CUDA graph 
 arithmetic that turns these into blocks is nanovllm/core/memory_plan.py.
 
 Graph pools: the graphs are captured after the KV cache is allocated (they read it), so their pool cannot be
-measured before sizing. It is reserved as the activation peak of an eager forward of the largest captured step (a
-graph's pool holds that step's intermediates, shared by all graphs, which never run at once); after capture the
-runner measures the real pool (graph_pool_bytes_measured) and the start-up log prints both.
+measured before sizing. It is reserved as the activation peak of an eager forward of the largest captured step
+(GraphRunner.largest_graph_tokens: a graph's pool holds that step's intermediates, shared by all graphs, which never
+run at once); after capture the runner measures the real pool (graph_pool_bytes_measured) and the start-up log
+prints both.
 """
 import ctypes
 import logging
@@ -14,7 +15,6 @@ import torch
 
 from nanovllm.config import budget_bytes
 from nanovllm.core.memory_plan import GiB
-from nanovllm.engine.cuda_graph import MAX_MIXED_GRAPH_TOKENS
 from nanovllm.layers.logprobs import chosen_and_top, raw_logprobs
 from nanovllm.layers.sampler import SamplingTensors
 from nanovllm.utils.context import AttentionMetadata, reset_context, set_context
@@ -92,11 +92,6 @@ def apply_budget(config, device: torch.device):
     torch.cuda.set_per_process_memory_fraction(min(1.0, torch_bytes / total), device)
 
 
-def uses_cuda_graphs(runner) -> bool:
-    config = runner.config
-    return runner.device.type == "cuda" and not config.enforce_eager and runner.backend.name != "torch"
-
-
 @torch.inference_mode()
 def profile_memory(runner) -> dict:
     """Measured terms for plan_kv_blocks (bytes): card, weights, activation peak, graph pools, non-torch."""
@@ -104,16 +99,13 @@ def profile_memory(runner) -> dict:
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     weights_bytes = torch.cuda.memory_allocated(device)
-    runner._warmup_sampler()  # small batches first: torch.compile specializes on the first size it sees
+    runner.warmup_sampler()  # small batches first: torch.compile specializes on the first size it sees
     seq_len = min(config.max_num_batched_tokens, config.max_model_len)
     num_tokens = seq_len * min(config.max_num_batched_tokens // seq_len, config.max_num_seqs)
     activation_peak = _peak_bytes(runner, num_tokens, seq_len, config.max_num_seqs, sample=True)
     graph_pools = 0
-    if uses_cuda_graphs(runner):
-        decode_rows = min(config.max_num_seqs, config.max_cudagraph_capture_size)
-        piecewise = 0 if SWITCHES.piecewise_graphs == "0" else min(config.max_num_batched_tokens,
-                                                                   MAX_MIXED_GRAPH_TOKENS)
-        graph_tokens = max(decode_rows, piecewise)
+    graph_tokens = runner.graph_runner.largest_graph_tokens()  # 0: no graphs
+    if graph_tokens:
         graph_pools = _peak_bytes(runner, graph_tokens, min(graph_tokens, config.max_model_len), 1, sample=False)
     torch.cuda.empty_cache()
     apply_budget(config, device)

@@ -1,5 +1,8 @@
 """The model runner: the only owner of model weights, the GPU KV cache and (through the copy engine) the host KV
-cache. It turns a SchedulerOutput into tensors, issues the swap copies, runs the forward pass and samples."""
+cache. It turns a StepPlan into tensors, issues the swap copies, runs the forward pass and samples. Two parts have
+their own homes: what sampling keeps between steps (sampling_state.py) and the CUDA graphs with their buckets
+(graph_runner.py). forward, warmup, warmup_plan and warmup_sampler are public for the start-up measurements
+(memory_profile.py, prefill_probe.py) and bench.py."""
 import gc
 from datetime import timedelta
 
@@ -8,13 +11,14 @@ import torch.distributed as dist
 
 from nanovllm.config import SUPPORTED_ARCHITECTURES, Config
 from nanovllm.core.sequence import Sequence
+from nanovllm.engine.device import resolve_device, resolve_dtype
+from nanovllm.engine.graph_runner import GraphRunner
 from nanovllm.engine.kv_cache import num_blocks_for_budget
 from nanovllm.engine.memory_profile import apply_budget, profile_memory, release_stack_reservation
-from nanovllm.engine.penalties import penalized_rows, step_penalties
+from nanovllm.engine.penalties import step_penalties
 from nanovllm.engine.prefill_probe import measure_prefill_tokens_per_s
-from nanovllm.engine.cuda_graph import MIXED_GRAPH_TOKENS
-from nanovllm.engine.device import resolve_device, resolve_dtype
-from nanovllm.engine.step_inputs import SampledTokens, prepare_step_inputs
+from nanovllm.engine.sampling_state import SamplingState
+from nanovllm.engine.step_inputs import SampledTokens, prepare_step_inputs, to_device
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, select_backend
@@ -24,10 +28,8 @@ from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.weights import load_model_weights
 from nanovllm.utils.compile import set_compile
-from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.cpu_threads import set_cpu_threads
 from nanovllm.utils.distributed import tp_size
-from nanovllm.utils.switches import SWITCHES
 from nanovllm_offload.copy_engine import CopyEngine
 from nanovllm_offload.host_kv_cache import HostKVCache
 
@@ -68,9 +70,7 @@ class ModelRunner:
         check_fp8_support(config.kv_cache_dtype, self.device)
         self.model = self._build_model()
         self.sampler = Sampler()
-        self.generators: dict[int, torch.Generator] = {}  # seq_id -> per-request generator (SamplingParams.seed)
-        self._sampling_key, self._sampling = None, None  # the last batch's sampling tensors
-        self._last_sampled = None  # [num_sampled] device tensor of the last launched step (rank 0)
+        self.sampling = SamplingState(hf.vocab_size, self.device)  # rank 0's: generators, batch tensors, last ids
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
         # mixed steps: one-token rows through the decode kernel, the rest through prefill (a 256-decode + 256-token
         # step took 10.1 ms instead of 18.5 on an H200); tests turn it off to cover backends that take them whole
@@ -84,8 +84,7 @@ class ModelRunner:
         self.host_cache = self.copy_engine = None
         self.memory_breakdown = None  # where the GPU memory went (num_kv_blocks_for_budget)
         self.graph_pool_bytes_measured = 0  # torch memory reserved by capture_cuda_graphs
-        self.graphs = {}  # decode batch size -> DecodeGraph
-        self.mixed_graphs = {}  # token bucket -> PiecewiseGraph, for prefill and mixed steps
+        self.graph_runner = GraphRunner(self.model, config, self.device, self.dtype, self.backend.name)
 
     # --- start-up
     def _build_model(self) -> DecoderForCausalLM:
@@ -140,46 +139,8 @@ class ModelRunner:
         self.copy_engine = CopyEngine(self.kv_cache, self.host_cache.kv, self.block_size)
 
     # --- one step
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """A list on the device; through pinned memory on CUDA so the copy is asynchronous."""
-        t = torch.tensor(values, dtype=dtype)
-        return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)
-
-    def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        """Per-row sampling parameters; reused while the batch holds the same sequences in the same order."""
-        key = [s.seq_id for s in seqs]  # a list comprehension: twice as fast as tuple(generator)
-        if key != self._sampling_key:
-            self._sampling_key, self._sampling = key, self._build_sampling_tensors(seqs)
-        return self._sampling
-
-    def _build_sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        params = [s.sampling_params for s in seqs]
-        temperatures = [p.temperature for p in params]
-        all_greedy = all(p.is_greedy for p in params)
-        top_ks = top_ps = min_ps = generators = None
-        if not all_greedy:
-            vocab = self.config.hf_config.vocab_size
-            if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-                top_ks = self._to_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], torch.int64)
-                top_ps = self._to_device([p.top_p for p in params], torch.float32)
-            if any(p.min_p > 0 for p in params):
-                min_ps = self._to_device([p.min_p for p in params], torch.float32)
-            if any(p.seed is not None for p in params):
-                generators = [self._generator(s) for s in seqs]
-        temps = self._to_device([0.0 if p.is_greedy else t for p, t in zip(params, temperatures)], torch.float32)
-        return SamplingTensors(temps, top_ks, top_ps, min_ps, generators, all_greedy, penalized_rows(seqs))
-
-    def _generator(self, seq: Sequence) -> torch.Generator | None:
-        seed = seq.sampling_params.seed
-        if seed is None:
-            return None
-        if seq.seq_id not in self.generators:
-            self.generators[seq.seq_id] = torch.Generator(self.device).manual_seed(seed)
-        return self.generators[seq.seq_id]
-
     def release(self, seq_ids: list[int]):
-        for seq_id in seq_ids:
-            self.generators.pop(seq_id, None)
+        self.sampling.release(seq_ids)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None) -> list[int]:
@@ -195,23 +156,24 @@ class ModelRunner:
             self.copy_engine.issue_step_copies(plan.swap_out, plan.swap_in, plan.new_gpu_block_ids, plan.block_tables)
         if not plan.num_tokens:
             return SampledTokens(None)
-        logits, prompt_logprobs = self._forward(plan)
+        logits, prompt_logprobs = self.forward(plan)
         if self.copy_engine is not None:
             self.copy_engine.forward_issued(plan.slot_mapping)
         if self.rank != 0:
             return SampledTokens(None)
         if logits is None:
             return SampledTokens(None, prompt_logprobs)
-        rows = self._to_device(plan.sample_logprob_rows, torch.int64) if plan.sample_logprob_rows else None
+        rows = to_device(plan.sample_logprob_rows, torch.int64, self.device) if plan.sample_logprob_rows else None
         logprobs = raw_logprobs(logits[rows]) if rows is not None else None  # before the masks and penalties
-        st = self.sampling_tensors(sample_seqs)
+        sampling = self.sampling
+        st = sampling.sampling_tensors(sample_seqs)
         penalties = step_penalties(sample_seqs, st.penalized_rows, st.penalty_batch is None)  # None: no penalty
-        self._last_sampled = self.sampler(logits, st, plan.banned_token_ids, penalties, self._last_sampled,
-                                          plan.logit_bias, plan.conditional_bans)
+        sampling.last_sampled = self.sampler(logits, st, plan.banned_token_ids, penalties, sampling.last_sampled,
+                                             plan.logit_bias, plan.conditional_bans)
         if logprobs is not None:
-            sample_logprobs = chosen_and_top(logprobs, self._last_sampled[rows], plan.num_top_logprobs)
+            sample_logprobs = chosen_and_top(logprobs, sampling.last_sampled[rows], plan.num_top_logprobs)
             prompt_logprobs = _cat_rows(sample_logprobs, prompt_logprobs)
-        return SampledTokens(self._last_sampled, prompt_logprobs)
+        return SampledTokens(sampling.last_sampled, prompt_logprobs)
 
     # rows per full-vocabulary slice of prompt logits: a long prompt chunk's float32 log-softmax stays within the
     # size of what the profiling run sized (max_num_seqs rows of logits; 256 x a 152k vocabulary is 156 MB)
@@ -219,8 +181,8 @@ class ModelRunner:
 
     def _prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> tuple[torch.Tensor, ...] | None:
         """chosen_and_top of the prompt rows (rank 0; every rank computes their logits, a collective at TP > 1)."""
-        indices = self._to_device(plan.prompt_logprob_indices, torch.int64)
-        token_ids = self._to_device(plan.prompt_logprob_token_ids, torch.int64)
+        indices = to_device(plan.prompt_logprob_indices, torch.int64, self.device)
+        token_ids = to_device(plan.prompt_logprob_token_ids, torch.int64, self.device)
         parts = None
         for start in range(0, len(plan.prompt_logprob_indices), self.PROMPT_LOGPROB_ROWS):
             end = start + self.PROMPT_LOGPROB_ROWS
@@ -230,23 +192,14 @@ class ModelRunner:
                                                          plan.num_top_logprobs))
         return parts
 
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
-        """Logits of the sampled rows (rank 0; None elsewhere or when nothing is sampled), and the prompt rows'
-        logprobs (rank 0; None elsewhere or when the step has none)."""
-        graph = self._graph_for(plan)
-        inputs = prepare_step_inputs(plan, self.device, self._last_sampled, self.split_mixed_steps)
-        if graph is not None:
-            hidden = graph.replay(inputs)
-        else:
-            mixed_graph = self._mixed_graph_for(plan)
-            set_context(inputs.metadata)
-            try:
-                if mixed_graph is not None:
-                    hidden = mixed_graph.replay(inputs)
-                else:
-                    hidden = self.model(inputs.input_ids, inputs.positions)
-            finally:
-                reset_context()
+    # --- the forward pass, and the warm-up that runs it before the first request
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
+        """The plan's forward pass (a graph's replay where one holds the step), with no copies issued and nothing
+        sampled. Returns the logits of the sampled rows (rank 0; None elsewhere or when nothing is sampled), and
+        the prompt rows' logprobs (rank 0; None elsewhere or when the step has none). The warm-up, the prefill
+        probe and bench.py's step profile call it with plans of their own."""
+        inputs = prepare_step_inputs(plan, self.device, self.sampling.last_sampled, self.split_mixed_steps)
+        hidden = self.graph_runner.forward(plan, inputs)
         prompt_logprobs = self._prompt_logprobs(hidden, plan) if plan.prompt_logprob_indices else None
         if not plan.logits_indices:
             return None, prompt_logprobs
@@ -262,16 +215,17 @@ class ModelRunner:
         bs, num_blocks = self.block_size, self.kv_cache.size(0)
         limit = min(self.config.max_model_len, self.config.max_num_batched_tokens, num_blocks * bs)
         for query_len in sorted({min(n, limit) for n in (1, 2, 12, 24, 48, 100, 300, 1000)}):
-            self._forward(self._warmup_plan([query_len]))
+            self.forward(self.warmup_plan([query_len]))
         # several sequences in one step, as a run's first steps have
         per_seq = min(300, limit // 4, num_blocks // 4 * bs)
         if per_seq > 0:
-            self._forward(self._warmup_plan([per_seq] * 4))
-        self._warmup_sampler()
+            self.forward(self.warmup_plan([per_seq] * 4))
+        self.warmup_sampler()
         torch.cuda.synchronize()
 
-    def _warmup_plan(self, query_lens: list[int]) -> StepPlan:
-        """A prefill of fresh sequences of these lengths, each in its own consecutive free blocks."""
+    def warmup_plan(self, query_lens: list[int]) -> StepPlan:
+        """A prefill of fresh sequences of these lengths, each in its own consecutive blocks from block 0: call it
+        only while every block is free (start-up), as the warm-up and the prefill probe do."""
         bs, plan, next_block = self.block_size, StepPlan(), 0
         for query_len in query_lens:
             table = list(range(next_block, next_block + (query_len + bs - 1) // bs))
@@ -285,7 +239,7 @@ class ModelRunner:
             plan.logits_indices.append(len(plan.input_ids) - 1)
         return plan
 
-    def _warmup_sampler(self):
+    def warmup_sampler(self):
         """Trace the compiled sampling ops (plain, and with top-k/top-p) for a few batch sizes, on logits of the
         LM head's dtype: warmed up on float32 only, the first bf16 batch of a run recompiled (1.2-2.6 s on an
         H200). Batch 1 comes first because torch.compile specializes on size 1 before it turns dynamic."""
@@ -298,77 +252,19 @@ class ModelRunner:
             for ks, ps in ((None, None), (top_ks, top_ps)):
                 self.sampler(logits, SamplingTensors(temps, ks, ps, None, None, all_greedy=False))
 
-    # --- CUDA graphs for decode steps
-    def _graph_for(self, plan: StepPlan):
-        if not self.graphs or not plan.is_decode_only:
-            return None
-        batch = len(plan.query_lens)
-        for size in self.graph_batch_sizes:
-            if size >= batch:
-                return self.graphs[size]
-        return None
-
-    def _mixed_graph_for(self, plan: StepPlan):
-        for size, graph in self.mixed_graphs.items():  # ascending
-            if size >= plan.num_tokens:
-                return graph
-        return None
-
+    # --- CUDA graphs (graph_runner.py)
     @torch.inference_mode()
     def capture_cuda_graphs(self):
-        """Warm up, then capture decode forwards for batch sizes up to the smaller of max_num_seqs and
-        max_cudagraph_capture_size (1, 2, 4, 8, 16, 32, ...) and piecewise prefill/mixed forwards for token buckets
-        up to 2,048. On CPU, NANOVLLM_DECODE_GRAPHS=1 and NANOVLLM_PIECEWISE_GRAPHS=1 build the same graphs without
-        capturing them: their static buffers, run eagerly (the CPU tests)."""
+        """Warm up, then capture the graphs of every bucket (GraphRunner.capture: decode batch sizes up to the
+        smaller of max_num_seqs and max_cudagraph_capture_size, prefill/mixed token buckets up to
+        MAX_MIXED_GRAPH_TOKENS) and keep what their pool reserved (graph_pool_bytes_measured)."""
         self.warmup()
-        piecewise = SWITCHES.piecewise_graphs
-        if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name == "torch":
-            if self.device.type == "cpu" and SWITCHES.decode_graphs_on_cpu:
-                self._capture_decode_graphs(capture=False)
-            if piecewise == "1" and self.device.type == "cpu":
-                self._capture_mixed_graphs(None, capture=False)
-            return
-        reserved_before = torch.cuda.memory_reserved(self.device)
-        pool = self._capture_decode_graphs()
-        if piecewise != "0":
-            self._capture_mixed_graphs(pool)
-        self.graph_pool_bytes_measured = torch.cuda.memory_reserved(self.device) - reserved_before
+        self.graph_pool_bytes_measured = self.graph_runner.capture()
 
     def measure_prefill_speed(self) -> float | None:
         """Tokens/s of a timed prefill step, after capture (prefill_probe.py); None on the CPU, where it would cost
         seconds of start-up, and the policy keeps its prior."""
         return measure_prefill_tokens_per_s(self) if self.device.type == "cuda" else None
-
-    def _capture_decode_graphs(self, capture: bool = True):
-        """Returns the graphs' memory pool."""
-        from nanovllm.engine.cuda_graph import DecodeGraph
-        max_bs = min(self.config.max_num_seqs, self.config.max_cudagraph_capture_size)
-        sizes = [1, 2, 4, 8] + list(range(16, 128, 16)) + list(range(128, max_bs, 32))
-        self.graph_batch_sizes = [b for b in sizes if b < max_bs] + [max_bs]
-        width = (self.config.max_model_len + self.block_size - 1) // self.block_size
-        pool = None
-        for size in reversed(self.graph_batch_sizes):
-            graph = DecodeGraph(self.model, size, width, self.device, pool, capture)
-            pool = graph.pool
-            self.graphs[size] = graph
-        return pool
-
-    MIXED_GRAPH_TOKENS = MIXED_GRAPH_TOKENS  # owned by cuda_graph.py
-
-    def _capture_mixed_graphs(self, pool, capture: bool = True):
-        """Piecewise graphs for prefill and mixed steps of up to 2,048 tokens (larger steps are GPU-bound and run
-        eagerly); NANOVLLM_PIECEWISE_GRAPHS=0 turns them off."""
-        from nanovllm.engine.cuda_graph import MixedStepBuffers, PiecewiseGraph
-        limit = self.config.max_num_batched_tokens
-        sizes = [n for n in self.MIXED_GRAPH_TOKENS if n < limit] + [min(limit, self.MIXED_GRAPH_TOKENS[-1])]
-        attn = self.model.model.layers[0].self_attn
-        buffers = MixedStepBuffers(sizes[-1], self.config.hf_config.hidden_size, attn.qkv_proj.output_size,
-                                   attn.num_heads * attn.head_dim, self.dtype, self.device)
-        for size in reversed(sizes):
-            graph = PiecewiseGraph(self.model, size, buffers, pool, capture)
-            pool = graph.pool if capture else None
-            self.mixed_graphs[size] = graph
-        self.mixed_graphs = dict(sorted(self.mixed_graphs.items()))
 
     def close(self):
         if self.copy_engine is not None:
@@ -377,10 +273,9 @@ class ModelRunner:
             self.host_cache.close()
         for attn in (m for m in self.model.modules() if isinstance(m, Attention)):
             attn.kv = attn.rotation = None
-        self.graphs.clear()
-        self.mixed_graphs.clear()
+        self.graph_runner.close()
         self.model = self.kv_cache = self.host_cache = self.copy_engine = None
-        self.generators.clear()
+        self.sampling.clear()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize()

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from nanovllm.engine.cuda_graph import MAX_MIXED_GRAPH_TOKENS
+from nanovllm.engine.graph_runner import MAX_MIXED_GRAPH_TOKENS
 
 logger = logging.getLogger(__name__)
 PROBE_MAX_TOKENS = MAX_MIXED_GRAPH_TOKENS  # a step this size replays the largest graph
@@ -21,7 +21,7 @@ def measure_prefill_tokens_per_s(runner, clock=time.perf_counter) -> float | Non
     absorbs any compile of a shape the warm-up did not meet. None when the KV cache cannot hold the step.
 
     Start-up cost: those two forwards, about 4 x 2,048 x (number of parameters) FLOP: milliseconds for a small model
-    on a data-centre GPU. The prefills write into blocks that are all still free (runner._warmup_plan), as the
+    on a data-centre GPU. The prefills write into blocks that are all still free (runner.warmup_plan), as the
     warm-up's do; nothing reads them before their next owner overwrites them."""
     config, block_size = runner.config, runner.block_size
     num_blocks_per_seq = runner.kv_cache.size(0) // PROBE_NUM_SEQS
@@ -29,11 +29,11 @@ def measure_prefill_tokens_per_s(runner, clock=time.perf_counter) -> float | Non
                              config.max_model_len, num_blocks_per_seq * block_size)
     if num_tokens_per_seq < 1:
         return None
-    plan = runner._warmup_plan([num_tokens_per_seq] * PROBE_NUM_SEQS)
-    runner._forward(plan)
+    plan = runner.warmup_plan([num_tokens_per_seq] * PROBE_NUM_SEQS)
+    runner.forward(plan)
     _synchronize(runner.device)
     start = clock()
-    runner._forward(plan)
+    runner.forward(plan)
     _synchronize(runner.device)
     seconds = clock() - start
     if seconds <= 0:

@@ -104,6 +104,12 @@ class SampledTokens:
         return self.logprobs and tuple(t.tolist() for t in self.logprobs)
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A list on the device; through pinned memory on CUDA so the copy is asynchronous."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
 def prepare_step_inputs(plan: StepPlan, device: torch.device, last_sampled: torch.Tensor | None,
                         split_mixed_steps: bool) -> StepInputs:
     """Tensors for one step, packed into one host buffer (pinned on CUDA) and moved in one host-to-device copy;
