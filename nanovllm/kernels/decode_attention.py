@@ -10,9 +10,11 @@ sequence's end exit at once. With a single split the first kernel writes the out
 
 The launch order: a sequence's kv heads side by side in the grid (programs running together read neighbouring bytes
 of the same cache rows, since a token's row holds every kv head) and rows longest context first (no long row starts
-last and leaves the GPU to a few programs). Together, and with per-row splits, they beat the plain (row, head) grid in
-batch order and cutting the table width in every engine measurement (the benchmark log's runs of the launch order
-and of per-row splits).
+last and leaves the GPU to a few programs; the engine's first layer sorts the rows by length on the device, inside
+the graph, and the others reuse the order). Together, and with per-row splits, they beat the plain (row, head) grid
+in batch order and cutting the table width in every engine measurement (the benchmark log's runs of the launch order
+and of per-row splits): on ragged contexts at 128 rows (Qwen3-0.6B's shape) the launch order took a layer from 165
+to 146 us, and at one row and a 40,960-token table per-row slices took it from 22.6 to 10.3 us.
 """
 
 import dataclasses

@@ -4,6 +4,9 @@ the cache (cached prefix + the tokens just stored).
 The query tile packs ``BLOCK_Q`` tokens x ``GROUP`` query heads of one kv head into ``BLOCK_M = BLOCK_Q * GROUP``
 rows, so each K/V tile is loaded once per GQA group. The 1-D grid runs over the q tiles of all sequences (binary
 search in ``cu_seqlens_q``), heaviest tiles first; key tiles left of the diagonal skip the causal mask.
+A mixed step's one-token rows do not come here when the backend splits mixed steps (engine/step_inputs.py,
+split_mixed): each would take a whole query tile (block_m rows, prefill_config) for one token; they go to the
+decode kernel instead.
 """
 
 import torch
