@@ -25,9 +25,10 @@ def decode_batch_sizes(config) -> list[int]:
 
 
 def mixed_token_buckets(config) -> list[int]:
-    """MIXED_GRAPH_TOKENS below max_num_batched_tokens, then the smaller of the two limits (no step is larger)."""
-    limit = config.max_num_batched_tokens
-    return [n for n in MIXED_GRAPH_TOKENS if n < limit] + [min(limit, MAX_MIXED_GRAPH_TOKENS)]
+    """MIXED_GRAPH_TOKENS below max_num_batched_tokens, ending at the smaller of the two limits (no step is larger),
+    each bucket once (a bucket listed twice would be captured twice at start-up)."""
+    largest = min(config.max_num_batched_tokens, MAX_MIXED_GRAPH_TOKENS)
+    return [n for n in MIXED_GRAPH_TOKENS if n < largest] + [largest]
 
 
 class GraphRunner:
