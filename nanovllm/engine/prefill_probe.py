@@ -9,7 +9,7 @@ import torch
 from nanovllm.engine.graph_runner import MAX_MIXED_GRAPH_TOKENS
 
 logger = logging.getLogger(__name__)
-PROBE_MAX_TOKENS = MAX_MIXED_GRAPH_TOKENS  # a step this size replays the largest graph
+PROBE_MAX_TOKENS = MAX_MIXED_GRAPH_TOKENS  # a step this size replays the largest piecewise graph (graph_runner.py)
 PROBE_NUM_SEQS = 4  # a few fresh sequences, as the first admissions after a restart bring
 
 
