@@ -4,12 +4,11 @@ core kernels, the 128-row tile, per-element groups, both 16-bit dtypes, the FP8 
 scales, the activation quantizer). Triton's interpreter, which tests/test_quant_kernels.py runs them in, does not
 type-check, so a kernel it runs may still fail to compile; and a tile that fits an H100's 227 KB of shared memory
 per block may not fit an RTX 4070's 99 KB. The launches become compiles under a stand-in CUDA driver (the same
-approach as tests/test_triton_compile.py), in a subprocess: the driver is process-wide."""
-import subprocess
-import sys
-
+approach as tests/test_triton_compile.py, from tests/triton_standin.py), in a subprocess: the driver is
+process-wide."""
 import pytest
 import torch
+from triton_standin import run_compile_script
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernels")
@@ -18,45 +17,10 @@ COMPILE_ALL = r"""
 import sys
 
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
-from triton.runtime.jit import JITFunction
+from triton_standin import compile_instead_of_launching
 
 TARGET_CC, SHARED_LIMIT_BYTES, NUM_SMS = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-
-
-class StandInDriver:
-    '''Enough of Triton's CUDA driver for a compile: device 0, stream 0, target sm_<TARGET_CC>.'''
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", TARGET_CC, 32)
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-
-compiled = set()
-launch = JITFunction.run
-
-
-def compile_only(self, *args, grid, warmup, **kwargs):
-    kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
-    assert kernel is not None and kernel.asm.get("cubin"), self.fn.__name__
-    shared = kernel.metadata.shared
-    assert shared <= SHARED_LIMIT_BYTES, (f"{self.fn.__name__} needs {shared} bytes of shared memory on "
-                                          f"sm_{TARGET_CC}, over {SHARED_LIMIT_BYTES}: {kwargs}")
-    compiled.add(self.fn.__name__)
-    return kernel
-
-
-JITFunction.run = compile_only
-driver.set_active(StandInDriver())
+compiled = compile_instead_of_launching(TARGET_CC, SHARED_LIMIT_BYTES)
 
 from nanovllm.kernels import quant_gemm
 from nanovllm.kernels import quant_matmul as qm
@@ -96,8 +60,7 @@ print(" ".join(sorted(compiled)))
 @pytest.mark.parametrize("cc, shared_limit_bytes, num_sms", [(90, 232448, 132), (89, 101376, 36)],
                          ids=["sm90-h100", "sm89-rtx4070"])
 def test_every_quant_kernel_compiles_within_shared_memory(cc, shared_limit_bytes, num_sms):
-    proc = subprocess.run([sys.executable, "-c", COMPILE_ALL, str(cc), str(shared_limit_bytes), str(num_sms)],
-                          check=False, capture_output=True, text=True, timeout=1200)
+    proc = run_compile_script(COMPILE_ALL, [cc, shared_limit_bytes, num_sms], timeout_s=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["_dequant_int_kernel", "_fp8_gemm_kernel", "_fp8_gemv_kernel", "_int4_gemv_kernel",
                                    "_quantize_act_kernel", "_sum_splits_kernel", "_wo_gemm_kernel"]

@@ -8,11 +8,9 @@ target, and each launch is turned into a compile without a launch. Runs in a sub
 process-wide. Triton checks a kernel's shared memory against the device only when it loads the kernel, so a tile
 tuned on an H200 (227 KB a block) that needs more than an RTX 4070 has (99 KB) would fail only on the user's GPU:
 each compile's shared memory is checked here against the target's limit."""
-import subprocess
-import sys
-
 import pytest
 import torch
+from triton_standin import run_compile_script
 
 pytest.importorskip("triton", reason="needs triton (the test-triton extra)")
 pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernels"),
@@ -22,46 +20,10 @@ COMPILE_ALL = r"""
 import sys
 
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
-from triton.runtime.jit import JITFunction
-
+from triton_standin import compile_instead_of_launching
 
 TARGET_CC, SHARED_LIMIT_BYTES = int(sys.argv[1]), int(sys.argv[2])
-
-
-class StandInDriver:
-    '''Enough of Triton's CUDA driver for a compile: device 0, stream 0, target sm_<TARGET_CC>.'''
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", TARGET_CC, 32)
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-
-compiled = set()
-launch = JITFunction.run
-
-
-def compile_only(self, *args, grid, warmup, **kwargs):
-    kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
-    assert kernel is not None and kernel.asm.get("cubin"), self.fn.__name__
-    shared = kernel.metadata.shared
-    assert shared <= SHARED_LIMIT_BYTES, (f"{self.fn.__name__} needs {shared} bytes of shared memory on "
-                                          f"sm_{TARGET_CC}, over {SHARED_LIMIT_BYTES}: {kwargs}")
-    compiled.add(self.fn.__name__)
-    return kernel
-
-
-JITFunction.run = compile_only
-driver.set_active(StandInDriver())
+compiled = compile_instead_of_launching(TARGET_CC, SHARED_LIMIT_BYTES)
 
 from nanovllm.kernels import activation, rope_store, sampling
 from nanovllm.kernels import decode_attention, prefill_attention, store_kv
@@ -126,8 +88,7 @@ print(" ".join(sorted(compiled)))
 # (compute capability, the most shared memory a block may use there: cudaDevAttrMaxSharedMemoryPerBlockOptin)
 @pytest.mark.parametrize("cc, shared_limit_bytes", [(90, 232448), (89, 101376)], ids=["sm90-h200", "sm89-rtx4070"])
 def test_every_triton_kernel_compiles_within_shared_memory(cc, shared_limit_bytes):
-    proc = subprocess.run([sys.executable, "-c", COMPILE_ALL, str(cc), str(shared_limit_bytes)], capture_output=True,
-                          text=True, timeout=900)
+    proc = run_compile_script(COMPILE_ALL, [cc, shared_limit_bytes], timeout_s=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["_chunk_stats_kernel", "_decode_kernel", "_decode_reduce_kernel",
                                    "_prefill_kernel", "_rope_store_kernel", "_row_sample_kernel",
