@@ -210,3 +210,17 @@ def test_free_without_keep_tail_and_with_prefix_caching_off_keeps_no_tail():
     bm = BlockManager(8, BLOCK_SIZE, False)
     _finished_with_tail(bm)
     assert bm.tail_tokens == {} and bm.find_cached_tail(make_seq(token_ids=list(range(100, 108))), 0) is None
+
+
+def test_free_swapped_out_returns_the_order_the_free_queue_hands_the_blocks_out():
+    """The swap-out copies a victim's blocks in the order this returns; it must be the order pop_free then hands
+    them out, the blocks the step in flight writes last."""
+    bm = BlockManager(8, BLOCK_SIZE)
+    a = make_seq(14)  # blocks 0, 1, 2 full, 3 partial
+    assert bm.allocate(a, 14)
+    a.num_computed_tokens = 14
+    bm.cache_full_blocks(a)
+    order = bm.free_swapped_out(a, hand_out_last=[1])
+    assert order == [3, 2, 0, 1]
+    handed_out = [bm.pop_free() for _ in range(bm.num_free_blocks)]
+    assert [b for b in handed_out if b in order] == order

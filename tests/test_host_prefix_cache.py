@@ -187,3 +187,31 @@ def test_engine_host_hits_give_the_same_tokens(host_cache_runs, name):
     assert stats["host_prefix_hit_tokens"] == 3 * 48 and stats["prefix_cache_hit_tokens"] == 0
     assert stats["blocks_onloaded"] * 4 == stats["host_prefix_hit_tokens"]
     assert stats["blocks_offloaded"] > 0
+
+
+def test_a_host_hit_waits_for_its_store_to_land_and_holds_its_block_until_its_load_lands():
+    """The store of a freed cached block is not a hit until the copy engine reports it; a hit is then held by its
+    load (not evictable by a store of the same step) until that load is reported."""
+    from nanovllm_offload.transfer_report import TransferReport
+    s = host_cached_scheduler(num_gpu_blocks=4, num_cpu_blocks=2)
+    a = make_seq(9, max_tokens=1)
+    s.add(a)
+    finish(s, a)
+    stored, _ = run_step(s, land_copies=False)  # a's two full blocks go to host blocks 0 and 1, still WRITING
+    assert stored.swap_out == [(1, 0), (0, 1)] and s.offload.pool.state[0].name == "WRITING"
+    s.add(b := make_seq(16, start=500, max_tokens=1))  # takes all 4 GPU blocks: a's GPU cache is gone
+    finish(s, b)
+    assert run_step(s)[0].swap_out == []  # b's freed blocks find no host room: the store in flight holds both
+    c = make_seq(9, max_tokens=2)
+    assert s.offload.lookup(c, 0) == []  # not READY: no hit
+    s.offload.complete(TransferReport([stored.store_id]))
+    assert s.offload.lookup(c, 0) == [1, 0] and s.offload.pool.num_free_blocks == 2
+    s.add(c)
+    loaded, _ = run_step(s, land_copies=False)
+    assert c.num_computed_tokens == 8 and loaded.swap_in and s.offload.pool.num_free_blocks == 0
+    with pytest.raises(RuntimeError, match="transfer 99 is not in flight"):
+        s.offload.complete(TransferReport([99]))
+    s.offload.complete(TransferReport([loaded.load_id]))
+    assert s.offload.pool.num_free_blocks == 2 and not s.offload.arriving
+    finish(s, c)
+    check(s)
