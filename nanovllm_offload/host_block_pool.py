@@ -78,6 +78,13 @@ class HostBlockPool(BlockPool):
             self.state[block_id] = HostBlockState.FREE
         return True
 
+    def reset_cache(self) -> bool:
+        """Forget every cached hash (refused while any block is held): every block is FREE again."""
+        if not super().reset_cache():
+            return False
+        self.state = [HostBlockState.FREE] * self.num_blocks
+        return True
+
     # --- the swap role
     def can_swap_out(self, seq: Sequence, num_blocks: int) -> bool:
         found = [self.hash_to_block_id.get(h) for h in self._hashes(seq, num_blocks) if h is not None]

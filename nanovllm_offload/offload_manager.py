@@ -21,6 +21,7 @@ from nanovllm_offload.disk_tier import DiskTier, no_disk_stats
 from nanovllm_offload.host_block_pool import HostBlockPool
 from nanovllm_offload.host_memory import GiB, check_host_memory, num_host_blocks_for
 from nanovllm_offload.policy import PreemptionPolicy
+from nanovllm_offload.swap_in_allocation import allocate_for_swap_in
 from nanovllm_offload.transfer_report import TransferHandler, TransferReport
 
 if TYPE_CHECKING:
@@ -30,36 +31,6 @@ logger = logging.getLogger(__name__)
 CPU_PREFILL_PRIOR = 1e3  # tokens/s: a small model's prefill on a few CPU cores
 NO_TRANSFER = -1  # the transfer id of a direction without copies this step
 TRANSFER_HOLD = -1  # the owner a transfer's reference on a host block is released under (in error messages)
-
-
-def allocate_for_swap_in(seq: Sequence, gpu_blocks: BlockManager, num_reserved_blocks: int = 0,
-                         num_next_tokens: int = 0) -> list[tuple[int, int]] | None:
-    """Give a SWAPPED seq GPU blocks for its computed tokens. Full blocks still cached on the GPU are reused and
-    need no copy. Returns the (cpu_block_id, gpu_block_id) copies to make, or None when blocks are short.
-    Besides num_reserved_blocks, the blocks for its next num_next_tokens must stay free: resumed without room
-    for its next prompt chunk, a sequence preempts itself at once and swaps in and out every other step."""
-    num_blocks = len(seq.cpu_block_table)
-    num_reserved_blocks += max(0, seq.num_blocks_for(seq.num_computed_tokens + num_next_tokens) - num_blocks)
-    num_full = seq.num_computed_tokens // gpu_blocks.block_size
-    cached = {}
-    if gpu_blocks.enable_prefix_caching:
-        for i in range(min(num_full, len(seq.block_hashes))):
-            block_id = gpu_blocks.hash_to_block_id.get(seq.block_hashes[i])
-            if block_id is not None and block_id not in cached.values():
-                cached[i] = block_id
-    num_needed = num_blocks - len(cached) + gpu_blocks.num_revived(cached.values()) + num_reserved_blocks
-    if num_needed > gpu_blocks.num_free_blocks:
-        return None
-    for block_id in cached.values():  # before any pop_free, which could hand out (and evict) a later hit
-        gpu_blocks.take(block_id)
-    copies = []
-    for i in range(num_blocks):
-        if i in cached:
-            seq.block_table.append(cached[i])
-        else:
-            seq.block_table.append(gpu_blocks.pop_free())
-            copies.append((seq.cpu_block_table[i], seq.block_table[-1]))
-    return copies
 
 
 class StepCopies(NamedTuple):
@@ -73,7 +44,10 @@ class StepCopies(NamedTuple):
 
 class OffloadManager:
     """The host pool (`pool`), the swap-or-recompute policy (`policy`), the disk tier below (`disk`) and the
-    transfers in flight.
+    transfers in flight. vLLM's OffloadingManager, method for method: lookup -> `lookup`, touch -> `touch`,
+    prepare_store -> `swap_out` (a victim's blocks) and `store_cached_blocks` (the prefix cache's), prepare_load ->
+    `swap_in` and `load_prefix_hits`, complete_store and complete_load -> `complete` (by the ids the copy engine
+    reports); `end_step` names the step's transfers.
 
     NOTE: a SWAPPED sequence's computed KV is in the host blocks of its cpu_block_table and nowhere else. Its
           swap-in moves those references to the load, which releases them when it lands.

@@ -3,7 +3,7 @@ import pytest
 
 from metadata_factories import BLOCK_SIZE, make_seq
 from nanovllm.core.block_manager import BlockManager
-from nanovllm_offload.offload_manager import allocate_for_swap_in
+from nanovllm_offload.swap_in_allocation import allocate_for_swap_in
 
 
 def test_allocate_takes_blocks_from_the_head_in_order():

@@ -356,6 +356,8 @@ def test_reset_prefix_cache_forgets_both_tiers_or_neither():
     s.offload.pool.finish_writes([cpu_block_id])
     s.offload.pool.release(cpu_block_id, -1)
     assert s.reset_prefix_cache() and not s.block_manager.hash_to_block_id and not s.offload.pool.hash_to_block_id
+    assert s.offload.pool.state[cpu_block_id].name == "FREE"
+    s.offload.check_invariants([])
 
 
 def test_a_swapped_sequence_resumes_only_with_room_for_its_next_chunk():
