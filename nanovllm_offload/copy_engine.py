@@ -233,9 +233,8 @@ class CopyEngine:
         self.reading_gpu_blocks = {b: e for b, e in self.reading_gpu_blocks.items() if not e.query()}
 
     def get_finished(self) -> TransferReport:
-        """The transfers that landed since the last call, by id, with the copies timed meanwhile (never blocks the
-        host; on the CPU every copy has landed when it is issued)."""
-        self.poll()
+        """The transfers that landed since the last call, by id, with the copies that `poll` (at each step's issue)
+        timed meanwhile. Never blocks the host; on the CPU every copy has landed when it is issued."""
         finished, still = [], []
         for transfer_id, event in self.in_flight:  # each event queried once: one that lands meanwhile is not lost
             if event is None or event.query():

@@ -1,11 +1,12 @@
 """The tiers as the scheduler sees them: one manager in the shape of vLLM's OffloadingManager (lookup and touch,
 prepare and complete a store, prepare and complete a load). It decides what happens to a victim (swap or recompute),
 does the host bookkeeping of swap-out, swap-in and the host prefix cache, admits disk hits, and owns the state of
-every block in flight. The scheduler holds it (or None without a tier) and calls only its methods.
+every block in flight. The scheduler holds it (or None without a tier) and calls only its methods (plain Python; no
+torch).
 
 Copies leave it as (src, dst) block-id pairs in the step's SchedulerOutput, one transfer id per direction
 (`end_step`); the copy engine moves the bytes and names the ids that landed in a TransferReport, which the engine
-hands to `complete` once per step. Completions, and only completions, advance the states (plain Python; no torch):
+hands to `complete` once per step. Completions, and only completions, advance the states:
 - a host block is FREE -> RESERVED (handed out) -> WRITING (its step's copies went out) -> READY (they landed);
   only READY blocks are found by `lookup`, and a block in flight is held by its transfer, so it is never evicted;
 - a host block a load reads is held until the load lands, then released (a cached one stays findable);
