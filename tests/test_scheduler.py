@@ -380,3 +380,25 @@ def test_a_swapped_sequence_resumes_only_with_room_for_its_next_chunk():
     while not b.is_finished:
         run_step(s)
     assert a.is_finished and s.stats.preemptions == 1 and s.stats.recomputed_tokens == 0
+
+
+def test_an_aborted_victims_host_blocks_stay_held_until_its_swap_out_lands():
+    """A sequence aborted right after it was swapped out: the copies into its host blocks still go out with the
+    next step, so those blocks stay held (RESERVED, then WRITING) until the copy engine reports them; only then
+    are they free for another store or swap-out."""
+    s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=4, mode="swap")
+    a, b = make_seq(6), make_seq(6, start=200)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    s.preempt(b, mode="swap")
+    assert b.cpu_block_table == [0, 1] and s.offload.pool.state[0].name == "RESERVED"
+    s.finish(b, "abort")
+    assert s.host_pool.num_free_blocks == 2  # b's references are gone; its store's are not
+    out, _ = run_step(s, land_copies=False)
+    assert out.swap_out == [(3, 1), (2, 0)] and s.offload.pool.state[1].name == "WRITING"  # hand-out order
+    assert s.host_pool.num_free_blocks == 2
+    s.offload.complete(TransferReport([out.store_id]))
+    # the full block stays cached (READY, findable), the partial one is FREE
+    assert s.host_pool.num_free_blocks == 4 and [st.name for st in s.offload.pool.state] == ["READY"] + ["FREE"] * 3
+    check(s)
