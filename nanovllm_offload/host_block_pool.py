@@ -60,6 +60,15 @@ class HostBlockPool(BlockPool):
         """WRITING -> READY: the copies (or disk reads) into these blocks have landed."""
         self._advance(cpu_block_ids, HostBlockState.WRITING, HostBlockState.READY)
 
+    def abandon_writes(self, cpu_block_ids: list[int]):
+        """WRITING -> FREE for copies that were never issued (a step that raised before its launch): the blocks hold
+        nothing, so their hashes go too."""
+        self._advance(cpu_block_ids, HostBlockState.WRITING, HostBlockState.FREE)
+        for cpu_block_id in cpu_block_ids:
+            h, self.block_hash[cpu_block_id] = self.block_hash[cpu_block_id], None
+            if h is not None and self.hash_to_block_id.get(h) == cpu_block_id:
+                del self.hash_to_block_id[h]
+
     def _advance(self, cpu_block_ids: list[int], old: HostBlockState, new: HostBlockState):
         state = self.state
         for cpu_block_id in cpu_block_ids:

@@ -292,9 +292,17 @@ class OffloadManager:
 
     def settle(self, copies: TransferHandler):
         """With nothing running: wait for every copy and disk transfer and complete them (a prefix-cache reset, or
-        close, follows)."""
+        close, follows). A transfer the copy engine still does not report then was never issued (its step raised
+        before its launch): its holds are dropped, and the blocks it was to fill hold nothing (FREE)."""
         copies.synchronize()
         self.complete(copies.get_finished())
+        for store_id in list(self._stores):
+            cpu_block_ids, _ = self._stores.pop(store_id)
+            self.pool.abandon_writes(cpu_block_ids)
+            for cpu_block_id in cpu_block_ids:
+                self.pool.release(cpu_block_id, TRANSFER_HOLD)
+        for load_id in list(self._loads):
+            self._complete_load(load_id)  # the host blocks it was to read are intact
         if self.disk is not None:
             self.disk.store.wait_idle()
             self._loaded_from_disk += self.disk.poll()

@@ -402,3 +402,32 @@ def test_an_aborted_victims_host_blocks_stay_held_until_its_swap_out_lands():
     # the full block stays cached (READY, findable), the partial one is FREE
     assert s.host_pool.num_free_blocks == 4 and [st.name for st in s.offload.pool.state] == ["READY"] + ["FREE"] * 3
     check(s)
+
+
+def test_settle_drops_the_holds_of_copies_that_were_never_issued():
+    """A step that raised between scheduling and launch leaves transfers no copy engine will report; once the copy
+    engine has synchronized, settle drops them: the stores' blocks hold nothing (FREE, unhashed), the loads'
+    blocks are released, so the prefix caches can be reset again."""
+    class NothingIssued:
+        def synchronize(self):
+            pass
+
+        def get_finished(self):
+            return TransferReport()
+
+    s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=4, mode="swap")
+    s.offload.prefix_cache = True
+    a, b = make_seq(6), make_seq(6, start=200)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    s.preempt(b, mode="swap")
+    out = s.schedule()  # b swapped out and straight back in; the step is never launched
+    assert out.store_id >= 0 and out.load_id >= 0 and not s.reset_prefix_cache()
+    s.finish(a, "abort")
+    s.finish(b, "abort")
+    s.offload.settle(NothingIssued())
+    pool = s.host_pool
+    assert pool.num_free_blocks == 4 and not pool.hash_to_block_id and {st.name for st in pool.state} == {"FREE"}
+    assert s.reset_prefix_cache()
+    check(s)
