@@ -159,8 +159,10 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
     from nanovllm.config import Config, budget_bytes, small_card_batch_limits
     from nanovllm.engine.scheduler import Scheduler
     from nanovllm.core.sequence import Sequence
-    from nanovllm_offload.host_tier import HostTier, num_host_blocks_for
+    from nanovllm_offload.host_memory import num_host_blocks_for
+    from nanovllm_offload.offload_manager import OffloadManager
     from nanovllm_offload.policy import PreemptionPolicy
+    from nanovllm_offload.transfer_report import TransferReport
     options = engine_options(scenario, mode, args)
     # the batch limits a budget under 70 GiB gives the GPU run (without one: the GPU machines, all larger)
     options.update(small_card_batch_limits(options, budget_bytes(options.get("gpu_memory_budget_gib"))))
@@ -173,13 +175,13 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
     block_bytes = KVLayout(hf.num_hidden_layers, block_size, num_kv_heads, head_dim, torch.bfloat16,  # as on GPU
                            config.kv_cache_dtype).block_bytes
     num_cpu_blocks = num_host_blocks_for(config, block_bytes)  # sized as the engine sizes it
-    host_tier = None
+    offload = None
     if num_cpu_blocks is not None:
         policy = PreemptionPolicy("swap" if config.preemption_mode == "auto" else config.preemption_mode, block_bytes)
-        host_tier = HostTier(num_cpu_blocks, block_size, policy, config.host_prefix_cache)
+        offload = OffloadManager(num_cpu_blocks, block_size, policy, config.host_prefix_cache)
     num_gpu_blocks = (simulated_num_gpu_blocks(scenario, config, block_bytes, args) if scenario in LAPTOP_SCENARIOS
                       else config.kv_cache_memory_bytes // block_bytes)
-    scheduler = Scheduler.from_config(config, num_gpu_blocks, host_tier, set())
+    scheduler = Scheduler.from_config(config, num_gpu_blocks, offload, set())
     rng = random.Random(0)
     counts = dict(steps=0, decode_steps=0, batch_rows=0)
 
@@ -196,6 +198,8 @@ def simulate(scenario: str, mode: str, num_seqs: int, args) -> dict:
             counts["decode_steps"] += out.is_decode_only
             counts["batch_rows"] += len(out.seqs)
             scheduler.postprocess(out, [rng.randint(0, 10000) for sample in out.samples if sample])
+            if offload is not None:  # the step's copies have landed by its end
+                offload.complete(TransferReport(out.transfer_ids))
         return [seq.token_ids for seq in seqs]
 
     from nanovllm import SamplingParams

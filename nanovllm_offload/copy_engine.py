@@ -9,19 +9,22 @@ Ordering rules (each enforced by an event wait, never by a device-wide sync):
    handed out again, so the next owner usually waits for one block's copy, not for the victim's whole KV.
 3. Compute waits for any swap-in still filling a block that the step reads or writes. A resumed sequence (or one
    whose prefix comes from the host) joins the batch at the earliest one step after its copies were issued, and
-   while other sequences can run, only once `blocks_ready` says its copies have landed (the scheduler's
-   `kv_ready`), so the copy overlaps forwards instead of stalling one.
-4. The two directions are ordered against each other: a host block released by a swap-in can be the next
-   swap-out's destination, and a GPU block released by a swap-out can be the next swap-in's destination.
-5. The disk tier's threads write host blocks outside both streams, so a disk load reads into its host blocks only
-   once the copies issued up to the step that took them are done (`fence`; nanovllm_offload/disk_tier.py).
+   while other sequences can run, only once `get_finished` has reported its load (OffloadManager.complete), so
+   the copy overlaps forwards instead of stalling one.
+4. The two directions are ordered against each other: a GPU block released by a swap-out can be the next
+   swap-in's destination, and a swap-in may read a host block whose store is still being written (a sequence
+   swapped out and straight back in).
+Host blocks need no rule here: the manager holds every host block a copy reads or writes until `get_finished`
+reports that copy, so no other copy, disk read or disk write can touch it meanwhile.
+`get_finished` is the one completion API: it names the transfer ids (one per direction per step) that landed.
 On a CPU-only machine the copies are plain synchronous memcpys and all of their time counts as exposed.
 """
-import dataclasses
 import itertools
 import time
 
 import torch
+
+from nanovllm_offload.transfer_report import TransferReport
 
 
 def contiguous_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -63,22 +66,14 @@ def events_to_wait(new_gpu_block_ids: list[int], block_tables: list[list[int]], 
     return [e for e in events.values() if not e.query()]
 
 
-@dataclasses.dataclass(frozen=True)
-class CopyFence:
-    """The last copy issued in each direction at some point (None: none; always on the CPU, where copies are
-    synchronous)."""
-    last_out: "torch.cuda.Event | None"
-    last_in: "torch.cuda.Event | None"
-
-    def done(self) -> bool:
-        return all(event is None or event.query() for event in (self.last_out, self.last_in))
-
-
 class CopyEngine:
     """Owns the copy streams and the transfers in flight; drained once per step by `poll`."""
 
-    def __init__(self, gpu_kv: torch.Tensor, host_kv: torch.Tensor, block_size: int):
+    def __init__(self, gpu_kv: torch.Tensor, host_kv: torch.Tensor, block_size: int, reports_completions: bool = True):
         self.gpu_kv, self.host_kv, self.block_size = gpu_kv, host_kv, block_size
+        # rank 0's engine reports to the manager; the other ranks' would only pile up transfers nobody asks about
+        self.reports_completions = reports_completions
+        self.in_flight: list[tuple[int, "torch.cuda.Event | None"]] = []  # (transfer id, its last copy's event)
         self.block_bytes = gpu_kv[0].numel() * gpu_kv.element_size()
         self.is_cuda = gpu_kv.is_cuda
         if self.is_cuda:
@@ -93,19 +88,25 @@ class CopyEngine:
         self.pending_waits: list[tuple[object, object]] = []  # compute-stream stalls not yet timed
         self.bytes_out = self.bytes_in = 0
         self.copy_seconds = self.exposed_seconds = 0.0
-        self.recent_copies: list[tuple[int, float]] = []  # (bytes, seconds) timed since the last take_recent_copies
+        self.recent_copies: list[tuple[int, float]] = []  # (bytes, seconds) timed since the last get_finished
 
     # --- issuing copies
     def issue_step_copies(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
-                          new_gpu_block_ids: list[int], block_tables: list[list[int]]):
-        """A step's copies, before its forward: retire finished ones, issue the swap-outs, make the forward wait for
-        what it must (rules 2 and 3), then issue the swap-ins. Rule 2 applies to the blocks the forward writes: a
-        swap-in's destinations are written by the copy, which is ordered after the swap-outs (rule 4)."""
+                          new_gpu_block_ids: list[int], block_tables: list[list[int]], store_id: int = -1,
+                          load_id: int = -1):
+        """A step's copies, before its forward: retire finished ones, issue the swap-outs (transfer `store_id`),
+        make the forward wait for what it must (rules 2 and 3), then issue the swap-ins (transfer `load_id`). Rule 2
+        applies to the blocks the forward writes: a swap-in's destinations are written by the copy, which is
+        ordered after the swap-outs (rule 4)."""
         self.poll()
         self.swap_out(swap_out)
+        if swap_out and self.reports_completions:
+            self.in_flight.append((store_id, self.last_out_event))  # the out stream runs the step's runs in order
         swap_in_dst = {gpu_block_id for _, gpu_block_id in swap_in}
         self.wait_before_forward([b for b in new_gpu_block_ids if b not in swap_in_dst], block_tables)
         self.swap_in(swap_in)
+        if swap_in and self.reports_completions:
+            self.in_flight.append((load_id, self.last_in_event))
 
     def forward_issued(self, slot_mapping: list[int]):
         """Call after each forward is enqueued on the compute stream (rule 1). KV written on the compute stream by
@@ -138,11 +139,6 @@ class CopyEngine:
         if event is not None:
             for _, gpu_block_id in pairs:
                 self.arriving_gpu_blocks[gpu_block_id] = event
-
-    def blocks_ready(self, gpu_block_ids: list[int]) -> bool:
-        """True when no swap-in is still filling any of these blocks (never blocks the host)."""
-        arriving = self.arriving_gpu_blocks
-        return not arriving or all(b not in arriving or arriving[b].query() for b in gpu_block_ids)
 
     def _copy(self, pairs, src: torch.Tensor, dst: torch.Tensor, direction: str, after=None):
         """Copy on the direction's stream once `after` (an event on the compute stream; default: all compute issued
@@ -236,18 +232,18 @@ class CopyEngine:
         self.pending_waits = waits
         self.reading_gpu_blocks = {b: e for b, e in self.reading_gpu_blocks.items() if not e.query()}
 
-    def take_recent_copies(self) -> list[tuple[int, float]]:
+    def get_finished(self) -> TransferReport:
+        """The transfers that landed since the last call, by id, with the copies that `poll` (at each step's issue)
+        timed meanwhile. Never blocks the host; on the CPU every copy has landed when it is issued."""
+        finished, still = [], []
+        for transfer_id, event in self.in_flight:  # each event queried once: one that lands meanwhile is not lost
+            if event is None or event.query():
+                finished.append(transfer_id)
+            else:
+                still.append((transfer_id, event))
+        self.in_flight = still
         recent, self.recent_copies = self.recent_copies, []
-        return recent
-
-    def fence(self) -> "CopyFence":
-        """The copies issued so far, both directions (each stream runs its copies in issue order)."""
-        return CopyFence(self.last_out_event, self.last_in_event)
-
-    def out_copies_done(self) -> bool:
-        """Every swap-out issued so far has landed on the host (the out stream runs them in order); the disk tier
-        reads host blocks only then."""
-        return not self.is_cuda or self.last_out_event is None or self.last_out_event.query()
+        return TransferReport(finished, recent, self.copy_seconds, self.exposed_seconds)
 
     def synchronize(self):
         if self.is_cuda:

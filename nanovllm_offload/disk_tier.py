@@ -1,24 +1,23 @@
 """The disk tier in host-pool terms: which host blocks go to disk, which disk hits come back into host blocks, and
-what that cost (plain Python and numpy; no torch). The host tier owns one; the store does the I/O on its threads.
+what that cost (plain Python and numpy; no torch). The offload manager owns one; the store does the I/O on its
+threads.
 
 Life of a block (docs/disk_tier.md):
 1. A full, hashed block that the host prefix cache stores is written to disk once its copy from the GPU has landed
-   (`submit_writes`); the write holds a reference on the host block, so the pool cannot hand it out (and a copy
-   cannot overwrite it) before the write has read it.
+   (the manager's completion of the store calls `write`); the write keeps the store's reference on the host block,
+   so the pool cannot hand it out (and a copy cannot overwrite it) before the write has read it.
 2. On admission, past the GPU and host hits, the disk is asked for the next blocks; a hit is loaded only where
    reading it beats prefilling it (`PreemptionPolicy.should_load_from_disk`). The sequence then waits out of every
-   queue while the store's threads read the blocks into free host blocks it holds. The reads start only once the
-   host<->GPU copies issued up to the step that took those blocks have finished (`submit_loads`): a block just
-   freed may still be a swap-in's source or a swap-out's destination, and nothing orders the store's threads
-   after the copy streams.
-3. Once read, the blocks are hashed into the host prefix cache and the sequence goes back to the front of the
-   waiting queue, where the next admission finds them as host hits and copies them to the GPU like any other.
+   queue while the store's threads read the blocks into free host blocks, WRITING until `poll` reports them. The
+   reads start at once: a block in the free queue is touched by no copy (a copy's blocks are held by their
+   transfer until it lands: OffloadManager).
+3. Once read, the blocks are READY and hashed into the host prefix cache, and the sequence goes back to the front
+   of the waiting queue, where the next admission finds them as host hits and copies them to the GPU like any other.
 """
-import dataclasses
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from nanovllm.config import rope_parameters
 from nanovllm.core.hashing import content_hash
@@ -42,20 +41,6 @@ DISK_STAT_KEYS = ("disk_hit_tokens", "disk_loaded_tokens", "disk_skipped_tokens"
                   "blocks_evicted_from_disk")
 logger = logging.getLogger(__name__)
 NO_OWNER = -1  # the owner id a write's or a load's hold on a host block is released under
-
-
-class CopyFence(Protocol):
-    """The host<->GPU copies issued up to some point (nanovllm_offload/copy_engine.py: CopyEngine.fence)."""
-    def done(self) -> bool: ...
-
-
-@dataclasses.dataclass(slots=True)
-class PendingLoad:
-    """A load whose host blocks are held but not yet read into: it waits for `fence` (None: not yet fenced)."""
-    seq_id: int
-    block_hashes: list[int]
-    cpu_block_ids: list[int]
-    fence: CopyFence | None = None
 
 
 def open_disk_store(config: "Config", runner, tp_rank: int = 0) -> DiskStore:
@@ -107,10 +92,11 @@ def log_probe(store: DiskStore, probe: DiskRead | None):
 
 
 class DiskTier:
-    """Writes waiting for their host copy (`pending_writes`), loads in flight (`loading`) and the counters.
+    """Writes and loads in flight (`transfers`, `loading`) and the counters.
 
-    NOTE: a host block in pending_writes or being written or loaded holds one reference (owner NO_OWNER), so it is
-          out of the pool's free queue: never handed out, never overwritten, until poll() releases it.
+    NOTE: a host block being written to disk or loaded from it holds one reference (owner NO_OWNER), so it is out
+          of the pool's free queue: never handed out, never overwritten, until poll() releases it. A block a load
+          fills is WRITING until then, so no lookup finds it.
     NOTE: a sequence in `loading` is in no scheduler queue; its status stays WAITING. A finished one's entry stays
           (with seq None) until its load comes back, so the load's host blocks are released then.
     """
@@ -120,31 +106,22 @@ class DiskTier:
         self.store = store
         self.transfers = DiskTransfers(store, host_blocks)
         self.pool, self.policy, self.block_size = pool, policy, block_size
-        self.pending_writes: list[tuple[int, int]] = []  # (cpu_block_id, block_hash), host copy maybe in flight
-        self.pending_loads: list[PendingLoad] = []  # blocks held, reads not started (submit_loads)
         self.loading: dict[int, tuple[Sequence, list[int]]] = {}  # seq_id -> (seq, the block hashes it loads)
         self.decided_seq_ids: set[int] = set()  # asked the disk once; not again until they finish
         self.counters = dict.fromkeys(("disk_hit_tokens", "disk_loaded_tokens", "disk_skipped_tokens"), 0)
 
     # --- writes
-    def hold_for_write(self, cpu_block_id: int, block_hash: int):
-        """A hashed block the host prefix cache just stored: written once its copy has landed (submit_writes)."""
-        self.pool.take(cpu_block_id)
-        self.pending_writes.append((cpu_block_id, block_hash))
-
-    def submit_writes(self):
-        """Hand the held blocks to the store; call once the copies into them are done. A block stored already
-        (by an earlier run, or another engine) needs no write and is released at once."""
-        pending, self.pending_writes = self.pending_writes, []
-        for cpu_block_id, block_hash in pending:
-            if not self.transfers.write(cpu_block_id, block_hash):
-                self.pool.release(cpu_block_id, NO_OWNER)
+    def write(self, cpu_block_id: int, block_hash: int) -> bool:
+        """Write a READY host block that the host prefix cache stored, holding the caller's reference on it until
+        poll() reports the write. False (the reference stays the caller's) when there is nothing to write: the
+        block is stored already (by an earlier run, or another engine)."""
+        return self.transfers.write(cpu_block_id, block_hash)
 
     # --- loads
     def start_load(self, seq: Sequence, num_hit_blocks: int, host_hit_ids: list[int]) -> bool:
         """Ask the disk for seq's full blocks after its first num_hit_blocks (GPU and host hits, `host_hit_ids`
         among them; never the block of the last prompt token) and load them if the rule says so. True: a load
-        started and seq must wait for it out of the queues (its reads start with submit_loads)."""
+        started and seq must wait for it out of the queues."""
         num_candidates = (seq.num_tokens - 1) // self.block_size - num_hit_blocks
         if num_candidates <= 0 or seq.seq_id in self.decided_seq_ids:
             return False
@@ -167,36 +144,26 @@ class DiskTier:
             return False
         self.counters["disk_skipped_tokens"] += (num_found - num_blocks) * self.block_size
         cpu_block_ids = [self.pool.pop_free() for _ in range(num_blocks)]  # the hits are used last: never reached
-        self.pending_loads.append(PendingLoad(seq.seq_id, block_hashes[:num_blocks], cpu_block_ids))
+        self.pool.begin_writes(cpu_block_ids)
+        self.transfers.load(seq.seq_id, block_hashes[:num_blocks], cpu_block_ids)
         self.loading[seq.seq_id] = (seq, block_hashes[:num_blocks])
         return True
 
-    def submit_loads(self, fence: CopyFence):
-        """Start the reads whose host blocks no copy touches any more. `fence`: the copies issued so far; call after
-        the copies of every step scheduled so far are issued. A load not fenced yet takes this fence (its blocks
-        were taken by a step whose copies it covers); one whose fence is done starts."""
-        waiting = []
-        for load in self.pending_loads:
-            load.fence = load.fence or fence
-            if load.fence.done():
-                self.transfers.load(load.seq_id, load.block_hashes, load.cpu_block_ids)
-            else:
-                waiting.append(load)
-        self.pending_loads = waiting
-
     def poll(self) -> list[Sequence]:
-        """Release the host blocks of finished writes; hash the blocks of finished loads into the host prefix cache
-        (the leading run read whole; the rest go back to the pool) and return their sequences, still waiting."""
-        written, loads = self.transfers.poll()
+        """Release the host blocks of finished writes; make the blocks of finished loads READY and hash them into the
+        host prefix cache (the leading run read whole; the rest go back to the pool) and return their sequences,
+        still waiting. Never blocks."""
+        written, loads = self.transfers.get_finished()
         for cpu_block_id in written:
             self.pool.release(cpu_block_id, NO_OWNER)
         ready = []
         for load in loads:
             seq, block_hashes = self.loading.pop(load.seq_id)
+            self.pool.finish_writes(load.cpu_block_ids)
             for i, cpu_block_id in enumerate(load.cpu_block_ids):
                 if i < load.num_loaded and block_hashes[i] not in self.pool.hash_to_block_id:
                     self.pool.set_hash(cpu_block_id, block_hashes[i])
-                self.pool.release(cpu_block_id, NO_OWNER)  # hashed: cached at the tail; the rest: at the head
+                self.pool.release(cpu_block_id, NO_OWNER)  # hashed: cached at the tail; the rest: FREE, at the head
             self.counters["disk_loaded_tokens"] += load.num_loaded * self.block_size
             if seq is not None:
                 ready.append(seq)
@@ -210,6 +177,13 @@ class DiskTier:
         self.loading[seq.seq_id] = (None, self.loading[seq.seq_id][1])  # the load still fills its blocks
         return True
 
+    def held_cpu_block_ids(self) -> dict[int, int]:
+        """For invariant checks: cpu_block_id -> references the disk's transfers hold on it."""
+        held = dict(self.transfers.writing)
+        for cpu_block_id in self.transfers.loading:
+            held[cpu_block_id] = held.get(cpu_block_id, 0) + 1
+        return held
+
     @property
     def num_waiting_seqs(self) -> int:
         """Sequences out of the queues, waiting for their loads."""
@@ -217,14 +191,7 @@ class DiskTier:
 
     # --- lifetime and counters
     def flush(self):
-        """Submit what is held, wait for every write and load, release their blocks (engine close: a load whose reads
-        have not started reads nothing)."""
-        for load in self.pending_loads:
-            self.loading.pop(load.seq_id)
-            for cpu_block_id in load.cpu_block_ids:
-                self.pool.release(cpu_block_id, NO_OWNER)
-        self.pending_loads = []
-        self.submit_writes()
+        """Wait for every write and load and release their blocks (engine close)."""
         self.store.wait_idle()
         self.poll()
 

@@ -25,7 +25,7 @@ class DiskTransfers:
     """Writes and loads in flight, by the host blocks they use.
 
     NOTE: a host block that a write reads (`writing`) or a load fills (`loading`) must not be handed out or copied
-          over until poll() has reported it; the host tier holds a reference on it until then.
+          over until get_finished() has reported it; the host tier holds a reference on it until then.
     """
 
     def __init__(self, store: DiskStore, host_blocks: np.ndarray):
@@ -58,8 +58,8 @@ class DiskTransfers:
         self._loads[handle] = (seq_id, list(cpu_block_ids))
         self.loading.update(cpu_block_ids)
 
-    def poll(self) -> tuple[list[int], list[FinishedLoad]]:
-        """(cpu_block_ids whose writes finished, loads that finished) since the last poll; never blocks."""
+    def get_finished(self) -> tuple[list[int], list[FinishedLoad]]:
+        """(cpu_block_ids whose writes finished, loads that finished) since the last call; never blocks."""
         written, loads = [], []
         for handle in self.store.poll():
             if isinstance(handle, DiskWrite):

@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 
 from nanovllm.core.sequence import Sequence
+from nanovllm_offload.transfer_report import TransferReport
 
 
 @dataclass(slots=True)
@@ -21,6 +22,7 @@ class PreemptionPolicy:
     prefill_tokens_per_s: float = 20e3  # prior
     ema: float = 0.2  # weight of the newest measurement
     full_prefill_sample_tokens: int = 1024  # a prefill sample of this many tokens or more gets the full ema weight
+    last_copy_totals: tuple[float, float] = (0.0, 0.0)  # the copy engine's (exposed, copy) seconds at the last report
 
     def should_swap(self, seq: Sequence) -> bool:
         if self.mode != "auto":
@@ -36,6 +38,16 @@ class PreemptionPolicy:
         running sequence a share of a forward, so comparing the two times leans towards recomputing: a fast GPU
         never waits on a slow disk (docs/disk_tier.md)."""
         return num_bytes / read_bytes_per_s <= num_tokens / self.prefill_tokens_per_s
+
+    def observe_copies(self, report: TransferReport):
+        """report.copies: (bytes, seconds) timed since the last report; its totals: the copy engine's running sums."""
+        if not report.copies:
+            return
+        for num_bytes, seconds in report.copies:
+            self.observe_copy(num_bytes, seconds)
+        last_exposed, last_copy = self.last_copy_totals
+        self.observe_exposure(report.exposed_seconds - last_exposed, report.copy_seconds - last_copy)
+        self.last_copy_totals = (report.exposed_seconds, report.copy_seconds)
 
     def observe_copy(self, num_bytes: int, seconds: float):
         if num_bytes > 0 and seconds > 0:

@@ -12,6 +12,8 @@ _.capture_cuda_graphs
 # scheduler stats counters, read through dataclasses.asdict into stats() and the server's metrics
 _.blocks_onloaded
 blocks_onloaded
+_.swap_fallback_recomputes
+swap_fallback_recomputes
 # the module's __getattr__: Python calls it for a missing attribute (lazy imports)
 __getattr__
 # reprlib.Repr's settings, read by reprlib

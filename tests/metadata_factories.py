@@ -3,8 +3,9 @@ from nanovllm.core.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.core.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
-from nanovllm_offload.host_tier import HostTier
+from nanovllm_offload.offload_manager import OffloadManager
 from nanovllm_offload.policy import PreemptionPolicy
+from nanovllm_offload.transfer_report import TransferReport
 
 BLOCK_SIZE = 4
 
@@ -18,8 +19,8 @@ def make_scheduler(num_gpu_blocks=8, num_cpu_blocks=8, mode="swap", max_num_seqs
                    max_model_len=64, prefix_caching=True) -> Scheduler:
     bm = BlockManager(num_gpu_blocks, BLOCK_SIZE, prefix_caching)
     policy = PreemptionPolicy(mode, block_bytes=1024)
-    host = HostTier(num_cpu_blocks, BLOCK_SIZE, policy, prefix_cache=False) if num_cpu_blocks is not None else None
-    return Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len, eos_token_ids={0}, host_tier=host)
+    offload = None if num_cpu_blocks is None else OffloadManager(num_cpu_blocks, BLOCK_SIZE, policy, prefix_cache=False)
+    return Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len, eos_token_ids={0}, offload=offload)
 
 
 def all_seqs(s: Scheduler) -> list[Sequence]:
@@ -30,8 +31,8 @@ def check(s: Scheduler, extra=()):
     """Every invariant, after every step."""
     seqs = all_seqs(s) + list(extra)
     s.block_manager.check_invariants(seqs)
-    if s.host_pool is not None:
-        s.host_pool.check_invariants(seqs)
+    if s.offload is not None:
+        s.offload.check_invariants(seqs)
     for seq in s.running:
         assert seq.status.name == "RUNNING" and not seq.cpu_block_table
         assert len(seq.block_table) * BLOCK_SIZE >= seq.num_computed_tokens
@@ -91,9 +92,16 @@ def check_copies(out):
     assert not twice, f"cpu blocks {twice} are written twice by one step's swap-outs {out.swap_out}"
 
 
-def run_step_async(s: Scheduler, in_flight: list, sampled_token: int = 7, shadow: ShadowKV | None = None):
+def land(s: Scheduler, out: SchedulerOutput):
+    """The copy engine reports the step's copies landed (on the CPU they have by the end of the step)."""
+    if s.offload is not None:
+        s.offload.complete(TransferReport(out.transfer_ids))
+
+
+def run_step_async(s: Scheduler, in_flight: list, sampled_token: int = 7, shadow: ShadowKV | None = None,
+                   land_copies: bool = True):
     """One step of the engine's asynchronous loop: schedule step N, "launch" it, resolve step N-1, advance N.
-    `in_flight` carries step N-1's rows from call to call."""
+    `in_flight` carries step N-1's rows from call to call. land_copies False: the caller lands the step's copies."""
     out = s.schedule()
     check(s)
     check_copies(out)
@@ -105,13 +113,15 @@ def run_step_async(s: Scheduler, in_flight: list, sampled_token: int = 7, shadow
     rows = s.advance(out)
     if rows:
         in_flight.append(rows)
+    if land_copies:
+        land(s, out)
     check(s)
     return out
 
 
-def run_step(s: Scheduler, sampled_token: int = 7, shadow: ShadowKV | None = None):
+def run_step(s: Scheduler, sampled_token: int = 7, shadow: ShadowKV | None = None, land_copies: bool = True):
     """schedule + postprocess with a fixed sampled token, checking invariants on the way (and the KV contents,
-    given a shadow)."""
+    given a shadow); then the step's copies land, unless land_copies is False (the caller lands them)."""
     out = s.schedule()
     check(s)
     check_copies(out)
@@ -120,5 +130,7 @@ def run_step(s: Scheduler, sampled_token: int = 7, shadow: ShadowKV | None = Non
     num_sampled = sum(1 for seq, n in zip(out.seqs, out.num_new_tokens)
                       if seq.num_computed_tokens + n == seq.num_tokens)
     finished = s.postprocess(out, [sampled_token] * num_sampled)
+    if land_copies:
+        land(s, out)
     check(s)
     return out, finished

@@ -36,7 +36,8 @@ TORCH_FREE = ["nanovllm.core.*", "nanovllm.sampling_params", "nanovllm.inputs", 
               "nanovllm.outputs", "nanovllm.engine.scheduler", "nanovllm.engine.step_plan", "nanovllm.engine.output",
               "nanovllm.engine.penalties", "nanovllm.engine.logit_rules", "nanovllm.engine.parallel_sampling",
               "nanovllm_offload.host_block_pool",
-              "nanovllm_offload.policy", "nanovllm_offload.host_memory", "nanovllm_offload.host_tier"]
+              "nanovllm_offload.policy", "nanovllm_offload.host_memory", "nanovllm_offload.offload_manager",
+              "nanovllm_offload.transfer_report", "nanovllm_offload.swap_in_allocation"]
 
 
 def module_files(root: pathlib.Path) -> dict[str, pathlib.Path]:

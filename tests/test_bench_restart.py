@@ -11,7 +11,7 @@ import pytest
 import xxhash
 
 from conftest import close_llm
-from nanovllm_offload.host_tier import CPU_PREFILL_PRIOR
+from nanovllm_offload.offload_manager import CPU_PREFILL_PRIOR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)

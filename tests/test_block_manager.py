@@ -3,6 +3,7 @@ import pytest
 
 from metadata_factories import BLOCK_SIZE, make_seq
 from nanovllm.core.block_manager import BlockManager
+from nanovllm_offload.swap_in_allocation import allocate_for_swap_in
 
 
 def test_allocate_takes_blocks_from_the_head_in_order():
@@ -91,7 +92,7 @@ def test_swap_in_reuses_gpu_cached_blocks_and_copies_the_rest():
     bm.cache_full_blocks(a)
     bm.free(a)  # as a swap-out would: blocks 0, 1 stay cached on the GPU
     a.cpu_block_table = [7, 8, 9]
-    copies = bm.allocate_for_swap_in(a)
+    copies = allocate_for_swap_in(a, bm)
     assert a.block_table == [0, 1, 2]  # 2 was at the head of the free queue (no hash)
     assert copies == [(9, 2)]  # only the partial block crosses the link
     bm.check_invariants([a])
@@ -106,13 +107,13 @@ def test_swap_in_takes_its_cached_blocks_before_handing_out_free_ones():
     a.num_computed_tokens, b.num_computed_tokens = 12, 16
     bm.cache_full_blocks(a)
     bm.cache_full_blocks(b)
-    bm.free(a, hand_out_last=[2])  # swapped out while the forward in flight writes block 2
+    bm.free_swapped_out(a, [2])  # swapped out while the forward in flight writes block 2
     bm.free(b)
     assert list(bm.free_block_ids) == [1, 0, 2, 6, 5, 4, 3]
     c = make_seq(4, start=900)
     assert bm.allocate(c, 4) and c.block_table == [1]  # a's block 1 loses its hash; 0 and 2 stay cached
     a.cpu_block_table = [7, 8, 9]
-    copies = bm.allocate_for_swap_in(a)
+    copies = allocate_for_swap_in(a, bm)
     assert a.block_table == [0, 6, 2] and copies == [(8, 6)]
     bm.check_invariants([a, c])
 
@@ -209,3 +210,17 @@ def test_free_without_keep_tail_and_with_prefix_caching_off_keeps_no_tail():
     bm = BlockManager(8, BLOCK_SIZE, False)
     _finished_with_tail(bm)
     assert bm.tail_tokens == {} and bm.find_cached_tail(make_seq(token_ids=list(range(100, 108))), 0) is None
+
+
+def test_free_swapped_out_returns_the_order_the_free_queue_hands_the_blocks_out():
+    """The swap-out copies a victim's blocks in the order this returns; it must be the order pop_free then hands
+    them out, the blocks the step in flight writes last."""
+    bm = BlockManager(8, BLOCK_SIZE)
+    a = make_seq(14)  # blocks 0, 1, 2 full, 3 partial
+    assert bm.allocate(a, 14)
+    a.num_computed_tokens = 14
+    bm.cache_full_blocks(a)
+    order = bm.free_swapped_out(a, hand_out_last=[1])
+    assert order == [3, 2, 0, 1]
+    handed_out = [bm.pop_free() for _ in range(bm.num_free_blocks)]
+    assert [b for b in handed_out if b in order] == order

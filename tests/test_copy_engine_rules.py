@@ -44,3 +44,22 @@ def test_a_swap_out_waits_for_the_last_forward_only_for_the_blocks_it_writes():
     assert stale == [(4, 0), (7, 3)] and hot == [(5, 1), (2, 2)]
     # no forward before the last one: everything waits for the last
     assert split_by_last_forward([(4, 0)], None) == ([], [(4, 0)])
+
+
+def test_get_finished_names_each_steps_transfers_once():
+    """The one completion API: the ids of the copies that landed (on the CPU, every copy has when it is issued),
+    each once, with the copies' timings; an engine that does not report (ranks other than 0) keeps none."""
+    import torch
+
+    from nanovllm_offload.copy_engine import CopyEngine
+    gpu_kv, host_kv = torch.arange(4 * 6.0).view(4, 6), torch.zeros(3, 6)
+    engine = CopyEngine(gpu_kv, host_kv, block_size=2)
+    engine.issue_step_copies([(1, 0), (2, 1)], [], [], [], store_id=5)
+    engine.issue_step_copies([], [(0, 3)], [], [[3]], load_id=6)
+    report = engine.get_finished()
+    assert report.finished_ids == [5, 6] and [n for n, _ in report.copies] == [2 * 24, 24]
+    assert torch.equal(host_kv[:2], gpu_kv[1:3]) and torch.equal(gpu_kv[3], gpu_kv[1])
+    assert engine.get_finished().finished_ids == []
+    silent = CopyEngine(gpu_kv, host_kv, block_size=2, reports_completions=False)
+    silent.issue_step_copies([(1, 0)], [], [], [], store_id=7)
+    assert silent.get_finished().finished_ids == [] and silent.in_flight == []

@@ -572,13 +572,13 @@ def test_transfers_write_host_blocks_and_load_a_hit_into_others(tmp_path):
     with pytest.raises(RuntimeError, match=r"host blocks \[3\] are still in a disk transfer"):
         transfers.load(1, [20], [3])
     transfers.store.wait_idle(10)
-    written, loads = transfers.poll()
+    written, loads = transfers.get_finished()
     assert sorted(written) == [2, 3] and loads == [] and not transfers.writing
     # seq 7's hit: blocks 20, 99 (not stored), 30 into host blocks 5, 6, 4
     transfers.load(7, [20, 99, 30], [5, 6, 4])
     assert transfers.loading == {4, 5, 6}
     transfers.store.wait_idle(10)
-    assert transfers.poll() == ([], [FinishedLoad(7, [5, 6, 4], 1)])
+    assert transfers.get_finished() == ([], [FinishedLoad(7, [5, 6, 4], 1)])
     assert np.array_equal(host_blocks[5], block_bytes_for(20)) and not transfers.loading
     assert transfers.num_in_flight == 0
 
@@ -593,42 +593,20 @@ def test_transfers_take_a_bfloat16_pool_as_bytes(tmp_path):
     transfers = DiskTransfers(store, host_kv.view(torch.uint8).view(4, -1).numpy())
     transfers.write(1, 11)
     store.wait_idle(10)
-    transfers.poll()
+    transfers.get_finished()
     transfers.load(0, [11], [3])
     store.wait_idle(10)
-    assert transfers.poll()[1][0].num_loaded == 1 and torch.equal(host_kv[3], host_kv[1])
+    assert transfers.get_finished()[1][0].num_loaded == 1 and torch.equal(host_kv[3], host_kv[1])
     with pytest.raises(ValueError, match="uint8 view of the host pool"):
         DiskTransfers(store, np.zeros((4, block_bytes), np.float32))
 
 
-# --- the disk tier's host blocks (DiskTier, under a HostTier)
-class Fence:
-    """A stand-in for the copy engine's fence: done when the test says so."""
-    def __init__(self, is_done: bool = False):
-        self.is_done = is_done
-
-    def done(self) -> bool:
-        return self.is_done
-
-
-class Copies:
-    """A stand-in for the copy engine, as HostTier.submit_disk_transfers asks it: every swap-out landed, and the
-    copies issued so far (`fence`)."""
-    def __init__(self, fence: Fence):
-        self._fence = fence
-
-    def out_copies_done(self) -> bool:
-        return True
-
-    def fence(self) -> Fence:
-        return self._fence
-
-
+# --- the disk tier's host blocks (DiskTier, under an OffloadManager)
 def tier_with_disk(tmp_path, num_host_blocks: int = 8, block_size: int = 4):
-    from nanovllm_offload.host_tier import HostTier
+    from nanovllm_offload.offload_manager import OffloadManager
     from nanovllm_offload.policy import PreemptionPolicy
     store = DiskStore(str(tmp_path / "kv"), FP_A, 1 << 30)
-    tier = HostTier(num_host_blocks, block_size, PreemptionPolicy("swap", BLOCK_BYTES), prefix_cache=True)
+    tier = OffloadManager(num_host_blocks, block_size, PreemptionPolicy("swap", BLOCK_BYTES), prefix_cache=True)
     tier.attach_disk(store, np.zeros((num_host_blocks, BLOCK_BYTES), np.uint8), on_cpu=True)
     return tier, store
 
@@ -641,10 +619,16 @@ def store_prompt_blocks(store: DiskStore, seq, block_indices):
     store.poll()
 
 
-def test_a_load_reads_into_its_host_blocks_only_after_the_copies_that_touched_them(tmp_path):
-    """A swap-in releases its host blocks once its copy is issued, before the copy has run; the disk tier's threads
-    are ordered after no copy stream, so a load that takes such a block reads into it only once the copies issued
-    up to then (the fence of the step that took it) are done."""
+def landed(tier, ids: list[int] = ()):
+    """The copy engine reports these transfers (and the disk's finished ones are taken in)."""
+    from nanovllm_offload.transfer_report import TransferReport
+    tier.complete(TransferReport(list(ids)))
+
+
+def test_a_load_reads_at_once_into_free_host_blocks_never_into_blocks_a_copy_holds(tmp_path):
+    """A swap-in holds its host blocks until its copy lands, so the disk's threads, which no copy stream orders,
+    never read into a block a copy still reads: a load takes free blocks only, and its reads start at once. Its
+    blocks are WRITING until the disk reports them, and no lookup finds them before."""
     from nanovllm.core.block_manager import BlockManager
     from nanovllm.core.sequence import Sequence
     from nanovllm.sampling_params import SamplingParams
@@ -654,23 +638,23 @@ def test_a_load_reads_into_its_host_blocks_only_after_the_copies_that_touched_th
     gpu.allocate(swapped, 10)
     swapped.num_computed_tokens = 10
     gpu.cache_full_blocks(swapped)
-    assert tier.swap_out(swapped, gpu, []) == [(2, 2), (1, 1), (0, 0)]
-    gpu.free(swapped)
-    assert tier.swap_in(swapped, gpu, 0, 64) == [(2, 2)]  # the partial block: host block 2 is read by the copy
+    assert tier.swap_out(swapped, gpu) == 3
+    out = tier.end_step([], [])
+    assert out.swap_out == [(2, 2), (1, 1), (0, 0)] and tier.pool.state[2].name == "WRITING"
+    landed(tier, [out.store_id])
+    assert tier.swap_in(swapped, gpu, 0, 64) == 1  # the partial block: host block 2 is read by the copy
+    out = tier.end_step([], [])
+    assert out.swap_in == [(2, 2)] and tier.pool.num_free_blocks == 5  # 0, 1 and 2 held by the load
     seq = Sequence(list(range(500, 517)), SamplingParams(), 4)  # 4 full blocks before the last token
     store_prompt_blocks(store, seq, range(4))
     assert tier.start_disk_load(seq, 0, [])
-    (load,) = tier.disk.pending_loads
-    assert load.cpu_block_ids == [2, 3, 4, 5] and tier.disk.transfers.num_in_flight == 0
-    first = Fence()
-    tier.submit_disk_transfers(Copies(first))  # the step's copies (the swap-in from host block 2) are still running
-    tier.submit_disk_transfers(Copies(Fence(is_done=True)))  # a later fence changes nothing: the load waits for its own
-    assert tier.disk.transfers.num_in_flight == 0 and load.fence is first and tier.num_disk_waiting == 1
-    first.is_done = True
-    tier.submit_disk_transfers(Copies(Fence()))
-    assert tier.disk.pending_loads == [] and tier.disk.transfers.num_in_flight == 1
-    assert store.wait_idle(10) and tier.poll_disk() == [seq]
-    assert tier.find_prefix(seq, 0) == [2, 3, 4, 5]
+    assert tier.disk.transfers.loading == {3, 4, 5, 6} and tier.pool.state[3].name == "WRITING"
+    assert tier.lookup(seq, 0) == [] and tier.num_disk_waiting == 1
+    assert store.wait_idle(10)
+    landed(tier, [out.load_id])
+    assert tier.take_loaded_from_disk() == [seq] and tier.lookup(seq, 0) == [3, 4, 5, 6]
+    assert tier.pool.num_free_blocks == 8 and tier.num_disk_waiting == 0
+    tier.check_invariants([])
 
 
 def test_a_load_leaves_the_sequences_own_host_hits_in_place(tmp_path):
@@ -683,19 +667,23 @@ def test_a_load_leaves_the_sequences_own_host_hits_in_place(tmp_path):
     seq = Sequence(list(range(100, 141)), SamplingParams(), 4)  # 10 full blocks before the last token
     store_prompt_blocks(store, seq, range(2, 10))
     for i in range(2):  # blocks 0 and 1 are host prefix-cache entries
-        tier.pool.store(content_hash(seq, i))
-    hits = tier.find_prefix(seq, 0)
+        cpu_block_id = tier.pool.store(content_hash(seq, i))
+        tier.pool.begin_writes([cpu_block_id])
+        tier.pool.finish_writes([cpu_block_id])
+        tier.pool.release(cpu_block_id, -1)
+    hits = tier.lookup(seq, 0)
     assert len(hits) == 2
     assert tier.start_disk_load(seq, len(hits), hits)
-    (load,) = tier.disk.pending_loads
-    assert len(load.cpu_block_ids) == 6 and not set(load.cpu_block_ids) & set(hits)  # 8 free less the 2 hits
-    tier.submit_disk_transfers(Copies(Fence(is_done=True)))
-    assert store.wait_idle(10) and tier.poll_disk() == [seq]
-    assert tier.find_prefix(seq, 0) == hits + load.cpu_block_ids
+    loading = sorted(tier.disk.transfers.loading)
+    assert len(loading) == 6 and not set(loading) & set(hits)  # 8 free less the 2 hits
+    assert store.wait_idle(10)
+    landed(tier)
+    assert tier.take_loaded_from_disk() == [seq]
+    assert sorted(tier.lookup(seq, 0)) == sorted(hits + loading)
     assert tier.disk.counters["disk_loaded_tokens"] == 6 * 4 and tier.disk.counters["disk_skipped_tokens"] == 2 * 4
 
 
-def test_close_releases_the_host_blocks_of_loads_that_never_started(tmp_path):
+def test_close_waits_for_the_loads_in_flight_and_releases_their_host_blocks(tmp_path):
     from nanovllm.core.sequence import Sequence
     from nanovllm.sampling_params import SamplingParams
     tier, store = tier_with_disk(tmp_path)

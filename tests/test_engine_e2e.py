@@ -631,8 +631,8 @@ def test_cli_chat_prompt_has_one_bos(smollm2_dir, tmp_path, monkeypatch):
 
 
 def test_a_closed_engine_lets_go_of_its_kv_cache(qwen3_dir):
-    """A second LLM in the same process gets the memory of the first: the scheduler's kv_ready hook, which outlives
-    close(), held the copy engine and through it the whole KV cache (on a GPU the next engine then found no room)."""
+    """A second LLM in the same process gets the memory of the first: nothing that outlives close() may hold the copy
+    engine, and through it the whole KV cache (on a GPU the next engine would find no room)."""
     import gc
     import weakref
 

@@ -4,6 +4,13 @@ from nanovllm.core.block_manager import BlockManager
 from nanovllm_offload.host_block_pool import HostBlockPool
 
 
+def landed(host: HostBlockPool, copies: list[tuple[int, int]]):
+    """The copies into these host blocks went out and landed: RESERVED -> WRITING -> READY."""
+    cpu_block_ids = [cpu_block_id for _, cpu_block_id in copies]
+    host.begin_writes(cpu_block_ids)
+    host.finish_writes(cpu_block_ids)
+
+
 def computed(bm: BlockManager, seq, num_tokens: int):
     assert bm.allocate(seq, num_tokens)
     seq.num_computed_tokens = num_tokens
@@ -39,9 +46,11 @@ def test_shared_prefix_is_copied_once():
     b.num_computed_tokens = 10
     bm.cache_full_blocks(b)
     assert b.block_table == [0, 1, 3]
-    assert host.swap_out(a, bm.computed_block_ids(a)) == [(0, 0), (1, 1), (2, 2)]
+    landed(host, host.swap_out(a, bm.computed_block_ids(a)))
     # b shares the two full blocks: only its own partial block is copied
-    assert host.swap_out(b, bm.computed_block_ids(b)) == [(3, 3)]
+    copies = host.swap_out(b, bm.computed_block_ids(b))
+    assert copies == [(3, 3)]
+    landed(host, copies)
     assert b.cpu_block_table == [0, 1, 3] and host.ref_counts[:4] == [2, 2, 1, 1]
     host.check_invariants([a, b])
     host.free(a)
@@ -56,7 +65,7 @@ def test_free_after_swap_in_keeps_hashed_blocks_cached():
     bm, host = BlockManager(8, BLOCK_SIZE), HostBlockPool(4)
     a = make_seq(8)
     computed(bm, a, 8)
-    host.swap_out(a, bm.computed_block_ids(a))
+    landed(host, host.swap_out(a, bm.computed_block_ids(a)))
     host.free(a)
     b = make_seq(8)
     b.num_computed_tokens = 8
@@ -72,7 +81,9 @@ def test_swap_out_takes_its_cached_host_blocks_before_handing_out_free_ones():
     bm, host = BlockManager(8, BLOCK_SIZE), HostBlockPool(4)
     a = make_seq(12)
     computed(bm, a, 12)
-    assert host.swap_out(a, bm.computed_block_ids(a)) == [(0, 0), (1, 1), (2, 2)]
+    copies = host.swap_out(a, bm.computed_block_ids(a))
+    assert copies == [(0, 0), (1, 1), (2, 2)]
+    landed(host, copies)
     host.free(a)  # swapped in again
     assert list(host.free_block_ids) == [3, 2, 1, 0]
     host.free_block_ids.move_to_end(1, last=False)  # least recently used: the next swap-out evicts it

@@ -9,7 +9,7 @@ from nanovllm_offload.host_block_pool import HostBlockPool
 
 def host_cached_scheduler(num_gpu_blocks=4, num_cpu_blocks=8):
     s = make_scheduler(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, mode="swap")
-    s.host_tier.prefix_cache = True
+    s.offload.prefix_cache = True
     return s
 
 
@@ -82,19 +82,55 @@ def test_a_prompt_resuming_after_host_hits_runs_behind_the_decode_rows():
     check(s)
 
 
+def stored(host: HostBlockPool, block_hash: int) -> int | None:
+    """host.store, and its copy landing (the store's hold released)."""
+    cpu_block_id = host.store(block_hash)
+    if cpu_block_id is not None:
+        host.begin_writes([cpu_block_id])
+        host.finish_writes([cpu_block_id])
+        host.release(cpu_block_id, -1)
+    return cpu_block_id
+
+
 def test_host_lru_order_and_eviction_when_full():
     host = HostBlockPool(3)
     seqs = [make_seq(4, start=100 * i) for i in range(4)]
     for seq in seqs:
         seq.num_computed_tokens = 4
     h = [content_hash(seq, 0) for seq in seqs]
-    assert [host.store(x) for x in h[:3]] == [0, 1, 2]
+    assert [stored(host, x) for x in h[:3]] == [0, 1, 2]
     assert host.store(h[0]) is None  # already cached
-    assert host.find_cached_prefix(seqs[0], 0, 1) == [0]  # touch: 0 becomes most recently used
+    assert host.find_cached_prefix(seqs[0], 0, 1) == [0]
+    host.touch([0])  # 0 becomes most recently used
     assert list(host.free_block_ids) == [1, 2, 0]
-    assert host.store(h[3]) == 1  # evicts the LRU entry (seq 1's block)
+    assert stored(host, h[3]) == 1  # evicts the LRU entry (seq 1's block)
     assert host.find_cached_prefix(seqs[1], 0, 1) == []
     assert list(host.free_block_ids) == [2, 0, 1]
+    host.check_invariants([])
+
+
+def test_a_stored_block_is_found_and_evicted_only_once_its_copy_has_landed():
+    """The host block a store fills is RESERVED, then WRITING, held by the store: no lookup finds it, and no other
+    store or swap-out can evict it and copy over it, until the copy engine reports the store."""
+    host = HostBlockPool(2)
+    seqs = [make_seq(4, start=100 * i) for i in range(3)]
+    for seq in seqs:
+        seq.num_computed_tokens = 4
+    h = [content_hash(seq, 0) for seq in seqs]
+    assert host.store(h[0]) == 0 and host.store(h[1]) == 1
+    host.begin_writes([0, 1])
+    assert host.find_cached_prefix(seqs[0], 0, 1) == [] and host.store(h[2]) is None  # nothing evictable
+    assert host.num_free_blocks == 0 and host.state[0].name == "WRITING"
+    with pytest.raises(RuntimeError, match="cpu block 0 became free .* while WRITING"):
+        host.release(0, -1)
+    host.ref_counts[0] = 1  # (undo the failed release's count)
+    host.free_block_ids.pop(0)
+    host.finish_writes([0, 1])
+    host.release(0, -1)
+    host.release(1, -1)
+    assert host.find_cached_prefix(seqs[0], 0, 1) == [0] and host.state[0].name == "READY"
+    with pytest.raises(RuntimeError, match="cpu block 0 is READY, not WRITING"):
+        host.finish_writes([0])
     host.check_invariants([])
 
 
@@ -151,3 +187,31 @@ def test_engine_host_hits_give_the_same_tokens(host_cache_runs, name):
     assert stats["host_prefix_hit_tokens"] == 3 * 48 and stats["prefix_cache_hit_tokens"] == 0
     assert stats["blocks_onloaded"] * 4 == stats["host_prefix_hit_tokens"]
     assert stats["blocks_offloaded"] > 0
+
+
+def test_a_host_hit_waits_for_its_store_to_land_and_holds_its_block_until_its_load_lands():
+    """The store of a freed cached block is not a hit until the copy engine reports it; a hit is then held by its
+    load (not evictable by a store of the same step) until that load is reported."""
+    from nanovllm_offload.transfer_report import TransferReport
+    s = host_cached_scheduler(num_gpu_blocks=4, num_cpu_blocks=2)
+    a = make_seq(9, max_tokens=1)
+    s.add(a)
+    finish(s, a)
+    stored, _ = run_step(s, land_copies=False)  # a's two full blocks go to host blocks 0 and 1, still WRITING
+    assert stored.swap_out == [(1, 0), (0, 1)] and s.offload.pool.state[0].name == "WRITING"
+    s.add(b := make_seq(16, start=500, max_tokens=1))  # takes all 4 GPU blocks: a's GPU cache is gone
+    finish(s, b)
+    assert run_step(s)[0].swap_out == []  # b's freed blocks find no host room: the store in flight holds both
+    c = make_seq(9, max_tokens=2)
+    assert s.offload.lookup(c, 0) == []  # not READY: no hit
+    s.offload.complete(TransferReport([stored.store_id]))
+    assert s.offload.lookup(c, 0) == [1, 0] and s.offload.pool.num_free_blocks == 2
+    s.add(c)
+    loaded, _ = run_step(s, land_copies=False)
+    assert c.num_computed_tokens == 8 and loaded.swap_in and s.offload.pool.num_free_blocks == 0
+    with pytest.raises(RuntimeError, match="transfer 99 is not in flight"):
+        s.offload.complete(TransferReport([99]))
+    s.offload.complete(TransferReport([loaded.load_id]))
+    assert s.offload.pool.num_free_blocks == 2 and not s.offload.arriving
+    finish(s, c)
+    check(s)

@@ -122,7 +122,7 @@ def test_an_engine_on_a_full_disk_keeps_storing_and_reports_its_errors(qwen3_dir
         fs.other_bytes = 10 * file_bytes
         for seed in range(4):  # 4 x 3 prompts x 8 full blocks: more than the 20 files the disk has room for
             llm.generate(random_prompts((33, 33, 33), seed=100 + seed), greedy(2), use_tqdm=False)
-            llm.host_tier.settle_disk(llm.runner.copy_engine)
+            llm.host_tier.settle(llm.runner.copy_engine)
         stats = llm.stats()
     assert stats["disk_write_errors"] >= 1, stats
     # two writes in flight can each take the room the other made: one may still fail after its retries (counted)
@@ -272,7 +272,7 @@ def test_two_checkpoints_one_byte_apart_share_no_disk_blocks(qwen3_dir, tmp_path
     kwargs = tiny_llm_kwargs(swap_space=0.01, host_cache_policy="write_through", kv_disk_path=path)
     with LLM(qwen3_dir, **kwargs) as llm:
         llm.generate(prompt, greedy(2), use_tqdm=False)
-        llm.host_tier.settle_disk(llm.runner.copy_engine)
+        llm.host_tier.settle(llm.runner.copy_engine)
         assert llm.stats()["blocks_written_to_disk"] == 10
     with LLM(tuned, **kwargs) as llm:
         llm.generate(prompt, greedy(2), use_tqdm=False)

@@ -11,7 +11,7 @@ import torch
 
 from conftest import close_llm, greedy, random_prompts, tiny_llm_kwargs
 from nanovllm.engine.prefill_probe import PROBE_NUM_SEQS, measure_prefill_tokens_per_s
-from nanovllm_offload.host_tier import CPU_PREFILL_PRIOR, HostTier
+from nanovllm_offload.offload_manager import CPU_PREFILL_PRIOR, OffloadManager
 from nanovllm_offload.policy import PreemptionPolicy
 
 GPU_PRIOR = PreemptionPolicy("auto", 1).prefill_tokens_per_s
@@ -89,7 +89,7 @@ def test_the_probe_runs_the_real_forward_and_leaves_later_steps_unchanged(qwen3_
 
 
 def test_a_seeded_speed_replaces_the_prior_and_none_keeps_it():
-    tier = HostTier(4, 16, PreemptionPolicy("auto", 1024), prefix_cache=True)
+    tier = OffloadManager(4, 16, PreemptionPolicy("auto", 1024), prefix_cache=True)
     tier.seed_prefill_speed(None)
     assert tier.policy.prefill_tokens_per_s == GPU_PRIOR
     tier.seed_prefill_speed(0.0)  # no measurement either

@@ -3,6 +3,7 @@
 Block size 4 throughout; `run_step` samples token 7 for every sequence that completes its prompt."""
 import pytest
 
+from nanovllm_offload.transfer_report import TransferReport
 from metadata_factories import check, make_scheduler, make_seq, run_step, run_step_async
 
 
@@ -162,14 +163,14 @@ def test_min_tokens_bans_stop_tokens_and_eos_until_reached():
     d = Sequence([4, 5], SamplingParams(max_tokens=8, min_tokens=3, ignore_eos=True), 4)  # nothing to ban
     for seq in (a, b, c, d):
         s.add(seq)
-    assert s.min_tokens_pending == {a.seq_id, c.seq_id, d.seq_id}
+    assert s.min_tokens.pending_seq_ids == {a.seq_id, c.seq_id, d.seq_id}
     assert s.banned_token_ids([a, b, c, d]) == [(0, [0, 5, 9]), (2, [6])]
     s.finish(d, "abort")
     a.token_ids.append(11)  # one completion token: a is still short, c would not be
     c.token_ids.append(12)
-    assert s.banned_token_ids([b, c, a]) == [(2, [0, 5, 9])] and s.min_tokens_pending == {a.seq_id}
+    assert s.banned_token_ids([b, c, a]) == [(2, [0, 5, 9])] and s.min_tokens.pending_seq_ids == {a.seq_id}
     s.finish(a, "abort")
-    assert s.min_tokens_pending == set() and s.banned_token_ids([a]) == []
+    assert s.min_tokens.pending_seq_ids == set() and s.banned_token_ids([a]) == []
 
 
 def test_a_swapped_sequence_that_needs_every_block_still_resumes():
@@ -239,7 +240,7 @@ def test_blocks_the_step_in_flight_writes_are_copied_and_handed_out_last():
     run_step(s)  # a [0, 1]; b [2, 3, 4], all three full and cached
     run_step(s)  # a writes position 7 into block 1; b position 12 into a new block 5: none is free now
     assert b.block_table == [2, 3, 4, 5] and s.block_manager.num_free_blocks == 0
-    assert s._blocks_in_flight(b) == [5] and s._blocks_in_flight(a) == [1]
+    assert s.offload._blocks_in_flight(b) == [5] and s.offload._blocks_in_flight(a) == [1]
     out, _ = run_step(s)  # a's position 8 needs a block: b is swapped out, a gets b's last full block
     assert b.status.name == "SWAPPED" and b.cpu_block_table == [0, 1, 2, 3]
     assert out.swap_out == [(4, 2), (3, 1), (2, 0), (5, 3)] and a.block_table == [0, 1, 4]
@@ -254,15 +255,17 @@ def test_a_resumed_sequence_stays_out_of_the_batch_until_its_kv_has_landed():
     s.add(b)
     run_step(s)
     s.preempt(b, mode="swap")
-    out, _ = run_step(s)  # b's swap-out goes out, and b is swapped straight back in: its copies are in flight
-    assert out.swap_in and b.status.name == "RUNNING" and b.seq_id in s.kv_arriving
-    landed = False
-    s.kv_ready = lambda seq: seq is not b or landed
+    # b's swap-out goes out, and b is swapped straight back in: its copies are in flight
+    swapped, _ = run_step(s, land_copies=False)
+    assert swapped.swap_in and b.status.name == "RUNNING" and b.seq_id in s.offload.arriving
     out, _ = run_step(s)
     assert out.seqs == [a]  # a runs; b waits for its KV instead of stalling the forward
-    landed = True
+    s.offload.complete(TransferReport([swapped.store_id]))
     out, _ = run_step(s)
-    assert out.seqs == [a, b] and not s.kv_arriving
+    assert out.seqs == [a]  # its swap-out landed, its swap-in not yet
+    s.offload.complete(TransferReport([swapped.load_id]))
+    out, _ = run_step(s)
+    assert out.seqs == [a, b] and not s.offload.arriving
 
 
 def test_a_sequence_waiting_for_its_kv_runs_when_nothing_else_can():
@@ -271,10 +274,9 @@ def test_a_sequence_waiting_for_its_kv_runs_when_nothing_else_can():
     s.add(b)
     run_step(s)
     s.preempt(b, mode="swap")
-    run_step(s)  # swapped out and straight back in
-    s.kv_ready = lambda seq: False
+    run_step(s, land_copies=False)  # swapped out and straight back in
     out, _ = run_step(s)
-    assert out.seqs == [b]  # alone: the forward waits for the copies (rule 3) rather than stepping empty
+    assert out.seqs == [b] and b.seq_id in s.offload.arriving  # alone: the forward waits for the copies (rule 3)
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
@@ -301,7 +303,7 @@ def test_scheduler_without_a_policy_recomputes():
     """The engine always passes a policy; a Scheduler built without one (its default) recomputes its victims
     instead of failing on the first preemption."""
     s = make_scheduler(num_gpu_blocks=6, num_cpu_blocks=8)
-    s.host_tier.policy = None
+    s.offload.policy = None
     a = make_seq(8)
     s.add(a)
     run_step(s)
@@ -348,10 +350,14 @@ def test_reset_prefix_cache_forgets_both_tiers_or_neither():
     s.block_manager.free(seq)
     cached = dict(s.block_manager.hash_to_block_id)
     assert len(cached) == 2
-    s.host_tier.pool.take(s.host_tier.pool.store(12345))
+    cpu_block_id = s.offload.pool.store(12345)  # RESERVED: held by its store
     assert not s.reset_prefix_cache() and s.block_manager.hash_to_block_id == cached
-    s.host_tier.pool.release(s.host_tier.pool.hash_to_block_id[12345], -1)
-    assert s.reset_prefix_cache() and not s.block_manager.hash_to_block_id and not s.host_tier.pool.hash_to_block_id
+    s.offload.pool.begin_writes([cpu_block_id])
+    s.offload.pool.finish_writes([cpu_block_id])
+    s.offload.pool.release(cpu_block_id, -1)
+    assert s.reset_prefix_cache() and not s.block_manager.hash_to_block_id and not s.offload.pool.hash_to_block_id
+    assert s.offload.pool.state[cpu_block_id].name == "FREE"
+    s.offload.check_invariants([])
 
 
 def test_a_swapped_sequence_resumes_only_with_room_for_its_next_chunk():
@@ -374,3 +380,54 @@ def test_a_swapped_sequence_resumes_only_with_room_for_its_next_chunk():
     while not b.is_finished:
         run_step(s)
     assert a.is_finished and s.stats.preemptions == 1 and s.stats.recomputed_tokens == 0
+
+
+def test_an_aborted_victims_host_blocks_stay_held_until_its_swap_out_lands():
+    """A sequence aborted right after it was swapped out: the copies into its host blocks still go out with the
+    next step, so those blocks stay held (RESERVED, then WRITING) until the copy engine reports them; only then
+    are they free for another store or swap-out."""
+    s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=4, mode="swap")
+    a, b = make_seq(6), make_seq(6, start=200)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    s.preempt(b, mode="swap")
+    assert b.cpu_block_table == [0, 1] and s.offload.pool.state[0].name == "RESERVED"
+    s.finish(b, "abort")
+    assert s.host_pool.num_free_blocks == 2  # b's references are gone; its store's are not
+    out, _ = run_step(s, land_copies=False)
+    assert out.swap_out == [(3, 1), (2, 0)] and s.offload.pool.state[1].name == "WRITING"  # hand-out order
+    assert s.host_pool.num_free_blocks == 2
+    s.offload.complete(TransferReport([out.store_id]))
+    # the full block stays cached (READY, findable), the partial one is FREE
+    assert s.host_pool.num_free_blocks == 4 and [st.name for st in s.offload.pool.state] == ["READY"] + ["FREE"] * 3
+    check(s)
+
+
+def test_settle_drops_the_holds_of_copies_that_were_never_issued():
+    """A step that raised between scheduling and launch leaves transfers no copy engine will report; once the copy
+    engine has synchronized, settle drops them: the stores' blocks hold nothing (FREE, unhashed), the loads'
+    blocks are released, so the prefix caches can be reset again."""
+    class NothingIssued:
+        def synchronize(self):
+            pass
+
+        def get_finished(self):
+            return TransferReport()
+
+    s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=4, mode="swap")
+    s.offload.prefix_cache = True
+    a, b = make_seq(6), make_seq(6, start=200)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    s.preempt(b, mode="swap")
+    out = s.schedule()  # b swapped out and straight back in; the step is never launched
+    assert out.store_id >= 0 and out.load_id >= 0 and not s.reset_prefix_cache()
+    s.finish(a, "abort")
+    s.finish(b, "abort")
+    s.offload.settle(NothingIssued())
+    pool = s.host_pool
+    assert pool.num_free_blocks == 4 and not pool.hash_to_block_id and {st.name for st in pool.state} == {"FREE"}
+    assert s.reset_prefix_cache()
+    check(s)

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from metadata_factories import ShadowKV, check, make_scheduler, make_seq, run_step, run_step_async
+from nanovllm_offload.transfer_report import TransferReport
 
 
 def run_random_workload(seed: int):
@@ -15,16 +16,10 @@ def run_random_workload(seed: int):
     s = make_scheduler(num_gpu_blocks=rng.randint(10, 16), num_cpu_blocks=rng.choice([0, 4, 16, 64]), mode=mode,
                        max_num_seqs=rng.randint(2, 6), max_num_batched_tokens=rng.choice([8, 16, 64]),
                        max_model_len=40)
-    s.host_tier.prefix_cache = seed % 2 == 0
-    num_held = 0
-    if seed % 4 == 1:  # copies that take a random number of steps to land: arriving sequences are held back
-
-        def kv_ready(seq):
-            nonlocal num_held
-            landed = rng.random() < 0.4
-            num_held += not landed
-            return landed
-        s.kv_ready = kv_ready
+    s.offload.prefix_cache = seed % 2 == 0
+    # copies that take a random number of steps to land: arriving sequences are held back, and host blocks stay
+    # WRITING (held, not findable) meanwhile
+    lands_late, copies_in_flight, num_held = seed % 4 == 1 and s.offload is not None, [], 0
     prefix = [rng.randrange(1, 500) for _ in range(12)]
     pending = []
     for _ in range(rng.randint(10, 20)):
@@ -48,13 +43,23 @@ def run_random_workload(seed: int):
             aborted.append(victim)
             check(s, extra=[victim])
         if asynchronous:
-            run_step_async(s, in_flight, sampled_token=rng.randrange(1, 500), shadow=shadow)
+            out = run_step_async(s, in_flight, sampled_token=rng.randrange(1, 500), shadow=shadow,
+                                 land_copies=not lands_late)
         else:
-            run_step(s, sampled_token=rng.randrange(1, 500), shadow=shadow)
+            out, _ = run_step(s, sampled_token=rng.randrange(1, 500), shadow=shadow, land_copies=not lands_late)
+        if lands_late:
+            copies_in_flight += out.transfer_ids
+            landed = [i for i in copies_in_flight if rng.random() < 0.4]
+            copies_in_flight = [i for i in copies_in_flight if i not in landed]
+            s.offload.complete(TransferReport(landed))
+            num_held += len(copies_in_flight)
+            check(s)
         if not pending and s.is_finished() and not in_flight:
             break
     else:
         raise AssertionError(f"seed {seed}: not finished after 2000 steps: {s.waiting} {s.running} {s.swapped}")
+    if copies_in_flight:
+        s.offload.complete(TransferReport(copies_in_flight))
     for q in seqs:
         assert q.is_finished and not q.block_table and not q.cpu_block_table
         if q not in aborted:
@@ -78,7 +83,7 @@ def test_random_workloads_cover_every_path():
     """The workloads above really reach the paths they are meant to stress."""
     runs = [run_random_workload(seed) for seed in SEEDS]
     stats = [st for st, _ in runs]
-    assert sum(num_held for _, num_held in runs) > 0  # sequences did wait for late copies
+    assert sum(num_held for _, num_held in runs) > 0  # copies did land late
     for field in ("preemptions_swap", "preemptions_recompute", "blocks_swapped_in", "prefix_cache_hit_tokens",
                   "host_prefix_hit_tokens", "blocks_offloaded", "recomputed_tokens"):
         assert sum(getattr(st, field) for st in stats) > 0, field

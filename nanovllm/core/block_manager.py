@@ -173,24 +173,24 @@ class BlockManager(BlockPool):
         hashed = [b for b in reversed(block_ids) if self.block_hash[b] is not None]
         return unhashed + hashed
 
-    def reuse_rank(self, block_table: list[int], hand_out_last: list[int] = ()) -> dict[int, int]:
-        """For each block of a table about to be freed: its place in the order `free` (with the same
-        hand_out_last) hands them out again."""
-        last = set(hand_out_last)
-        order = self._reuse_order(block_table)
-        order = [b for b in order if b not in last] + [b for b in order if b in last]
-        return {b: i for i, b in enumerate(order)}
-
-    def free(self, seq: Sequence, keep_tail: bool = False, hand_out_last: list[int] = ()):
+    def free(self, seq: Sequence, keep_tail: bool = False):
         """Drop seq's references; its last blocks go to the free queue first so its prefix survives longest.
-        keep_tail (a finished seq): its partial last block stays findable, see the class NOTE on tails.
-        hand_out_last (a swapped-out seq): blocks that its swap-out can copy only after the forward in flight
-        (which writes them); they go to the very end of the free queue, so that the next owners get blocks whose
-        copies started earlier."""
+        keep_tail (a finished seq): its partial last block stays findable, see the class NOTE on tails."""
         self._release_all(seq, keep_tail)
-        for block_id in self._reuse_order(list(hand_out_last)):
+
+    def free_swapped_out(self, seq: Sequence, hand_out_last: list[int]) -> list[int]:
+        """Free a swapped-out seq's blocks and return them in the order the free queue hands them out again, so
+        that its swap-out copies them in that order: the one place that order is decided. hand_out_last: blocks its
+        swap-out can copy only after the forward in flight (which writes them); they go to the very end of the
+        free queue, so that the next owners get blocks whose copies started earlier."""
+        order = self._reuse_order(seq.block_table)  # the order _release_all queues them in (BlockPool.release)
+        last = set(hand_out_last)
+        order = [b for b in order if b not in last] + [b for b in order if b in last]
+        self._release_all(seq, keep_tail=False)
+        for block_id in order[len(order) - len(last):]:
             if block_id in self.free_block_ids:
                 self.free_block_ids.move_to_end(block_id)
+        return order
 
     def _release_all(self, seq: Sequence, keep_tail: bool):
         tail = self._tail_of(seq) if keep_tail and self.enable_prefix_caching else None
@@ -203,35 +203,6 @@ class BlockManager(BlockPool):
                 self._keep_tail(*tail)
         seq.block_table = []
         seq.num_cached_blocks = 0
-
-    # --- swap-in: the host tier copies seq's KV back into the blocks chosen here
-    def allocate_for_swap_in(self, seq: Sequence, num_reserved_blocks: int = 0,
-                             num_next_tokens: int = 0) -> list[tuple[int, int]] | None:
-        """Give a SWAPPED seq GPU blocks for its computed tokens. Full blocks still cached on the GPU are reused and
-        need no copy. Returns the (cpu_block_id, gpu_block_id) copies to make, or None when blocks are short.
-        Besides num_reserved_blocks, the blocks for its next num_next_tokens must stay free: resumed without room
-        for its next prompt chunk, a sequence preempts itself at once and swaps in and out every other step."""
-        num_blocks = len(seq.cpu_block_table)
-        num_reserved_blocks += max(0, seq.num_blocks_for(seq.num_computed_tokens + num_next_tokens) - num_blocks)
-        num_full = seq.num_computed_tokens // self.block_size
-        cached = {}
-        if self.enable_prefix_caching:
-            for i in range(min(num_full, len(seq.block_hashes))):
-                block_id = self.hash_to_block_id.get(seq.block_hashes[i])
-                if block_id is not None and block_id not in cached.values():
-                    cached[i] = block_id
-        if num_blocks - len(cached) + self.num_revived(cached.values()) + num_reserved_blocks > self.num_free_blocks:
-            return None
-        for block_id in cached.values():  # before any pop_free, which could hand out (and evict) a later hit
-            self.take(block_id)
-        copies = []
-        for i in range(num_blocks):
-            if i in cached:
-                seq.block_table.append(cached[i])
-            else:
-                seq.block_table.append(self.pop_free())
-                copies.append((seq.cpu_block_table[i], seq.block_table[-1]))
-        return copies
 
     def check_invariants(self, seqs: list[Sequence] = ()):
         """For tests: ref counts match the sequences' GPU block tables; see BlockPool.check_invariants. A tail

@@ -25,7 +25,7 @@ from nanovllm.inputs import checked_params
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm_offload.disk_tier import open_disk_store
-from nanovllm_offload.host_tier import HostTier
+from nanovllm_offload.offload_manager import OffloadManager
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +48,6 @@ class LLMEngine:
         self.intake = RequestIntake(config, self.tokenizer, self.num_gpu_blocks)
         self.scheduler = Scheduler.from_config(config, self.num_gpu_blocks, self.host_tier,
                                                eos_token_ids(model, config.hf_config, self.tokenizer))
-        copy_engine = self.runner.copy_engine
-        if copy_engine is not None:
-            self.scheduler.kv_ready = lambda seq: copy_engine.blocks_ready(seq.block_table)
         self.requests: dict[int, Sequence] = {}
         self._num_empty_steps = 0
         self._in_flight = None  # (rows, SampledTokens, LogprobRows | None) of the launched step not read back yet
@@ -68,7 +65,7 @@ class LLMEngine:
         # caches are dropped as soon as no sequence holds blocks
         self._prefix_cache_suspect = False
 
-    def _start_runners(self) -> HostTier | None:
+    def _start_runners(self) -> OffloadManager | None:
         """Rank 0 here, ranks 1..N-1 in worker processes; every rank sizes and allocates the same caches."""
         config = self.config
         init_method = None
@@ -84,7 +81,8 @@ class LLMEngine:
         self._call_workers_wait()  # the workers' runners are built
         self.num_gpu_blocks = self._call("num_kv_blocks_for_budget")
         self._call("allocate_kv_cache", self.num_gpu_blocks)
-        host_tier = HostTier.from_config(config, self.runner.block_bytes, pinned=self.runner.device.type == "cuda")
+        host_tier = OffloadManager.from_config(config, self.runner.block_bytes,
+                                               pinned=self.runner.device.type == "cuda")
         self._call("capture_cuda_graphs")
         if host_tier is not None:
             self._call("allocate_host_cache", host_tier.num_blocks)
@@ -156,7 +154,7 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget the GPU and host prefix caches (Scheduler.reset_prefix_cache), the disk's transfers finished first."""
         if self.host_tier is not None and not (self.scheduler.running or self.scheduler.swapped):
-            self.host_tier.settle_disk(self.runner.copy_engine)
+            self.host_tier.settle(self.runner.copy_engine)
         return self.scheduler.reset_prefix_cache()
 
     def step(self) -> list[Sequence]:
@@ -188,8 +186,6 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.send("run", plan)
         sampled = self.runner.launch(plan, sample_seqs)
-        if self.host_tier is not None:  # after the step's copies: the disk's threads wait for the ones they touch
-            self.host_tier.submit_disk_transfers(self.runner.copy_engine)
         finished = self._read_back()  # the previous step, while this one runs
         self._unsynced_prefill_tokens += sum(n for n in out.num_new_tokens if n > 1)
         self._unsynced_rows += len(out.seqs)
@@ -198,7 +194,8 @@ class LLMEngine:
         if not self.config.async_scheduling:
             finished += self._read_back()
         self._call_workers_wait()
-        self._observe_copies()
+        if self.host_tier is not None:  # the copies and disk transfers that landed advance their blocks' states
+            self.host_tier.complete(self.runner.copy_engine.get_finished())
         self.runner.release([seq.seq_id for seq in finished])
         self._logprob_seq_ids.difference_update(seq.seq_id for seq in finished)
         for seq in finished:
@@ -244,11 +241,6 @@ class LLMEngine:
             self.host_tier.observe_prefill(self._unsynced_prefill_tokens, now - self._last_sync)
         self._unsynced_prefill_tokens = self._unsynced_rows = 0
         self._last_sync = now
-
-    def _observe_copies(self):
-        engine = self.runner.copy_engine
-        if engine is not None and self.host_tier is not None:
-            self.host_tier.observe_copies(engine.take_recent_copies(), engine.copy_seconds, engine.exposed_seconds)
 
     def _queue(self, prompts, sampling_params, streaming: bool = False) -> list[PromptRequest]:
         """Validate every request first, then queue them all: a bad one leaves the engine untouched. Each prompt
@@ -346,7 +338,7 @@ class LLMEngine:
         stats["swap_seconds"] = engine.copy_seconds if engine else 0.0
         stats["swap_exposed_seconds"] = engine.exposed_seconds if engine else 0.0
         stats["num_gpu_blocks"] = self.num_gpu_blocks
-        stats.update(self.host_tier.stats() if self.host_tier is not None else HostTier.no_tier_stats())
+        stats.update(self.host_tier.stats() if self.host_tier is not None else OffloadManager.no_tier_stats())
         return stats
 
     def close(self):
@@ -369,7 +361,7 @@ class LLMEngine:
             self._read_back()
             if self.scheduler.is_finished():
                 self.runner.launch(make_plan(self.scheduler.schedule(), self.config.kvcache_block_size)[0])
-            self.runner.copy_engine.synchronize()
+            self.host_tier.settle(self.runner.copy_engine)  # the last stores land, and go to disk
         finally:
             self.host_tier.close_disk()
 

@@ -136,7 +136,8 @@ class ModelRunner:
     def allocate_host_cache(self, num_blocks: int):
         self.host_cache = HostKVCache(num_blocks, tuple(self.kv_cache.shape[1:]), self.kv_cache.dtype,
                                       pin_memory=self.device.type == "cuda")
-        self.copy_engine = CopyEngine(self.kv_cache, self.host_cache.kv, self.block_size)
+        self.copy_engine = CopyEngine(self.kv_cache, self.host_cache.kv, self.block_size,
+                                      reports_completions=self.rank == 0)
 
     # --- one step
     def release(self, seq_ids: list[int]):
@@ -153,7 +154,8 @@ class ModelRunner:
         """Like run, without waiting: the sampled tokens come back through the returned handle, so the host can
         schedule the next step while this one runs on the GPU."""
         if self.copy_engine is not None:
-            self.copy_engine.issue_step_copies(plan.swap_out, plan.swap_in, plan.new_gpu_block_ids, plan.block_tables)
+            self.copy_engine.issue_step_copies(plan.swap_out, plan.swap_in, plan.new_gpu_block_ids, plan.block_tables,
+                                               plan.store_id, plan.load_id)
         if not plan.num_tokens:
             return SampledTokens(None)
         logits, prompt_logprobs = self.forward(plan)

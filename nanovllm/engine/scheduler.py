@@ -1,19 +1,16 @@
-"""The scheduler: decides what each step computes, preempts, swaps. It owns the queues and nothing else
-(plain Python; no torch)."""
-import logging
+"""The scheduler: decides what each step computes and whom to preempt. It owns the queues and nothing else; what
+happens in the tiers (swap-out, swap-in, host prefix hits, stores, disk admission, blocks in flight) is the offload
+manager's, through its methods (plain Python; no torch)."""
 import time
 from collections import deque
-from collections.abc import Callable
 
 from nanovllm.config import Config
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
-from nanovllm.engine.min_tokens import banned_token_ids
-from nanovllm.engine.scheduler_output import SchedulerOutput, SchedulerStats, last_copy_per_host_block
+from nanovllm.engine.min_tokens import MinTokens
+from nanovllm.engine.scheduler_output import SchedulerOutput, SchedulerStats
 from nanovllm_offload.host_block_pool import HostBlockPool
-from nanovllm_offload.host_tier import HostTier
-
-logger = logging.getLogger(__name__)
+from nanovllm_offload.offload_manager import OffloadManager
 
 
 class Scheduler:
@@ -24,9 +21,9 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: set[int], host_tier: HostTier | None = None):
+                 max_model_len: int, eos_token_ids: set[int], offload: OffloadManager | None = None):
         self.block_manager = block_manager
-        self.host_tier = host_tier  # the one door to the host tier; None: victims are recomputed
+        self.offload = offload  # the one door to the tiers below the GPU; None: victims are recomputed
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -38,47 +35,40 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.stats = SchedulerStats()
-        self._forced_swap_out: list[tuple[int, int]] = []  # copies of preempt() calls, issued with the next step
-        self._last_out: SchedulerOutput | None = None  # the step scheduled last (its forward may be in flight)
-        # sequences whose KV is being copied in (swap-in, host prefix hits) and `kv_ready`, which the engine points
-        # at the copy engine: while others can run, such a sequence waits out of the batch instead of stalling it
-        self.kv_arriving: dict[int, Sequence] = {}
-        self.kv_ready: Callable[[Sequence], bool] = lambda seq: True
-        self.min_tokens_pending: set[int] = set()  # ids of sequences still short of their min_tokens
+        self.min_tokens = MinTokens(eos_token_ids)
 
     @classmethod
-    def from_config(cls, config: Config, num_gpu_blocks: int, host_tier: HostTier | None,
+    def from_config(cls, config: Config, num_gpu_blocks: int, offload: OffloadManager | None,
                     eos_token_ids: set[int]) -> "Scheduler":
         """The scheduler and GPU block manager that the engine runs for `config` (bench_swap.py --simulate runs the
         same ones without a model)."""
         block_manager = BlockManager(num_gpu_blocks, config.kvcache_block_size, config.enable_prefix_caching,
                                      write_through=config.host_cache_policy == "write_through")
         scheduler = cls(block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-                        eos_token_ids, host_tier)
+                        eos_token_ids, offload)
         return scheduler
 
     @property
     def host_pool(self) -> HostBlockPool | None:
         """The host tier's block pool (read-only; for counters and tests)."""
-        return self.host_tier.pool if self.host_tier is not None else None
+        return self.offload.pool if self.offload is not None else None
 
     def add(self, seq: Sequence):
         seq.max_num_tokens = min(seq.max_num_tokens, self.max_model_len)
         self.waiting.append(seq)
-        if seq.sampling_params.min_tokens:
-            self.min_tokens_pending.add(seq.seq_id)
+        self.min_tokens.add(seq)
 
     def banned_token_ids(self, sample_seqs: list[Sequence]) -> list[tuple[int, list[int]]]:
-        """(sample row, token ids) that this step may not sample (min_tokens.py); prunes min_tokens_pending."""
-        return banned_token_ids(self.min_tokens_pending, sample_seqs, self.eos_token_ids)
+        """(sample row, token ids) that this step may not sample (min_tokens.py)."""
+        return self.min_tokens.banned_token_ids(sample_seqs)
 
     def is_finished(self) -> bool:
         return not (self.waiting or self.running or self.swapped or self.num_disk_waiting)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the GPU and host prefix caches, both or neither; refused (False) while any of their blocks is held."""
-        self.waiting.extendleft(reversed(self.host_tier.poll_disk() if self.host_tier else []))  # finished transfers
-        tiers = [self.block_manager] + ([self.host_tier] if self.host_tier is not None else [])
+        self._take_loaded_from_disk()
+        tiers = [self.block_manager] + ([self.offload] if self.offload is not None else [])
         if self.running or self.swapped or not all(tier.can_reset_cache() for tier in tiers):
             return False
         return all([tier.reset_cache() for tier in tiers])
@@ -86,25 +76,28 @@ class Scheduler:
     @property
     def num_disk_waiting(self) -> int:
         """Waiting sequences that are out of the queue while their prefix is read from disk."""
-        return self.host_tier.num_disk_waiting if self.host_tier is not None else 0
+        return self.offload.num_disk_waiting if self.offload is not None else 0
+
+    def _take_loaded_from_disk(self):
+        """Sequences whose disk loads landed go back to the front of `waiting`, where their blocks are host hits."""
+        if self.offload is not None:
+            self.waiting.extendleft(reversed(self.offload.take_loaded_from_disk()))
 
     def schedule(self) -> SchedulerOutput:
         """One step: copies for the host prefix cache, then the running sequences (preempting when blocks run out),
         then new prefills and swap-ins, which wait while anything was preempted this step."""
-        out = SchedulerOutput(swap_out=self._forced_swap_out)
-        self._forced_swap_out = []
+        out = SchedulerOutput()
         self.block_manager.begin_step()
-        self._offload(out)  # blocks freed by the last step, before anything can evict them
-        if self.host_tier is not None:  # sequences whose disk loads landed go back to the front, as host hits
-            self.waiting.extendleft(reversed(self.host_tier.poll_disk()))
+        self._store_cached_blocks()  # blocks freed by the last step, before anything can evict them
+        self._take_loaded_from_disk()
         budget, num_preempted = self._schedule_running(out, self.max_num_batched_tokens)
         if not num_preempted:
             self._admit_waiting(out, budget)
             self._resume_swapped(out)
         out.new_gpu_block_ids = self.block_manager.new_gpu_block_ids
-        out.swap_out = last_copy_per_host_block(out.swap_out)
         out.one_token_rows_first()
-        self._last_out = out
+        if self.offload is not None:  # this step's copies, and those of preempt() calls since the last step
+            out.swap_out, out.store_id, out.swap_in, out.load_id = self.offload.end_step(out.seqs, out.num_new_tokens)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
@@ -112,7 +105,7 @@ class Scheduler:
         preempt from the back (the newest) until this one fits. Returns (token budget left, sequences preempted).
         This loop runs once per row of every decode step: its hot path reads fields, not properties."""
         num_preempted = 0
-        hold_arriving = self._hold_arriving()
+        hold_arriving = self.offload.seq_ids_to_hold(self.running) if self.offload is not None else ()
         running, allocate = self.running, self.block_manager.allocate
         i = 0
         while i < len(running) and budget > 0:
@@ -127,7 +120,7 @@ class Scheduler:
             num_new = min(num_tokens - seq.num_computed_tokens, budget)
             while not allocate(seq, num_new):
                 victim = running.pop()
-                self._preempt(victim, out)
+                self._preempt(victim)
                 num_preempted += 1
                 if victim is seq:
                     break
@@ -146,8 +139,8 @@ class Scheduler:
             seq = self.waiting[0]
             cached_block_ids, host_block_ids, tail = self._find_prefix_hits(seq)
             num_hits = len(cached_block_ids) + len(host_block_ids)
-            if self.host_tier and not seq.needs_prompt_logprobs and self.host_tier.start_disk_load(seq, num_hits,
-                                                                                             host_block_ids):
+            if self.offload and not seq.needs_prompt_logprobs and self.offload.start_disk_load(seq, num_hits,
+                                                                                         host_block_ids):
                 self.waiting.popleft()  # out of the queue until its blocks are read into the host pool
                 continue
             num_cached = len(cached_block_ids) * self.block_manager.block_size + (tail[1] if tail else 0)
@@ -162,8 +155,10 @@ class Scheduler:
             seq.metrics.mark_scheduled(time.perf_counter())
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            if host_block_ids:
-                self._onload(out, seq, host_block_ids)
+            if host_block_ids:  # it waits out of the batch until they land
+                self.offload.load_prefix_hits(seq, host_block_ids)
+                self.stats.host_prefix_hit_tokens += len(host_block_ids) * self.block_manager.block_size
+                self.stats.blocks_onloaded += len(host_block_ids)
                 continue
             self._add_to_batch(out, seq, num_new)
             budget -= num_new
@@ -174,28 +169,14 @@ class Scheduler:
         while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             reserve = self.num_watermark_blocks if self.running else 0  # alone, it may take every block
-            copies = self.host_tier.swap_in(seq, self.block_manager, reserve, self.max_num_batched_tokens)
-            if copies is None:
+            num_copied = self.offload.swap_in(seq, self.block_manager, reserve, self.max_num_batched_tokens)
+            if num_copied is None:
                 break
             self.swapped.popleft()
-            out.swap_in.extend(copies)
             out.num_resumed += 1
-            if copies:
-                self.kv_arriving[seq.seq_id] = seq
-            self.stats.blocks_swapped_in += len(copies)
+            self.stats.blocks_swapped_in += num_copied
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-
-    def _hold_arriving(self) -> set[int]:
-        """Ids of the running sequences to leave out of this step because their KV copies have not landed; none
-        when nothing else could run (then the forward waits for the copies instead)."""
-        if not self.kv_arriving:
-            return set()
-        self.kv_arriving = {i: seq for i, seq in self.kv_arriving.items()
-                            if seq.status == SequenceStatus.RUNNING and not self.kv_ready(seq)}
-        if len(self.kv_arriving) == len(self.running):  # every running sequence is waiting for its KV
-            return set()
-        return set(self.kv_arriving)
 
     def _find_prefix_hits(self, seq: Sequence) -> tuple[list[int], list[int], tuple[int, int] | None]:
         """A waiting seq's (GPU hits, host hits, cached tail). None for a request whose prompt tokens still need
@@ -203,33 +184,26 @@ class Scheduler:
         if seq.needs_prompt_logprobs:
             return [], [], None
         cached_block_ids = self.block_manager.find_cached_prefix(seq)  # a waiting seq holds no blocks
-        host_block_ids = self.host_tier.find_prefix(seq, len(cached_block_ids)) if self.host_tier else []
+        host_block_ids = self.offload.lookup(seq, len(cached_block_ids)) if self.offload else []
+        if host_block_ids:
+            self.offload.touch(host_block_ids)
         # a finished sequence's partial block that continues the GPU hits (not after host hits)
         tail = None if host_block_ids else self.block_manager.find_cached_tail(seq, len(cached_block_ids))
         return cached_block_ids, host_block_ids, tail
 
-    # --- the host prefix cache (decided by the host tier; counted here)
+    # --- the host prefix cache (decided by the offload manager; counted here)
     def _count_prefix_lookup(self, seq: Sequence, num_gpu_hits: int, num_tail_hits: int = 0):
         """Counted once per admission (a lookup whose allocation failed is repeated, not counted twice)."""
         block_size = self.block_manager.block_size
         self.stats.prefix_cache_hit_tokens += num_gpu_hits * block_size + num_tail_hits
-        if self.host_tier is not None and not seq.needs_prompt_logprobs:  # no lookup was made
-            self.stats.host_prefix_query_tokens += self.host_tier.num_prefix_candidates(seq, num_gpu_hits) * block_size
+        if self.offload is not None and not seq.needs_prompt_logprobs:  # no lookup was made
+            self.stats.host_prefix_query_tokens += self.offload.num_prefix_candidates(seq, num_gpu_hits) * block_size
 
-    def _onload(self, out: SchedulerOutput, seq: Sequence, cpu_block_ids: list[int]):
-        """Host hits go to the GPU blocks just allocated for them; seq waits out of the batch until they land."""
-        out.swap_in.extend(self.host_tier.onload(seq, cpu_block_ids))
-        self.kv_arriving[seq.seq_id] = seq
-        self.stats.host_prefix_hit_tokens += len(cpu_block_ids) * self.block_manager.block_size
-        self.stats.blocks_onloaded += len(cpu_block_ids)
-
-    def _offload(self, out: SchedulerOutput):
-        """Copy newly evictable (write-back) or newly cached (write-through) GPU blocks to the host prefix cache."""
+    def _store_cached_blocks(self):
+        """Newly evictable (write-back) or newly cached (write-through) GPU blocks go to the host prefix cache."""
         candidates = self.block_manager.take_offload_candidates()  # drained with or without a host tier
-        if self.host_tier is not None:
-            copies = self.host_tier.offload(candidates)
-            out.swap_out.extend(copies)
-            self.stats.blocks_offloaded += len(copies)
+        if self.offload is not None:
+            self.stats.blocks_offloaded += self.offload.store_cached_blocks(candidates)
 
     def _add_to_batch(self, out: SchedulerOutput, seq: Sequence, num_new: int):
         out.seqs.append(seq)
@@ -252,58 +226,26 @@ class Scheduler:
         if seq.status != SequenceStatus.RUNNING:
             raise ValueError(f"seq {seq.seq_id} is {seq.status.name}, only a RUNNING sequence can be preempted")
         self.running.remove(seq)
-        out = SchedulerOutput()
-        self._preempt(seq, out, mode)
-        self._forced_swap_out.extend(out.swap_out)
+        self._preempt(seq, mode)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput, mode: str | None = None):
+    def _preempt(self, seq: Sequence, mode: str | None = None):
         """Swap seq out when the policy says so and the host pool has room; else recompute it later."""
         self.stats.preemptions += 1
-        wants_swap = self.host_tier is not None and self.host_tier.wants_swap(seq, mode)
-        if wants_swap:
-            in_flight = self._blocks_in_flight(seq)
-            copies = self.host_tier.swap_out(seq, self.block_manager, hand_out_last=in_flight)
-            if copies is not None:
-                self.block_manager.free(seq, hand_out_last=in_flight)
+        if self.offload is not None and self.offload.wants_swap(seq, mode):
+            num_copied = self.offload.swap_out(seq, self.block_manager)
+            if num_copied is not None:
                 seq.status = SequenceStatus.SWAPPED
                 self.swapped.appendleft(seq)  # victims go newest first: the oldest resumes first, as with recompute
-                out.swap_out.extend(copies)
                 self.stats.preemptions_swap += 1
-                self.stats.blocks_swapped_out += len(copies)
+                self.stats.blocks_swapped_out += num_copied
                 return
-            self._count_swap_fallback(seq)
+            self.stats.swap_fallback_recomputes += 1  # no room in the host pool (the manager says so once)
         self.stats.preemptions_recompute += 1
         self.block_manager.free(seq)
         seq.num_recompute_pending = max(seq.num_recompute_pending, seq.num_computed_tokens)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-
-    def _count_swap_fallback(self, seq: Sequence):
-        """A swap became a recompute (no room in the host pool): counted, and said once in the log, since it costs
-        prefill time that the user chose swapping to save."""
-        self.stats.swap_fallback_recomputes += 1
-        if self.stats.swap_fallback_recomputes > 1:
-            return
-        num_blocks = len(self.block_manager.computed_block_ids(seq))
-        pool = self.host_tier.pool
-        why = (f"the host pool holds {pool.num_blocks} blocks, fewer than its {num_blocks}"
-               if num_blocks > pool.num_blocks
-               else f"the host pool has {pool.num_free_blocks} of {pool.num_blocks} blocks free")
-        logger.warning("seq %d was to be swapped out but is recomputed: %s; raise swap_space (counted in stats()"
-                       "['swap_fallback_recomputes'], said once)", seq.seq_id, why)
-
-    def _blocks_in_flight(self, seq: Sequence) -> list[int]:
-        """seq's blocks that the last scheduled step writes: with asynchronous scheduling its forward may still
-        be running while the next step is scheduled."""
-        last = self._last_out
-        if last is None:
-            return []
-        for other, num_new in zip(last.seqs, last.num_new_tokens):
-            if other is seq:
-                bs, end = self.block_manager.block_size, seq.num_computed_tokens
-                return seq.block_table[(end - num_new) // bs:(end + bs - 1) // bs]
-        return []
 
     def postprocess(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Sequence]:
         """advance + resolve for a step whose tokens are already known. Returns the sequences that finished."""
@@ -378,10 +320,10 @@ class Scheduler:
         elif seq.status == SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
         self.block_manager.free(seq, keep_tail=True)
-        was_loading = self.host_tier is not None and self.host_tier.free(seq)  # then it is in no queue
+        was_loading = self.offload is not None and self.offload.free(seq)  # then it is in no queue
         if seq.status == SequenceStatus.WAITING and not was_loading:
             self.waiting.remove(seq)
-        self.min_tokens_pending.discard(seq.seq_id)
+        self.min_tokens.discard(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.metrics.mark_finished(time.perf_counter())

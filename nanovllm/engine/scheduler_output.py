@@ -12,11 +12,15 @@ class SchedulerOutput:
     num_new_tokens: list[int] = field(default_factory=list)  # per seq: 1 for a decode, a chunk for a prefill
     samples: list[bool] = field(default_factory=list)  # per seq: this step completes its input, so it samples
     # (gpu_block_id, cpu_block_id): KV of swapped-out victims and of blocks stored in the host prefix cache;
-    # copied before any new owner writes the gpu block. Each cpu block at most once (the copies' order may change)
+    # copied before any new owner writes the gpu block. Each cpu block at most once: a host block is held by its
+    # copy until the copy lands (OffloadManager), so the copy engine may issue them in its own order
     swap_out: list[tuple[int, int]] = field(default_factory=list)
-    # (cpu_block_id, gpu_block_id): KV of resumed sequences; they join the batch from the next step, so the copy
-    # overlaps this step's forward
+    # (cpu_block_id, gpu_block_id): KV of resumed sequences and of host prefix hits; they join the batch once the
+    # copy engine reports the load landed, so the copy overlaps this step's forward
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # the transfer ids of swap_out and swap_in (-1: no copies), which the copy engine reports back when they land
+    store_id: int = -1
+    load_id: int = -1
     # gpu blocks handed out this step: of the blocks this step's forward and swap-ins write, the only ones a
     # swap-out still in flight may be reading (the others were handed out in earlier steps, which waited for theirs)
     new_gpu_block_ids: list[int] = field(default_factory=list)
@@ -26,6 +30,11 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing to launch. A step that only resumed sequences is empty, but it was progress (num_resumed)."""
         return not (self.seqs or self.swap_out or self.swap_in)
+
+    @property
+    def transfer_ids(self) -> list[int]:
+        """The ids of this step's copies (a simulation without a copy engine lands them all after the step)."""
+        return [transfer_id for transfer_id in (self.store_id, self.load_id) if transfer_id >= 0]
 
     @property
     def is_decode_only(self) -> bool:
@@ -66,12 +75,3 @@ class SchedulerStats:
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
-
-def last_copy_per_host_block(copies: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """A host block stored for the prefix cache is free at once, so a small pool can hand it out again in the same
-    step (to a swap-out victim, or to another store): the earlier copy to it is dead. Keeping only the last copy to
-    each host block lets the copy engine issue a step's copies in its own order (on CUDA it does)."""
-    last = {cpu_block_id: i for i, (_, cpu_block_id) in enumerate(copies)}
-    if len(last) == len(copies):
-        return copies
-    return [copy for i, copy in enumerate(copies) if last[copy[1]] == i]

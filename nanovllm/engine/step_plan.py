@@ -20,6 +20,8 @@ class StepPlan:
     logits_indices: list[int] = field(default_factory=list)  # token rows whose next token is sampled
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block_id, cpu_block_id)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block_id, gpu_block_id)
+    store_id: int = -1  # the transfer ids of swap_out and swap_in, which the copy engine reports when they land
+    load_id: int = -1
     new_gpu_block_ids: list[int] = field(default_factory=list)
     # asynchronous scheduling: input_ids[placeholder_rows[i]] is the token sampled by the previous step at row
     # placeholder_sources[i]; the runner copies it over on the device
@@ -50,8 +52,9 @@ class StepPlan:
 
 def make_plan(out: SchedulerOutput, block_size: int) -> tuple[StepPlan, list[Sequence]]:
     """Returns the plan and the sequences that sample a token this step (in logits_indices order)."""
-    plan = StepPlan(swap_out=out.swap_out, swap_in=out.swap_in, new_gpu_block_ids=out.new_gpu_block_ids,
-                    query_lens=list(out.num_new_tokens), block_tables=[seq.block_table for seq in out.seqs])
+    plan = StepPlan(swap_out=out.swap_out, swap_in=out.swap_in, store_id=out.store_id, load_id=out.load_id,
+                    new_gpu_block_ids=out.new_gpu_block_ids, query_lens=list(out.num_new_tokens),
+                    block_tables=[seq.block_table for seq in out.seqs])
     sample_rows = [i for i, samples in enumerate(out.samples) if samples]
     if out.num_new_tokens.count(1) == len(out.num_new_tokens):
         _fill_decode_rows(plan, out.seqs, block_size)
