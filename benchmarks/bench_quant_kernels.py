@@ -9,10 +9,10 @@ Variants: bf16 `F.linear`; `int_linear` 4-bit (at 1-2 rows a CUDA-core kernel; `
 `w4-tile` and `w8-tile` time the Triton 128-row tiles there instead) and 8-bit, group 128 with fp16 scales and fp32
 mins (AWQ's and GPTQ's layout after repacking); `fp8_linear` with 128 x 128 blocks and per-channel (at M >= 256
 these quantize the activations to FP8; per-channel goes to torch._scaled_mm); and, at M >= 256 only, the
-alternatives the dispatch did not pick: the Triton FP8 GEMM for per-channel weights (`fp8ch-tri`),
-torch._scaled_mm's 1 x 128 / 128 x 128 block scaling for block weights (`fp8blk-smm`, cuBLASLt on sm_90;
-NANOVLLM_FP8_BLOCK_SCALED_MM=1 makes it the default) and the weight-only kernel on block FP8 weights (`fp8blk-a16`,
-bf16 activations).
+alternatives to the dispatch's pick: the Triton FP8 GEMM for per-channel weights (`fp8ch-tri`) and for block
+weights (`fp8blk-tri`; NANOVLLM_FP8_BLOCK_SCALED_MM=0 makes it the default), torch._scaled_mm's 1 x 128 / 128 x 128
+block scaling forced (`fp8blk-smm`, cuBLASLt on sm_90: the default there) and the weight-only kernel on block FP8
+weights (`fp8blk-a16`, bf16 activations).
 
 Each cell is `us / speedup over bf16 / %` where % is, for M <= 16, the bytes of weights + scales + mins read per
 second as a share of the device's copy bandwidth (a 1 GiB device-to-device copy_, read + write bytes over time,
@@ -52,8 +52,8 @@ CHECK_M = (16, 1024)
 GROUP = 128
 L2_DEFEAT_BYTES = 256 << 20
 VARIANTS = ["bf16", "w4", "w4-mma", "w4-tile", "w8", "w8-tile", "fp8blk",
-            "fp8blk-mma", "fp8ch", "fp8ch-tri", "fp8blk-smm", "fp8blk-a16"]
-LARGE_M_ONLY = {"fp8ch-tri", "fp8blk-smm", "fp8blk-a16"}
+            "fp8blk-mma", "fp8ch", "fp8ch-tri", "fp8blk-smm", "fp8blk-tri", "fp8blk-a16"]
+LARGE_M_ONLY = {"fp8ch-tri", "fp8blk-smm", "fp8blk-tri", "fp8blk-a16"}
 SMALL_M_ONLY = {"w4-mma", "fp8blk-mma"}  # the 16-row dot kernel where the plan takes a CUDA-core one (1-2 rows)
 # the Triton tile kernels where int_linear dequantizes the weight and calls cuBLAS instead (DEQUANT_GEMM_MIN_ROWS)
 TILE_KINDS = {"w4-tile": quant_gemm.KIND_INT4, "w8-tile": quant_gemm.KIND_INT8}
@@ -112,8 +112,8 @@ def call(variant: str, x: torch.Tensor, t: dict) -> torch.Tensor:
         return qm.weight_only_linear(x, t["qweight"], t["scales"], None, quant_gemm.KIND_FP8, 128, 128, plan)
     if variant == "fp8ch-tri":
         return qm.fp8_w8a8_linear(x, t["qweight"], t["scales"], 1, x.shape[1], use_scaled_mm=False)
-    if variant == "fp8blk-smm":
-        return qm.fp8_w8a8_linear(x, t["qweight"], t["scales"], 128, 128, use_scaled_mm=True)
+    if variant in ("fp8blk-smm", "fp8blk-tri"):
+        return qm.fp8_w8a8_linear(x, t["qweight"], t["scales"], 128, 128, use_scaled_mm=variant == "fp8blk-smm")
     if variant == "fp8blk-a16":
         return qm.weight_only_linear(x, t["qweight"], t["scales"], None, quant_gemm.KIND_FP8, 128, 128)
     return qm.fp8_linear(x, t["qweight"], t["scales"], t["block"])

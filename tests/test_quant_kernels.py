@@ -210,6 +210,34 @@ def test_fp8_linear_matches_the_contract_dequantization():
             assert res["unquantized"]["err"] <= 2 ** -4 * res["unquantized"]["abs_dot"], (what, res)
 
 
+ACT_SCRIPT = """
+import json
+import torch
+from test_quant_kernels import quantize_act_ref
+from nanovllm.kernels import quant_matmul as qm
+res = []
+x = torch.randn(7, 320, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+x[2, 64:128] = 0  # an all-zero group: scale 1e-12 / 448, values 0
+for group_cols, chunk_cols, column_major, pad in [(320, 16384, False, 1), (320, 128, False, 1),
+                                                  (64, 16384, False, 1), (64, 128, True, 4), (32, 64, False, 1)]:
+    qm._QUANT_CHUNK_COLS = chunk_cols  # several chunks a row: both per-token passes and the per-group loop
+    xq, xs = qm.quantize_activations(x, group_cols, scales_column_major=column_major, pad_rows_to=pad)
+    num_groups = -(-320 // group_cols)
+    back = xq[:7].float() * xs[:7].repeat_interleave(group_cols, 1)[:, :320]
+    res.append(dict(equal=torch.equal(back, quantize_act_ref(x, group_cols)), rows=xq.shape[0],
+                    scales_shape=list(xs.shape), scales_stride=list(xs.stride()),
+                    pad_zero=bool((xq[7:].float() == 0).all()), num_groups=num_groups))
+print(json.dumps(res))
+"""
+
+
+def test_activation_quantization_matches_the_reference_bit_for_bit():
+    res = interpret(ACT_SCRIPT)
+    assert [r["equal"] for r in res] == [True] * 5
+    assert [r["scales_shape"] for r in res] == [[7, 1], [7, 1], [7, 5], [8, 5], [7, 10]]
+    assert res[3]["rows"] == 8 and res[3]["pad_zero"] and res[3]["scales_stride"] == [1, 8]  # cuBLASLt's layout
+
+
 OPS_SCRIPT = """
 import json
 import torch

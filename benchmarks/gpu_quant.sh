@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The quantized-weights GPU measurements of issue 44 in one command, on one H100 or H200 (<= ~8 min):
+#   kernels  bench_quant_kernels.py on the Qwen3-8B layer shapes, M = 1..16 and 256..4096 (incl. torch._scaled_mm)
+#   batch1   bench.py --num-seqs 1 for qwen3-8b, -fp8, -awq (batch-1 decode: targets 1.7x / 2.3x bf16)
+#   large    bench.py --num-seqs 1024 --kv-cache-dtype fp8 for the three (targets 1.25x / 0.95x bf16)
+#   mem      the 8 GiB starts: qwen3-8b-awq (>= 1.2 GiB KV), the same with --quantize-lm-head int8 (>= 2 GiB),
+#            qwen3-4b-fp8 (>= 3 GiB)
+#   profile  bench.py --profile-decode / --profile-mixed for qwen3-8b-fp8: where a large step's time goes
+#
+#   bash benchmarks/gpu_quant.sh                      # all parts, in the order above
+#   bash benchmarks/gpu_quant.sh batch1 large         # only these parts (a ratio's two sides run in one part)
+#   GPU_QUANT_BUDGET_S=480 bash benchmarks/gpu_quant.sh
+#
+# Each step runs under its own timeout and a failing step does not stop the others; a step that would start
+# past the budget is skipped and says so. Logs go to $OUT/gpu_quant (or /tmp/gpu_quant) and a compact summary
+# is printed at the end.
+set -u
+cd "$(dirname "$0")/.."
+PARTS=("$@")
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(kernels batch1 large mem profile)
+BUDGET_S=${GPU_QUANT_BUDGET_S:-570}  # a device command may run 600 s
+LOG_DIR=${OUT:-/tmp}/gpu_quant
+mkdir -p "$LOG_DIR"
+START=$(date +%s)
+SUMMARY=()
+
+# step NAME TIMEOUT_S COMMAND...: run it if the budget allows, log to $LOG_DIR/NAME.log, note its status
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((BUDGET_S - ($(date +%s) - START)))
+  if [ "$left" -lt 20 ]; then
+    SUMMARY+=("$name: SKIPPED (budget of ${BUDGET_S} s spent)")
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "### $name (timeout ${limit} s): $*" | tee "$LOG_DIR/$name.log"
+  local t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" >>"$LOG_DIR/$name.log" 2>&1
+  local rc=$?
+  tail -n 60 "$LOG_DIR/$name.log"
+  SUMMARY+=("$name: rc=$rc in $(($(date +%s) - t0)) s")
+}
+
+# the lines of a bench.py log that the summary keeps
+bench_lines() {
+  grep -hE "memory GiB|Throughput|decode steps read|wall time in decode|GPU time in decode|Error|error:" "$1" \
+    | sed 's/^/    /' | cut -c1-230
+}
+
+for part in "${PARTS[@]}"; do
+  case $part in
+    kernels)
+      step kernels 110 python benchmarks/bench_quant_kernels.py --m 1 2 4 8 16 256 1024 4096 --budget-s 85 \
+        --variants bf16 w4 w4-mma w8 fp8blk fp8blk-mma fp8ch fp8ch-tri fp8blk-smm fp8blk-tri \
+        --json "$LOG_DIR/kernels.json" ;;
+    batch1)
+      for shape in qwen3-8b qwen3-8b-fp8 qwen3-8b-awq; do
+        step "batch1-$shape" 90 python bench.py --shape "$shape" --num-seqs 1
+      done ;;
+    mem)
+      step mem-qwen3-8b-awq 90 python bench.py --shape qwen3-8b-awq --gpu-memory-gib 8 --max-num-seqs 256 \
+        --num-seqs 16 --kv-cache-dtype fp8
+      step mem-qwen3-8b-awq-int8head 90 python bench.py --shape qwen3-8b-awq --gpu-memory-gib 8 \
+        --max-num-seqs 256 --num-seqs 16 --kv-cache-dtype fp8 --quantize-lm-head int8
+      step mem-qwen3-4b-fp8 90 python bench.py --shape qwen3-4b-fp8 --gpu-memory-gib 8 --max-num-seqs 256 \
+        --num-seqs 16 --kv-cache-dtype fp8 ;;
+    profile)
+      step profile-qwen3-8b-fp8 120 python bench.py --shape qwen3-8b-fp8 --kv-cache-dtype fp8 --skip-run \
+        --profile-decode 1024:1000 256:1000 --profile-mixed 0:8192 ;;
+    large)
+      for shape in qwen3-8b qwen3-8b-fp8 qwen3-8b-awq; do
+        step "large-$shape" 130 python bench.py --shape "$shape" --num-seqs 1024 --kv-cache-dtype fp8
+      done ;;
+    *)
+      SUMMARY+=("$part: unknown part (kernels batch1 mem profile large)") ;;
+  esac
+done
+
+echo
+echo "################ summary (logs in $LOG_DIR; $(($(date +%s) - START)) s) ################"
+for line in "${SUMMARY[@]}"; do
+  echo "$line"
+  name=${line%%:*}
+  log="$LOG_DIR/$name.log"
+  [ -f "$log" ] || continue
+  case $name in
+    kernels) sed -n '/^copy bandwidth/,/^max |y/p' "$log" | head -n 80 | cut -c1-260; grep -h "^ERR" "$log" ;;
+    profile-*) grep -hE "ms per step back to back" "$log" ;;
+    *) bench_lines "$log" ;;
+  esac
+done
