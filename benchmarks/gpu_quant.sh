@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The quantized-weights GPU measurements of issue 44 in one command, on one H100 or H200 (<= ~8 min):
-#   kernels  bench_quant_kernels.py on the Qwen3-8B layer shapes, M = 1..16 and 256..4096 (incl. torch._scaled_mm)
+#   kernels  bench_quant_kernels.py on the Qwen3-8B layer shapes, M = 1..16 and 64..4096 (incl. torch._scaled_mm)
 #   batch1   bench.py --num-seqs 1 for qwen3-8b, -fp8, -awq (batch-1 decode: targets 1.7x / 2.3x bf16)
 #   large    bench.py --num-seqs 1024 --kv-cache-dtype fp8 for the three (targets 1.25x / 0.95x bf16)
 #   mem      the 8 GiB starts: qwen3-8b-awq (>= 1.2 GiB KV), the same with --quantize-lm-head int8 (>= 2 GiB),
@@ -51,7 +51,7 @@ bench_lines() {
 for part in "${PARTS[@]}"; do
   case $part in
     kernels)
-      step kernels 110 python benchmarks/bench_quant_kernels.py --m 1 2 4 8 16 256 1024 4096 --budget-s 85 \
+      step kernels 110 python benchmarks/bench_quant_kernels.py --m 1 2 4 8 16 64 128 256 1024 4096 --budget-s 90 \
         --variants bf16 w4 w4-mma w8 fp8blk fp8blk-mma fp8ch fp8ch-tri fp8blk-smm fp8blk-tri \
         --json "$LOG_DIR/kernels.json" ;;
     batch1)
