@@ -5,7 +5,7 @@
 #   large    bench.py --num-seqs 1024 --kv-cache-dtype fp8 for the three (targets 1.25x / 0.95x bf16)
 #   mem      the 8 GiB starts: qwen3-8b-awq (>= 1.2 GiB KV), the same with --quantize-lm-head int8 (>= 2 GiB),
 #            qwen3-4b-fp8 (>= 3 GiB)
-#   profile  bench.py --profile-decode / --profile-mixed for qwen3-8b-fp8: where a large step's time goes
+#   profile  bench.py --profile-decode / --profile-mixed for the three: where a batch-1 and a large step's time goes
 #
 #   bash benchmarks/gpu_quant.sh                      # all parts, in the order above
 #   bash benchmarks/gpu_quant.sh batch1 large         # only these parts (a ratio's two sides run in one part)
@@ -66,8 +66,11 @@ for part in "${PARTS[@]}"; do
       step mem-qwen3-4b-fp8 90 python bench.py --shape qwen3-4b-fp8 --gpu-memory-gib 8 --max-num-seqs 256 \
         --num-seqs 16 --kv-cache-dtype fp8 ;;
     profile)
-      step profile-qwen3-8b-fp8 120 python bench.py --shape qwen3-8b-fp8 --kv-cache-dtype fp8 --skip-run \
-        --profile-decode 1024:1000 256:1000 --profile-mixed 0:8192 ;;
+      # batch 1 (where each kernel's share of a 4-6 ms step shows), then the large steps of the 1,024-sequence run
+      for shape in qwen3-8b qwen3-8b-fp8 qwen3-8b-awq; do
+        step "profile-$shape" 90 python bench.py --shape "$shape" --kv-cache-dtype fp8 --skip-run \
+          --profile-decode 1:1000 1024:1000 --profile-mixed 0:8192
+      done ;;
     large)
       for shape in qwen3-8b qwen3-8b-fp8 qwen3-8b-awq; do
         step "large-$shape" 130 python bench.py --shape "$shape" --num-seqs 1024 --kv-cache-dtype fp8
