@@ -238,6 +238,37 @@ def test_activation_quantization_matches_the_reference_bit_for_bit():
     assert res[3]["rows"] == 8 and res[3]["pad_zero"] and res[3]["scales_stride"] == [1, 8]  # cuBLASLt's layout
 
 
+SPLIT_SCRIPT = """
+import json
+import torch
+from test_quant_kernels import make_fp8_weight, make_int_weight
+from nanovllm.kernels import quant_gemm
+from nanovllm.kernels import quant_matmul as qm
+qweight, q, scales, mins = make_int_weight(200, 1024, 128, 4, torch.float16, torch.float32)
+wq, ws = make_fp8_weight(200, 1024, 128, 128)
+cases = [(1, qweight, scales, mins, quant_gemm.KIND_INT4, 1, 0), (2, wq, ws, None, quant_gemm.KIND_FP8, 128, 2),
+         (5, qweight, scales, mins, quant_gemm.KIND_INT4, 1, None)]  # CUDA-core int4, CUDA-core FP8, dot tiles
+res = []
+for M, w, sc, mn, kind, group_n, plan_kind in cases:
+    x = torch.randn(M, 1024, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
+    plan = qm.plan_weight_only(M, 200, 1024, 128, weight_kind=plan_kind, group_n=group_n)
+    outs = {}
+    for mode in ("launch", "kernel", "kernel"):  # twice in the kernel: the counters must be back at 0
+        qm.SPLIT_K_REDUCE = mode
+        outs.setdefault(mode, []).append(qm.weight_only_linear(x, w, sc, mn, kind, group_n, 128, plan))
+    locks = qm._split_locks[torch.device("cpu")]
+    res.append(dict(splits=plan.num_splits, cuda_cores=plan.cuda_cores, locks_zero=bool((locks == 0).all()),
+                    equal=all(torch.equal(outs["launch"][0], y) for y in outs["kernel"])))
+print(json.dumps(res))
+"""
+
+
+def test_split_k_reduced_in_the_kernel_equals_the_second_launch_bit_for_bit():
+    res = interpret(SPLIT_SCRIPT)
+    assert [(r["splits"] > 1, r["cuda_cores"]) for r in res] == [(True, True), (True, True), (True, False)]
+    assert all(r["equal"] and r["locks_zero"] for r in res), res
+
+
 OPS_SCRIPT = """
 import json
 import torch

@@ -85,6 +85,10 @@ for bits, group, dtype in [(4, 128, torch.bfloat16), (8, 32, torch.float16)]:  #
     kind = quant_gemm.KIND_INT4 if bits == 4 else quant_gemm.KIND_INT8
     qm.dequantize_int_weight(qweight, torch.ones(N, K // group, dtype=torch.float16), torch.zeros(N, K // group),
                              kind, group, dtype)
+qm.SPLIT_K_REDUCE = "launch"  # split-K's second launch (the kernels above reduce their splits themselves)
+plan = qm.plan_weight_only(1, N, K, 128, limits, quant_gemm.KIND_FP8, 128)
+qm.weight_only_linear(torch.zeros(1, K, dtype=torch.bfloat16), wq, torch.ones(N // 128, K // 128), None,
+                      quant_gemm.KIND_FP8, 128, 128, plan)
 x = torch.zeros(256, K, dtype=torch.bfloat16)
 qm.fp8_w8a8_linear(x, wq, torch.ones(N // 128, K // 128), 128, 128, use_scaled_mm=False, limits=limits)
 qm.fp8_w8a8_linear(x, wq, torch.ones(N, 1), 1, K, use_scaled_mm=False, limits=limits)

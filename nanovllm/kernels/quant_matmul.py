@@ -27,6 +27,7 @@ dequantizes and calls F.linear.
 import functools
 import os
 import typing
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,27 @@ def _offset_bits(dtype: torch.dtype, kind: int) -> tuple[int, int]:
     return (128, 0x4300) if dtype == torch.bfloat16 else (1024, 0x6400)
 
 
+# split-K's reduction: "kernel" (the last program of each tile sums the partials, quant_gemm._reduce_splits_if_last)
+# or "launch" (a second kernel, _sum_splits_kernel); the same bits either way
+SPLIT_K_REDUCE = os.environ.get("NANOVLLM_SPLIT_K_REDUCE", "kernel")
+_NUM_SPLIT_LOCKS = 1 << 14  # tile counters per device: split plans have <= 64 rows, so N / BLOCK_N tiles or fewer
+_split_locks: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_lock_tensor(device: torch.device, num_tiles: int) -> torch.Tensor | None:
+    """The device's zeroed int32 tile counters for the in-kernel split-K reduction, made on first use; None (the
+    second launch instead) when the reduction is switched off, the tiles outnumber the counters, or the first use
+    comes inside a CUDA graph capture (zeros made there would be the graph's, not persistent)."""
+    if SPLIT_K_REDUCE != "kernel" or num_tiles > _NUM_SPLIT_LOCKS:
+        return None
+    locks = _split_locks.get(device)
+    if locks is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        locks = _split_locks[device] = torch.zeros(_NUM_SPLIT_LOCKS, dtype=torch.int32, device=device)
+    return locks
+
+
 def weight_only_linear(x, qweight, scales, mins, kind: int, group_n: int, group_k: int,
                        plan: TilePlan | None = None) -> torch.Tensor:
     """x [M, K] (16-bit, unit column stride) @ dequant(qweight).T -> [M, N] in x.dtype (quant_gemm.py)."""
@@ -76,47 +98,64 @@ def weight_only_linear(x, qweight, scales, mins, kind: int, group_n: int, group_
     plan = plan or plan_weight_only(M, N, K, group_k, device_limits(x.device), kind, group_n)
     split = plan.num_splits > 1
     target = torch.empty((plan.num_splits, M, N), dtype=torch.float32, device=x.device) if split else out
+    num_tiles = triton.cdiv(N, plan.block_n) * (1 if plan.cuda_cores else triton.cdiv(M, plan.block_m))
+    locks = _split_lock_tensor(x.device, num_tiles) if split else None
+    launch = _SplitLaunch(target, out, out if locks is None else locks, locks is not None)
     if plan.cuda_cores and kind == quant_gemm.KIND_FP8:
-        _launch_fp8_gemv(x, qweight, scales, target, group_n, group_k, plan)
+        _launch_fp8_gemv(x, qweight, scales, launch, group_n, group_k, plan)
     elif plan.cuda_cores:
-        _launch_int4_gemv(x, qweight, scales, mins, target, group_k, plan)
+        _launch_int4_gemv(x, qweight, scales, mins, launch, group_k, plan)
     else:
-        _launch_wo_gemm(x, qweight, scales, mins, target, kind, group_n, group_k, plan)
-    if split:
+        _launch_wo_gemm(x, qweight, scales, mins, launch, kind, group_n, group_k, plan)
+    if split and not launch.reduce_in_kernel:
         block = 1024
         quant_gemm._sum_splits_kernel[(triton.cdiv(M * N, block),)](target, out, M * N, plan.num_splits,
                                                                      BLOCK=block, num_warps=4)
     return out
 
 
-def _launch_int4_gemv(x, qweight, scales, mins, target, group_k: int, plan: TilePlan):
+@dataclass(frozen=True)
+class _SplitLaunch:
+    """Where a weight-only kernel writes: target (fp32 partials [splits, M, N] when split-K, else out itself), and
+    for the in-kernel reduction the output and the tile counters (locks; unused and set to out otherwise)."""
+    target: torch.Tensor
+    out: torch.Tensor
+    locks: torch.Tensor
+    reduce_in_kernel: bool
+
+    def split_stride(self) -> int:
+        return self.target.stride(0) if self.target.dim() == 3 else 0
+
+
+def _launch_int4_gemv(x, qweight, scales, mins, launch: _SplitLaunch, group_k: int, plan: TilePlan):
     M, N = x.shape[0], qweight.shape[0]
-    split = plan.num_splits > 1
     quant_gemm._int4_gemv_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
-        x, qweight, scales, scales if mins is None else mins, target, M, N, x.shape[1], plan.num_k_steps,
-        x.stride(0), qweight.stride(0), scales.stride(0), 0 if mins is None else mins.stride(0), target.stride(-2),
-        target.stride(0) if split else 0, GROUP_K=group_k, HAS_MINS=mins is not None, TWO_ROWS=M > 1,
+        x, qweight, scales, scales if mins is None else mins, launch.target, launch.out, launch.locks, M, N,
+        x.shape[1], plan.num_k_steps, plan.num_splits, x.stride(0), qweight.stride(0), scales.stride(0),
+        0 if mins is None else mins.stride(0), launch.out.stride(0), launch.split_stride(),
+        REDUCE_SPLITS=launch.reduce_in_kernel, GROUP_K=group_k, HAS_MINS=mins is not None, TWO_ROWS=M > 1,
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
 
 
-def _launch_fp8_gemv(x, qweight, scales, target, group_n: int, group_k: int, plan: TilePlan):
+def _launch_fp8_gemv(x, qweight, scales, launch: _SplitLaunch, group_n: int, group_k: int, plan: TilePlan):
     (M, K), N = x.shape, qweight.shape[0]
-    split = plan.num_splits > 1
     quant_gemm._fp8_gemv_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
-        x, qweight, scales, target, M, N, K, plan.num_k_steps, x.stride(0), qweight.stride(0), scales.stride(0),
-        target.stride(-2), target.stride(0) if split else 0, GROUP_N=group_n, GROUP_K=group_k, TWO_ROWS=M > 1,
+        x, qweight, scales, launch.target, launch.out, launch.locks, M, N, K, plan.num_k_steps, plan.num_splits,
+        x.stride(0), qweight.stride(0), scales.stride(0), launch.out.stride(0), launch.split_stride(),
+        REDUCE_SPLITS=launch.reduce_in_kernel, GROUP_N=group_n, GROUP_K=group_k, TWO_ROWS=M > 1,
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
 
 
-def _launch_wo_gemm(x, qweight, scales, mins, target, kind: int, group_n: int, group_k: int, plan: TilePlan):
+def _launch_wo_gemm(x, qweight, scales, mins, launch: _SplitLaunch, kind: int, group_n: int, group_k: int,
+                    plan: TilePlan):
     (M, K), N = x.shape, qweight.shape[0]
-    split = plan.num_splits > 1
     offset, offset_bits = _offset_bits(x.dtype, kind) if plan.scale_after_dot else (0, 0)
     grid = (triton.cdiv(M, plan.block_m) * triton.cdiv(N, plan.block_n), plan.num_splits)
     quant_gemm._wo_gemm_kernel[grid](
-        x, qweight, scales, scales if mins is None else mins, target, M, N, K, plan.num_k_steps, x.stride(0),
-        qweight.stride(0), scales.stride(0), 0 if mins is None else mins.stride(0), target.stride(-2),
-        target.stride(0) if split else 0,
+        x, qweight, scales, scales if mins is None else mins, launch.target, launch.out, launch.locks, M, N, K,
+        plan.num_k_steps, plan.num_splits, x.stride(0), qweight.stride(0), scales.stride(0),
+        0 if mins is None else mins.stride(0), launch.out.stride(0), launch.split_stride(),
+        REDUCE_SPLITS=launch.reduce_in_kernel,
         WEIGHT_KIND=kind, GROUP_N=group_n, GROUP_K=group_k, HAS_MINS=mins is not None,
         SCALE_AFTER_DOT=plan.scale_after_dot, PER_ELEMENT=plan.per_element, OFFSET=offset, OFFSET_BITS=offset_bits,
         EMULATE_DOT_FP32=_interpreting() and x.dtype == torch.bfloat16,
