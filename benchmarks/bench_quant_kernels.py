@@ -7,12 +7,12 @@ Qwen3-8B layer shapes, decode (M = 1..16) and prefill/batch (M = 128..8192) rows
 Variants: bf16 `F.linear`; `int_linear` 4-bit (at 1-2 rows a CUDA-core kernel; `w4-mma` and `fp8blk-mma` time the
 16-row dot kernel there instead; from DEQUANT_GEMM_MIN_ROWS rows on the weight dequantized to bf16 and cuBLAS,
 `w4-tile` and `w8-tile` time the Triton 128-row tiles there instead) and 8-bit, group 128 with fp16 scales and fp32
-mins (AWQ's and GPTQ's layout after repacking); `fp8_linear` with 128 x 128 blocks and per-channel (at M >= 256
-these quantize the activations to FP8 and call torch._scaled_mm on sm_90); and, from 64 rows (W8A8_TRIAL_MIN_ROWS,
-to place FP8_ACT_QUANT_MIN_ROWS), the alternatives to the dispatch's pick: the Triton FP8 GEMM for per-channel
-weights (`fp8ch-tri`) and for block weights (`fp8blk-tri`; NANOVLLM_FP8_BLOCK_SCALED_MM=0 makes it the default),
-torch._scaled_mm's 1 x 128 / 128 x 128 block scaling forced (`fp8blk-smm`, cuBLASLt on sm_90: the default there) and
-the weight-only kernel on block FP8 weights (`fp8blk-a16`, bf16 activations).
+mins (AWQ's and GPTQ's layout after repacking); `fp8_linear` with 128 x 128 blocks and per-channel (from
+FP8_ACT_QUANT_MIN_ROWS = 33 rows these quantize the activations to FP8 and call torch._scaled_mm); and, from 16 rows
+(W8A8_TRIAL_MIN_ROWS, to place FP8_ACT_QUANT_MIN_ROWS), the alternatives to the dispatch's pick: the Triton FP8 GEMM
+for per-channel weights (`fp8ch-tri`) and for block weights (`fp8blk-tri`; NANOVLLM_FP8_BLOCK_SCALED_MM=0 makes it
+the default), torch._scaled_mm's 1 x 128 / 128 x 128 block scaling forced (`fp8blk-smm`, cuBLASLt on sm_90: the
+default there) and the weight-only kernel on block FP8 weights (`fp8blk-a16`, bf16 activations).
 
 Each cell is `us / speedup over bf16 / %` where % is, for M <= 16, the bytes of weights + scales + mins read per
 second as a share of the device's copy bandwidth (a 1 GiB device-to-device copy_, read + write bytes over time,
@@ -55,7 +55,7 @@ VARIANTS = ["bf16", "w4", "w4-mma", "w4-tile", "w8", "w8-tile", "fp8blk",
             "fp8blk-mma", "fp8ch", "fp8ch-tri", "fp8blk-smm", "fp8blk-tri", "fp8blk-a16"]
 LARGE_M_ONLY = {"fp8ch-tri", "fp8blk-smm", "fp8blk-tri", "fp8blk-a16"}
 # the forced W8A8 variants also run from this many rows, below FP8_ACT_QUANT_MIN_ROWS: where the threshold belongs
-W8A8_TRIAL_MIN_ROWS = 64
+W8A8_TRIAL_MIN_ROWS = 16
 SMALL_M_ONLY = {"w4-mma", "fp8blk-mma"}  # the 16-row dot kernel where the plan takes a CUDA-core one (1-2 rows)
 # the Triton tile kernels where int_linear dequantizes the weight and calls cuBLAS instead (DEQUANT_GEMM_MIN_ROWS)
 TILE_KINDS = {"w4-tile": quant_gemm.KIND_INT4, "w8-tile": quant_gemm.KIND_INT8}
@@ -170,7 +170,7 @@ def bench_variant(name: str, variant: str, N: int, K: int, ms: list, copy_bw: fl
     for M in ms:
         if variant in LARGE_M_ONLY and M < min(W8A8_TRIAL_MIN_ROWS, qm.FP8_ACT_QUANT_MIN_ROWS):
             continue
-        if variant in SMALL_M_ONLY and M > quant_plans.CUDA_CORE_MAX_ROWS:
+        if variant in SMALL_M_ONLY and M > max(quant_plans.CUDA_CORE_MAX_ROWS.values()):
             continue
         if variant in TILE_KINDS and M < qm.DEQUANT_GEMM_MIN_ROWS[TILE_KINDS[variant]]:
             continue

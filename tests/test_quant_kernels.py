@@ -131,14 +131,14 @@ print(json.dumps(res))
 FP8_CASES = [  # M, N, K, (bn, bk), x dtype, what it covers
     (3, 200, 320, (128, 128), "bfloat16", "block FP8 decode, N and K ragged"),
     (1, 200, 320, (128, 128), "bfloat16", "block FP8, one row on the CUDA cores"),
-    (2, 48, 160, (1, 160), "float16", "per-channel, two rows on the CUDA cores"),
+    (2, 48, 160, (1, 160), "float16", "per-channel, two rows: the dot kernel"),
     (1, 40, 96, (40, 96), "bfloat16", "per-tensor, one row on the CUDA cores"),
     (2, 30, 160, (16, 48), "float16", "16-row blocks, two rows: the dot kernel"),
     (4, 48, 160, (1, 160), "float16", "per-channel decode"),
     (4, 40, 96, (40, 96), "bfloat16", "per-tensor decode"),
     (5, 30, 160, (16, 48), "float16", "block 48: 16-column K steps"),
     (5, 30, 160, (16, 40), "float16", "block 40: per-element dequantization"),
-    (70, 136, 256, (128, 128), "bfloat16", "weight-only 128-row tile"),
+    (70, 136, 256, (128, 128), "bfloat16", "W8A8 block from 33 rows: a mid-size step"),
     (259, 136, 320, (128, 128), "bfloat16", "W8A8 block, FP8 activations per 128 columns"),
     (256, 48, 160, (1, 160), "float16", "W8A8 per-channel, per-token activations"),
     (260, 40, 96, (40, 96), "bfloat16", "W8A8 per-tensor"),
@@ -246,7 +246,7 @@ from nanovllm.kernels import quant_gemm
 from nanovllm.kernels import quant_matmul as qm
 qweight, q, scales, mins = make_int_weight(200, 1024, 128, 4, torch.float16, torch.float32)
 wq, ws = make_fp8_weight(200, 1024, 128, 128)
-cases = [(1, qweight, scales, mins, quant_gemm.KIND_INT4, 1, 0), (2, wq, ws, None, quant_gemm.KIND_FP8, 128, 2),
+cases = [(1, qweight, scales, mins, quant_gemm.KIND_INT4, 1, 0), (1, wq, ws, None, quant_gemm.KIND_FP8, 128, 2),
          (5, qweight, scales, mins, quant_gemm.KIND_INT4, 1, None)]  # CUDA-core int4, CUDA-core FP8, dot tiles
 res = []
 for M, w, sc, mn, kind, group_n, plan_kind in cases:

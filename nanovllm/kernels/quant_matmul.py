@@ -34,9 +34,14 @@ import torch.nn.functional as F
 import triton
 
 from nanovllm.kernels import quant_dequant, quant_fp8, quant_gemm
-from nanovllm.kernels.quant_plans import DeviceLimits, TilePlan, device_limits, plan_weight_only
+from nanovllm.kernels.quant_plans import (SCALE_AFTER_DOT_MAX_ROWS, DeviceLimits, TilePlan, device_limits,
+                                          plan_weight_only)
 
-FP8_ACT_QUANT_MIN_ROWS = 256  # FP8 weights: below this many rows the weight-only kernel (bf16 dot, exact x) runs
+# FP8 weights from this many rows on quantize the activations and run an FP8 GEMM; below, the weight-only decode
+# tiles (bf16 dot, exact x, the scales after the dot) run. Above 32 rows those tiles dequantize each weight tile
+# (SCALE_AFTER_DOT_MAX_ROWS) and ran at ~175 TFLOP/s on an H100, where cuBLASLt's FP8 GEMM streams the same weight
+# bytes and multiplies at the FP8 rate (1.6x bf16 cuBLAS at 1,024 rows)
+FP8_ACT_QUANT_MIN_ROWS = SCALE_AFTER_DOT_MAX_ROWS + 1
 USE_SCALED_MM = os.environ.get("NANOVLLM_FP8_SCALED_MM", "1") != "0"  # per-channel/-tensor FP8 at large M
 # 128 x 128 block FP8 through torch._scaled_mm (cuBLASLt's 1 x 128 x 128 x 128 block scaling: CUDA 12.9+, sm_90)
 # instead of the Triton GEMM; "0" forces the Triton GEMM (bench_quant_kernels.py's fp8blk-tri column times it)
