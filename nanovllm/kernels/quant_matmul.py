@@ -221,8 +221,30 @@ def _int_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     kind = quant_gemm.KIND_INT4 if bits == 4 else quant_gemm.KIND_INT8
     scales, mins = scales.contiguous(), None if mins is None else mins.contiguous()
     if x.shape[0] >= DEQUANT_GEMM_MIN_ROWS[kind]:
-        return F.linear(x, dequantize_int_weight(qweight, scales, mins, kind, group_size, x.dtype))
+        return _dequantize_then_mm(x, qweight, scales, mins, kind, group_size)
     return weight_only_linear(x, qweight, scales, mins, kind, 1, group_size)
+
+
+# the large-M "int" path dequantizes at most this many bytes of weight rows at a time: a Qwen3-8B gate_up in bf16 is
+# 192 MiB, which the activation profile and every piecewise graph pool would otherwise hold at their peak (on the
+# 8 GB card that is KV); 48 MiB chunks stay whole in an H100's 50 MB L2 for the GEMM that reads them
+DEQUANT_SCRATCH_MAX_BYTES = 48 << 20
+
+
+def _dequantize_then_mm(x, qweight, scales, mins, kind: int, group_size: int) -> torch.Tensor:
+    """x @ dequant(W).T through cuBLAS, the weight dequantized in row chunks of DEQUANT_SCRATCH_MAX_BYTES, each
+    chunk's product written into its columns of the output (a strided view cuBLAS writes in place)."""
+    (M, K), N = x.shape, qweight.shape[0]
+    chunk_rows = max(128, DEQUANT_SCRATCH_MAX_BYTES // (K * x.element_size()) // 128 * 128)
+    if chunk_rows >= N:
+        return F.linear(x, dequantize_int_weight(qweight, scales, mins, kind, group_size, x.dtype))
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    for n0 in range(0, N, chunk_rows):
+        rows = slice(n0, min(N, n0 + chunk_rows))
+        w = dequantize_int_weight(qweight[rows], scales[rows], None if mins is None else mins[rows], kind,
+                                  group_size, x.dtype)
+        torch.mm(x, w.t(), out=out[:, rows])
+    return out
 
 
 @_int_linear_op.register_fake
