@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_quant_kernels as bqk  # noqa: E402
 
 from nanovllm.kernels import quant_gemm  # noqa: E402
-from nanovllm.kernels import quant_matmul as qm  # noqa: E402
+from nanovllm.kernels import quant_w8a8  # noqa: E402
 
 
 def section(title: str):
@@ -127,7 +127,7 @@ def engine_fp8_paths(N: int, K: int, M: int):
     bf16_us = timed(lambda i: F.linear(x, w16[i % 2]), 2)
     del w16
     for group_cols in (K, 128):
-        us = timed(lambda i, g=group_cols: qm.quantize_activations(x, g), 8)
+        us = timed(lambda i, g=group_cols: quant_w8a8.quantize_activations(x, g), 8)
         gbps = M * K * 3 / us / 1e3
         print(f"   quantize_activations M={M} K={K} group {group_cols}: {us:.1f} us ({gbps:.0f} GB/s, "
               f"{100 * us / bf16_us:.0f}% of the bf16 GEMM)")

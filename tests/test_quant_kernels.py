@@ -214,14 +214,14 @@ ACT_SCRIPT = """
 import json
 import torch
 from test_quant_kernels import quantize_act_ref
-from nanovllm.kernels import quant_matmul as qm
+from nanovllm.kernels import quant_w8a8
 res = []
 x = torch.randn(7, 320, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
 x[2, 64:128] = 0  # an all-zero group: scale 1e-12 / 448, values 0
 for group_cols, chunk_cols, column_major, pad in [(320, 16384, False, 1), (320, 128, False, 1),
                                                   (64, 16384, False, 1), (64, 128, True, 4), (32, 64, False, 1)]:
-    qm._QUANT_CHUNK_COLS = chunk_cols  # several chunks a row: both per-token passes and the per-group loop
-    xq, xs = qm.quantize_activations(x, group_cols, scales_column_major=column_major, pad_rows_to=pad)
+    quant_w8a8._QUANT_CHUNK_COLS = chunk_cols  # several chunks a row: both per-token passes and the per-group loop
+    xq, xs = quant_w8a8.quantize_activations(x, group_cols, scales_column_major=column_major, pad_rows_to=pad)
     num_groups = -(-320 // group_cols)
     back = xq[:7].float() * xs[:7].repeat_interleave(group_cols, 1)[:, :320]
     res.append(dict(equal=torch.equal(back, quantize_act_ref(x, group_cols)), rows=xq.shape[0],

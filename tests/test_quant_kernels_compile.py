@@ -58,10 +58,10 @@ def compile_only(self, *args, grid, warmup, **kwargs):
 JITFunction.run = compile_only
 driver.set_active(StandInDriver())
 
-from nanovllm.kernels import quant_gemm
+from nanovllm.kernels import quant_gemm, quant_plans
 from nanovllm.kernels import quant_matmul as qm
 
-limits = qm.DeviceLimits(NUM_SMS, SHARED_LIMIT_BYTES)
+limits = quant_plans.DeviceLimits(NUM_SMS, SHARED_LIMIT_BYTES)
 K, N = 4096, 4096  # Qwen3-8B o_proj: plans with several K steps per program, as the engine runs them
 for bits, group, dtype, rows in [(4, 128, torch.bfloat16, (1, 2, 16, 48, 256)), (4, 128, torch.float16, (1, 256)),
                                  (8, 32, torch.bfloat16, (4, 256)), (8, 16, torch.float16, (256,)),

@@ -23,9 +23,9 @@ PLANS_SCRIPT = """
 import json
 import torch
 from test_quant_kernels import dequant_fp8, dequant_int, errors, make_fp8_weight, make_int_weight
-from nanovllm.kernels import quant_gemm, quant_matmul as qm
+from nanovllm.kernels import quant_gemm, quant_plans, quant_matmul as qm
 
-LIMITS = qm.DeviceLimits(64, 232448)  # few tiles here: 64 SMs make the decode and 128-row plans split K
+LIMITS = quant_plans.DeviceLimits(64, 232448)  # few tiles here: 64 SMs make the decode and 128-row plans split K
 
 def padded(t, pad_value, extra=4):
     # t as a view into a buffer with `extra` more columns of pad_value after each row
@@ -111,7 +111,7 @@ DEQUANT_SCRIPT = """
 import json
 import torch
 from test_quant_kernels import dequant_int, errors, make_int_weight
-from nanovllm.kernels import quant_gemm, quant_matmul as qm
+from nanovllm.kernels import quant_gemm, quant_plans, quant_matmul as qm
 res = []
 # N ragged against the 32-row programs, K against the 256-column ones; groups that are and are not powers of two
 for N, K, G, bits, x_dtype, s_dtype, m_dtype in [(300, 352, 32, 4, "bfloat16", "float16", "float32"),
