@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The quantized-weights GPU measurements of issue 44 in one command, on one H100 or H200 (<= ~8 min):
+# The quantized-weights GPU measurements of issue 44 in one command, on one H100 or H200 (<= 7 min):
 #   kernels  bench_quant_kernels.py on the Qwen3-8B layer shapes, M = 1..16 and 64..4096 (incl. torch._scaled_mm)
 #   batch1   bench.py --num-seqs 1 for qwen3-8b, -fp8, -awq (batch-1 decode: targets 1.7x / 2.3x bf16)
-#   large    bench.py --num-seqs 1024 --kv-cache-dtype fp8 for the three (targets 1.25x / 0.95x bf16)
 #   mem      the 8 GiB starts: qwen3-8b-awq (>= 1.2 GiB KV), the same with --quantize-lm-head int8 (>= 2 GiB),
 #            qwen3-4b-fp8 (>= 3 GiB)
+#   large    bench.py --num-seqs 1024 --kv-cache-dtype fp8 for the three (targets 1.25x / 0.95x bf16; ~70-95 s each)
 #   profile  bench.py --profile-decode / --profile-mixed for the three: where a batch-1 and a large step's time goes
 #
-#   bash benchmarks/gpu_quant.sh                      # all parts, in the order above
+#   bash benchmarks/gpu_quant.sh                      # kernels batch1 mem large, within 420 s
+#   bash benchmarks/gpu_quant.sh profile              # the kernel profiles (~3 min)
 #   bash benchmarks/gpu_quant.sh batch1 large         # only these parts (a ratio's two sides run in one part)
 #   GPU_QUANT_BUDGET_S=480 bash benchmarks/gpu_quant.sh
 #
@@ -17,8 +18,8 @@
 set -u
 cd "$(dirname "$0")/.."
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(kernels batch1 large mem profile)
-BUDGET_S=${GPU_QUANT_BUDGET_S:-570}  # a device command may run 600 s
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(kernels batch1 mem large)
+BUDGET_S=${GPU_QUANT_BUDGET_S:-420}
 LOG_DIR=${OUT:-/tmp}/gpu_quant
 mkdir -p "$LOG_DIR"
 START=$(date +%s)
@@ -51,19 +52,19 @@ bench_lines() {
 for part in "${PARTS[@]}"; do
   case $part in
     kernels)
-      step kernels 110 python benchmarks/bench_quant_kernels.py --m 1 2 4 8 16 64 128 256 1024 4096 --budget-s 90 \
-        --variants bf16 w4 w4-mma w8 fp8blk fp8blk-mma fp8ch fp8ch-tri fp8blk-smm fp8blk-tri \
+      step kernels 60 python benchmarks/bench_quant_kernels.py --m 1 2 4 8 16 64 1024 4096 --budget-s 35 \
+        --variants bf16 w4 fp8blk fp8ch fp8blk-tri \
         --json "$LOG_DIR/kernels.json" ;;
     batch1)
       for shape in qwen3-8b qwen3-8b-fp8 qwen3-8b-awq; do
-        step "batch1-$shape" 90 python bench.py --shape "$shape" --num-seqs 1
+        step "batch1-$shape" 60 python bench.py --shape "$shape" --num-seqs 1 --max-num-seqs 16
       done ;;
     mem)
-      step mem-qwen3-8b-awq 90 python bench.py --shape qwen3-8b-awq --gpu-memory-gib 8 --max-num-seqs 256 \
+      step mem-qwen3-8b-awq 60 python bench.py --shape qwen3-8b-awq --gpu-memory-gib 8 --max-num-seqs 256 \
         --num-seqs 16 --kv-cache-dtype fp8
-      step mem-qwen3-8b-awq-int8head 90 python bench.py --shape qwen3-8b-awq --gpu-memory-gib 8 \
+      step mem-qwen3-8b-awq-int8head 60 python bench.py --shape qwen3-8b-awq --gpu-memory-gib 8 \
         --max-num-seqs 256 --num-seqs 16 --kv-cache-dtype fp8 --quantize-lm-head int8
-      step mem-qwen3-4b-fp8 90 python bench.py --shape qwen3-4b-fp8 --gpu-memory-gib 8 --max-num-seqs 256 \
+      step mem-qwen3-4b-fp8 60 python bench.py --shape qwen3-4b-fp8 --gpu-memory-gib 8 --max-num-seqs 256 \
         --num-seqs 16 --kv-cache-dtype fp8 ;;
     profile)
       # batch 1 (where each kernel's share of a 4-6 ms step shows), then the large steps of the 1,024-sequence run
@@ -73,7 +74,7 @@ for part in "${PARTS[@]}"; do
       done ;;
     large)
       for shape in qwen3-8b qwen3-8b-fp8 qwen3-8b-awq; do
-        step "large-$shape" 130 python bench.py --shape "$shape" --num-seqs 1024 --kv-cache-dtype fp8
+        step "large-$shape" 120 python bench.py --shape "$shape" --num-seqs 1024 --kv-cache-dtype fp8
       done ;;
     *)
       SUMMARY+=("$part: unknown part (kernels batch1 mem profile large)") ;;
@@ -92,4 +93,14 @@ for line in "${SUMMARY[@]}"; do
     profile-*) grep -hE "ms per step back to back" "$log" ;;
     *) bench_lines "$log" ;;
   esac
+done
+
+# tok/s against bf16, per part that ran all three shapes in this command
+for part in batch1 large; do
+  base=$(grep -ho "Throughput: [0-9]*" "$LOG_DIR/$part-qwen3-8b.log" 2>/dev/null | awk '{print $2}')
+  [ -n "$base" ] || continue
+  for shape in qwen3-8b-fp8 qwen3-8b-awq; do
+    tok=$(grep -ho "Throughput: [0-9]*" "$LOG_DIR/$part-$shape.log" 2>/dev/null | awk '{print $2}')
+    [ -n "$tok" ] && echo "$part $shape: $tok tok/s = $(awk -v a="$tok" -v b="$base" 'BEGIN{printf "%.2f", a / b}')x bf16 ($base)"
+  done
 done
