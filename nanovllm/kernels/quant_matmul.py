@@ -24,6 +24,7 @@ opaque calls, and CUDA graphs capture them (no host sync; the split-K partials c
 On CPU tensors they run only under Triton's interpreter (TRITON_INTERPRET=1, the tests); the engine's CPU path
 dequantizes and calls F.linear.
 """
+import functools
 import os
 import typing
 from dataclasses import dataclass
@@ -216,17 +217,30 @@ def _int_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return weight_only_linear(x, qweight, scales, mins, kind, 1, group_size)
 
 
-# the large-M "int" path dequantizes at most this many bytes of weight rows at a time: a Qwen3-8B gate_up in bf16 is
-# 192 MiB, which the activation profile and every piecewise graph pool would otherwise hold at their peak (on the
-# 8 GB card that is KV); 48 MiB chunks stay whole in an H100's 50 MB L2 for the GEMM that reads them
-DEQUANT_SCRATCH_MAX_BYTES = 48 << 20
+# the large-M "int" path dequantizes the weight in row chunks of at most this many bytes, and on CUDA of at most half
+# the L2: a chunk's bf16 copy is then read back by its GEMM from L2 (and overwritten there by the next chunk, the
+# caching allocator handing back the same block) instead of going to DRAM and back, about 2 x 14.5 GB a Qwen3-8B
+# step at 1,024 rows; and a whole gate_up (192 MiB in bf16) no longer sits at the peak of the activation profile
+# and of every piecewise graph pool (inside 8 GiB, that is KV). NANOVLLM_DEQUANT_CHUNK_MIB sets the cap (0: none).
+DEQUANT_SCRATCH_MAX_BYTES = int(float(os.environ.get("NANOVLLM_DEQUANT_CHUNK_MIB", "48")) * (1 << 20)) or (1 << 62)
+
+
+@functools.cache
+def _l2_cache_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).L2_cache_size
+
+
+def _dequant_chunk_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEQUANT_SCRATCH_MAX_BYTES
+    return min(DEQUANT_SCRATCH_MAX_BYTES, _l2_cache_bytes(device) // 2)
 
 
 def _dequantize_then_mm(x, qweight, scales, mins, kind: int, group_size: int) -> torch.Tensor:
-    """x @ dequant(W).T through cuBLAS, the weight dequantized in row chunks of DEQUANT_SCRATCH_MAX_BYTES, each
-    chunk's product written into its columns of the output (a strided view cuBLAS writes in place)."""
+    """x @ dequant(W).T through cuBLAS, the weight dequantized in row chunks (_dequant_chunk_bytes), each chunk's
+    product written into its columns of the output (a strided view cuBLAS writes in place)."""
     (M, K), N = x.shape, qweight.shape[0]
-    chunk_rows = max(128, DEQUANT_SCRATCH_MAX_BYTES // (K * x.element_size()) // 128 * 128)
+    chunk_rows = max(128, _dequant_chunk_bytes(x.device) // (K * x.element_size()) // 128 * 128)
     if chunk_rows >= N:
         return F.linear(x, dequantize_int_weight(qweight, scales, mins, kind, group_size, x.dtype))
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -235,6 +249,7 @@ def _dequantize_then_mm(x, qweight, scales, mins, kind: int, group_size: int) ->
         w = dequantize_int_weight(qweight[rows], scales[rows], None if mins is None else mins[rows], kind,
                                   group_size, x.dtype)
         torch.mm(x, w.t(), out=out[:, rows])
+        del w  # freed before the next chunk is made: the allocator hands back this block, whose lines are in L2
     return out
 
 
