@@ -55,8 +55,8 @@ def environment():
     print(f"   {props.name}, sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, "
           f"{props.total_memory / 2**30:.1f} GiB; torch {torch.__version__}, CUDA {torch.version.cuda}, "
           f"triton {triton.__version__}")
-    print(f"   torch.nn.functional.scaled_mm (v2 API): {hasattr(F, 'scaled_mm')}, "
-          f"ScalingType: {[s.name for s in F.ScalingType] if hasattr(F, 'ScalingType') else None}")
+    scaling_types = [n for n in dir(getattr(F, "ScalingType", None)) if n[0].isupper()]
+    print(f"   torch.nn.functional.scaled_mm (v2 API): {hasattr(F, 'scaled_mm')}, ScalingType: {scaling_types}")
 
 
 def _fp8_operands(M: int, N: int, K: int, num_copies: int):
