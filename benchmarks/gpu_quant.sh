@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The quantized-weights GPU measurements of issue 44 in one command, on one H100 or H200 (<= 7 min):
+# The quantized-weights GPU measurements of issue 44 in one command, on one H100 or H200 (<= 8 min):
 #   kernels  bench_quant_kernels.py on the Qwen3-8B layer shapes, M = 1..16 and 64..4096 (incl. torch._scaled_mm)
-#   batch1   bench.py --num-seqs 1 for qwen3-8b, -fp8, -awq (batch-1 decode: targets 1.7x / 2.3x bf16)
+#   batch1   bench.py --num-seqs 1 for qwen3-8b, -fp8, -awq, and -awq with NANOVLLM_W4_DECODE=dp4a (batch-1 decode:
+#            targets 1.7x / 2.3x bf16)
 #   mem      the 8 GiB starts: qwen3-8b-awq (>= 1.2 GiB KV), the same with --quantize-lm-head int8 (>= 2 GiB),
 #            qwen3-4b-fp8 (>= 3 GiB)
 #   large    bench.py --num-seqs 1024 --kv-cache-dtype fp8 for the three (targets 1.25x / 0.95x bf16; ~70-95 s each)
 #   profile  bench.py --profile-decode / --profile-mixed for the three: where a batch-1 and a large step's time goes
 #
-#   bash benchmarks/gpu_quant.sh                      # kernels batch1 mem large, within 420 s
+#   bash benchmarks/gpu_quant.sh                      # kernels batch1 mem large, within 480 s
 #   bash benchmarks/gpu_quant.sh profile              # the kernel profiles (~3 min)
 #   bash benchmarks/gpu_quant.sh batch1 large         # only these parts (a ratio's two sides run in one part)
-#   GPU_QUANT_BUDGET_S=480 bash benchmarks/gpu_quant.sh
+#   GPU_QUANT_BUDGET_S=420 bash benchmarks/gpu_quant.sh   # a tighter budget: later steps are skipped
 #
 # Each step runs under its own timeout and a failing step does not stop the others; a step that would start
 # past the budget is skipped and says so. Logs go to $OUT/gpu_quant (or /tmp/gpu_quant) and a compact summary
@@ -19,7 +20,7 @@ set -u
 cd "$(dirname "$0")/.."
 PARTS=("$@")
 [ ${#PARTS[@]} -eq 0 ] && PARTS=(kernels batch1 mem large)
-BUDGET_S=${GPU_QUANT_BUDGET_S:-420}
+BUDGET_S=${GPU_QUANT_BUDGET_S:-480}
 LOG_DIR=${OUT:-/tmp}/gpu_quant
 mkdir -p "$LOG_DIR"
 START=$(date +%s)
@@ -52,13 +53,16 @@ bench_lines() {
 for part in "${PARTS[@]}"; do
   case $part in
     kernels)
-      step kernels 60 python benchmarks/bench_quant_kernels.py --m 1 2 4 8 16 64 1024 4096 --budget-s 35 \
-        --variants bf16 w4 fp8blk fp8ch fp8blk-tri \
+      step kernels 60 python benchmarks/bench_quant_kernels.py --m 1 2 16 64 1024 --budget-s 35 \
+        --variants bf16 w4 w4-dp4a fp8blk fp8blk-tri \
         --json "$LOG_DIR/kernels.json" ;;
     batch1)
       for shape in qwen3-8b qwen3-8b-fp8 qwen3-8b-awq; do
         step "batch1-$shape" 60 python bench.py --shape "$shape" --num-seqs 1 --max-num-seqs 16
-      done ;;
+      done
+      # the same AWQ shape with W4A8 at one row (int8 activations on dp4a, quant_w4a8.py; opt-in)
+      step batch1-qwen3-8b-awq-dp4a 60 env NANOVLLM_W4_DECODE=dp4a python bench.py --shape qwen3-8b-awq \
+        --num-seqs 1 --max-num-seqs 16 ;;
     mem)
       step mem-qwen3-8b-awq 60 python bench.py --shape qwen3-8b-awq --gpu-memory-gib 8 --max-num-seqs 256 \
         --num-seqs 16 --kv-cache-dtype fp8
@@ -99,7 +103,7 @@ done
 for part in batch1 large; do
   base=$(grep -ho "Throughput: [0-9]*" "$LOG_DIR/$part-qwen3-8b.log" 2>/dev/null | awk '{print $2}')
   [ -n "$base" ] || continue
-  for shape in qwen3-8b-fp8 qwen3-8b-awq; do
+  for shape in qwen3-8b-fp8 qwen3-8b-awq qwen3-8b-awq-dp4a; do
     tok=$(grep -ho "Throughput: [0-9]*" "$LOG_DIR/$part-$shape.log" 2>/dev/null | awk '{print $2}')
     [ -n "$tok" ] && echo "$part $shape: $tok tok/s = $(awk -v a="$tok" -v b="$base" 'BEGIN{printf "%.2f", a / b}')x bf16 ($base)"
   done
