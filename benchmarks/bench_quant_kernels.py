@@ -154,6 +154,14 @@ def graph_us(fn, num_calls: int) -> float:
     return statistics.median(times)
 
 
+def read_gbps() -> float:
+    """Bytes read per second by a reduction over 1 GiB (read only): the context for the copy-based %, since a kernel
+    that only reads streams faster than a copy, which also writes (bf16 cuBLAS decode reads at ~115% of copy_)."""
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    us = graph_us(lambda i: src.amax(), 4)
+    return (1 << 30) / us / 1e3
+
+
 def copy_gbps() -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -235,7 +243,8 @@ def sweep_splits(shapes: list, copy_bw: float):
 def print_table(rows: list, variants: list, copy_bw: float):
     """Two tables, decode (M <= 16) and larger M, each with the variants that ran there."""
     by_key = {(r["shape"], r["M"], r["variant"]): r for r in rows}
-    print(f"copy bandwidth (1 GiB copy_, read + write): {copy_bw:.0f} GB/s")
+    print(f"copy bandwidth (1 GiB copy_, read + write): {copy_bw:.0f} GB/s; a read-only reduction over 1 GiB: "
+          f"{read_gbps():.0f} GB/s")
     print("cell: us / speedup over bf16 / (M <= 16: % of copy bandwidth read; else TFLOP/s)")
     for decode in (True, False):
         group = [r for r in rows if (r["M"] <= 16) == decode]
