@@ -4,15 +4,16 @@ Qwen3-8B layer shapes, decode (M = 1..16) and prefill/batch (M = 128..8192) rows
     python benchmarks/bench_quant_kernels.py [--m 1 16 1024] [--shapes qkv o] [--json OUT] [--budget-s 160]
     python benchmarks/bench_quant_kernels.py --sweep-splits  # decode split-K counts for W4 and block FP8
 
-Variants: bf16 `F.linear`; `int_linear` 4-bit (at 1-2 rows a CUDA-core kernel; `w4-mma` and `fp8blk-mma` time the
-16-row dot kernel there instead; from DEQUANT_GEMM_MIN_ROWS rows on the weight dequantized to bf16 and cuBLAS,
-`w4-tile` and `w8-tile` time the Triton 128-row tiles there instead) and 8-bit, group 128 with fp16 scales and fp32
-mins (AWQ's and GPTQ's layout after repacking); `fp8_linear` with 128 x 128 blocks and per-channel (at M >= 256
-these quantize the activations to FP8; per-channel goes to torch._scaled_mm); and, at M >= 256 only, the
-alternatives the dispatch did not pick: the Triton FP8 GEMM for per-channel weights (`fp8ch-tri`),
-torch._scaled_mm's 1 x 128 / 128 x 128 block scaling for block weights (`fp8blk-smm`, cuBLASLt on sm_90;
-NANOVLLM_FP8_BLOCK_SCALED_MM=1 makes it the default) and the weight-only kernel on block FP8 weights (`fp8blk-a16`,
-bf16 activations).
+Variants: bf16 `F.linear`; `int_linear` 4-bit (at 1-2 rows a CUDA-core kernel; `w4-dp4a` the W4A8 kernel at 1 row,
+NANOVLLM_W4_DECODE=dp4a; `w4-mma` and `fp8blk-mma` time the 16-row dot kernel there instead; from
+DEQUANT_GEMM_MIN_ROWS rows on the weight dequantized to bf16 and cuBLAS, `w4-tile` and `w8-tile` time the Triton
+128-row tiles there instead) and 8-bit, group 128 with fp16 scales and fp32 mins (AWQ's and GPTQ's layout after
+repacking); `fp8_linear` with 128 x 128 blocks and per-channel (from FP8_ACT_QUANT_MIN_ROWS = 33 rows these quantize
+the activations to FP8 and call torch._scaled_mm); and, from 16 rows (W8A8_TRIAL_MIN_ROWS, to place
+FP8_ACT_QUANT_MIN_ROWS), the alternatives to the dispatch's pick: the Triton FP8 GEMM for per-channel weights
+(`fp8ch-tri`) and for block weights (`fp8blk-tri`; NANOVLLM_FP8_BLOCK_SCALED_MM=0 makes it the default),
+torch._scaled_mm's 1 x 128 / 128 x 128 block scaling forced (`fp8blk-smm`, cuBLASLt on sm_90: the default there) and
+the weight-only kernel on block FP8 weights (`fp8blk-a16`, bf16 activations).
 
 Each cell is `us / speedup over bf16 / %` where % is, for M <= 16, the bytes of weights + scales + mins read per
 second as a share of the device's copy bandwidth (a 1 GiB device-to-device copy_, read + write bytes over time,
@@ -21,7 +22,7 @@ bandwidth at 1-16 rows; FP8 well above 1x bf16 at M = 1024..8192.
 
 Timing: each variant is captured in a CUDA graph of as many calls as it takes to cycle through copies of the
 weights totalling >= 256 MB (so the weights come from memory, not from the 50 MB L2), replayed 5 times; the median
-per call is printed. Correctness: at M = 16 and M = 1024 each result is compared once with x @ W.T in fp32 with W
+per call is printed. Correctness: at M = 1, 16 and 1024 each result is compared once with x @ W.T in fp32 with W
 dequantized by the contract's formula (max |error| / max |reference|); FP8-activation variants include the
 activation rounding (~2^-5). A failing variant prints ERR and its error at the end, the others go on.
 """
@@ -48,13 +49,16 @@ from nanovllm.kernels import quant_plans
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # (N, K)
 DECODE_M = [1, 2, 4, 8, 16]
 PREFILL_M = [128, 512, 1024, 4096, 8192]
-CHECK_M = (16, 1024)
+CHECK_M = (1, 16, 1024)
 GROUP = 128
 L2_DEFEAT_BYTES = 256 << 20
-VARIANTS = ["bf16", "w4", "w4-mma", "w4-tile", "w8", "w8-tile", "fp8blk",
-            "fp8blk-mma", "fp8ch", "fp8ch-tri", "fp8blk-smm", "fp8blk-a16"]
-LARGE_M_ONLY = {"fp8ch-tri", "fp8blk-smm", "fp8blk-a16"}
+VARIANTS = ["bf16", "w4", "w4-dp4a", "w4-mma", "w4-tile", "w8", "w8-tile", "fp8blk",
+            "fp8blk-mma", "fp8ch", "fp8ch-tri", "fp8blk-smm", "fp8blk-tri", "fp8blk-a16"]
+LARGE_M_ONLY = {"fp8ch-tri", "fp8blk-smm", "fp8blk-tri", "fp8blk-a16"}
+# the forced W8A8 variants also run from this many rows, below FP8_ACT_QUANT_MIN_ROWS: where the threshold belongs
+W8A8_TRIAL_MIN_ROWS = 16
 SMALL_M_ONLY = {"w4-mma", "fp8blk-mma"}  # the 16-row dot kernel where the plan takes a CUDA-core one (1-2 rows)
+ONE_ROW_ONLY = {"w4-dp4a"}
 # the Triton tile kernels where int_linear dequantizes the weight and calls cuBLAS instead (DEQUANT_GEMM_MIN_ROWS)
 TILE_KINDS = {"w4-tile": quant_gemm.KIND_INT4, "w8-tile": quant_gemm.KIND_INT8}
 DEVICE = "cuda"  # the CPU smoke check of the references sets "cpu" (with TRITON_INTERPRET=1)
@@ -71,7 +75,7 @@ def make_weights(variant: str, N: int, K: int) -> dict:
     dev = DEVICE
     if variant == "bf16":
         return {"w": torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02}
-    if variant in ("w4", "w4-mma", "w4-tile", "w8", "w8-tile"):
+    if variant in ("w4", "w4-dp4a", "w4-mma", "w4-tile", "w8", "w8-tile"):
         if not variant.startswith("w8"):
             qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (N, K // 8), device=dev, dtype=torch.int32)
         else:
@@ -88,7 +92,7 @@ def make_weights(variant: str, N: int, K: int) -> dict:
 def dequantized(variant: str, t: dict) -> torch.Tensor:
     if variant == "bf16":
         return t["w"].float()
-    if variant in ("w4", "w4-mma", "w4-tile", "w8", "w8-tile"):
+    if variant in ("w4", "w4-dp4a", "w4-mma", "w4-tile", "w8", "w8-tile"):
         q = t["qweight"] if variant.startswith("w8") else unpack_int4(t["qweight"])
         return q.float() * t["scales"].float().repeat_interleave(GROUP, 1) + t["mins"].repeat_interleave(GROUP, 1)
     (bn, bk), (N, K) = t["block"], t["qweight"].shape
@@ -100,6 +104,12 @@ def call(variant: str, x: torch.Tensor, t: dict) -> torch.Tensor:
         return F.linear(x, t["w"])
     if variant in ("w4", "w8"):
         return qm.int_linear(x, t["qweight"], t["scales"], t["mins"], 4 if variant == "w4" else 8, GROUP)
+    if variant == "w4-dp4a":  # W4A8 at one row (quant_w4a8.py), what NANOVLLM_W4_DECODE=dp4a selects
+        default, qm.W4_DECODE = qm.W4_DECODE, "dp4a"
+        try:
+            return qm.int_linear(x, t["qweight"], t["scales"], t["mins"], 4, GROUP)
+        finally:
+            qm.W4_DECODE = default
     if variant == "w4-mma":
         (M, K), N = x.shape, t["qweight"].shape[0]
         plan = qm.plan_weight_only(M, N, K, GROUP, qm.device_limits(x.device))  # no weight kind: the dot kernel
@@ -112,8 +122,8 @@ def call(variant: str, x: torch.Tensor, t: dict) -> torch.Tensor:
         return qm.weight_only_linear(x, t["qweight"], t["scales"], None, quant_gemm.KIND_FP8, 128, 128, plan)
     if variant == "fp8ch-tri":
         return qm.fp8_w8a8_linear(x, t["qweight"], t["scales"], 1, x.shape[1], use_scaled_mm=False)
-    if variant == "fp8blk-smm":
-        return qm.fp8_w8a8_linear(x, t["qweight"], t["scales"], 128, 128, use_scaled_mm=True)
+    if variant in ("fp8blk-smm", "fp8blk-tri"):
+        return qm.fp8_w8a8_linear(x, t["qweight"], t["scales"], 128, 128, use_scaled_mm=variant == "fp8blk-smm")
     if variant == "fp8blk-a16":
         return qm.weight_only_linear(x, t["qweight"], t["scales"], None, quant_gemm.KIND_FP8, 128, 128)
     return qm.fp8_linear(x, t["qweight"], t["scales"], t["block"])
@@ -144,6 +154,14 @@ def graph_us(fn, num_calls: int) -> float:
     return statistics.median(times)
 
 
+def read_gbps() -> float:
+    """Bytes read per second by a reduction over 1 GiB (read only): the context for the copy-based %, since a kernel
+    that only reads streams faster than a copy, which also writes (bf16 cuBLAS decode reads at ~115% of copy_)."""
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    us = graph_us(lambda i: src.amax(), 4)
+    return (1 << 30) / us / 1e3
+
+
 def copy_gbps() -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -166,9 +184,10 @@ def bench_variant(name: str, variant: str, N: int, K: int, ms: list, copy_bw: fl
         errors.append(f"{name} {variant} weights: {type(e).__name__}: {e}")
         return
     for M in ms:
-        if variant in LARGE_M_ONLY and M < qm.FP8_ACT_QUANT_MIN_ROWS:
+        if variant in LARGE_M_ONLY and M < min(W8A8_TRIAL_MIN_ROWS, qm.FP8_ACT_QUANT_MIN_ROWS):
             continue
-        if variant in SMALL_M_ONLY and M > quant_plans.CUDA_CORE_MAX_ROWS:
+        if (variant in SMALL_M_ONLY and M > max(quant_plans.CUDA_CORE_MAX_ROWS.values())
+                or variant in ONE_ROW_ONLY and M > 1):
             continue
         if variant in TILE_KINDS and M < qm.DEQUANT_GEMM_MIN_ROWS[TILE_KINDS[variant]]:
             continue
@@ -224,7 +243,8 @@ def sweep_splits(shapes: list, copy_bw: float):
 def print_table(rows: list, variants: list, copy_bw: float):
     """Two tables, decode (M <= 16) and larger M, each with the variants that ran there."""
     by_key = {(r["shape"], r["M"], r["variant"]): r for r in rows}
-    print(f"copy bandwidth (1 GiB copy_, read + write): {copy_bw:.0f} GB/s")
+    print(f"copy bandwidth (1 GiB copy_, read + write): {copy_bw:.0f} GB/s; a read-only reduction over 1 GiB: "
+          f"{read_gbps():.0f} GB/s")
     print("cell: us / speedup over bf16 / (M <= 16: % of copy bandwidth read; else TFLOP/s)")
     for decode in (True, False):
         group = [r for r in rows if (r["M"] <= 16) == decode]

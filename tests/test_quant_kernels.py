@@ -58,6 +58,19 @@ def quantize_act_ref(x: torch.Tensor, group_cols: int) -> torch.Tensor:
     return out
 
 
+def w4a8_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+             group_size: int) -> torch.Tensor:
+    """float64 [M, N]: x rounded to int8 per 128 columns (scale max|x| / 127 in float32, half away from zero) times
+    q * scale, plus the mins times the exact x: what the W4A8 kernel (quant_w4a8.py) computes before rounding."""
+    xf = x.float().reshape(x.shape[0], -1, 128)
+    xs = xf.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127.0
+    v = xf / xs
+    xq = torch.where(v >= 0, torch.floor(v + 0.5), -torch.floor(0.5 - v))
+    x_hat = (xq.double() * xs.double()).reshape(x.shape)
+    ref = x_hat @ (q.double() * scales.double().repeat_interleave(group_size, 1)).T
+    return ref if mins is None else ref + x.double() @ mins.double().repeat_interleave(group_size, 1).T
+
+
 def make_int_weight(N: int, K: int, group_size: int, bits: int, scale_dtype, min_dtype, seed: int = 0):
     """(qweight in the contract's layout, the raw q [N, K], scales, mins or None)."""
     gen = torch.Generator().manual_seed(seed)
@@ -131,14 +144,14 @@ print(json.dumps(res))
 FP8_CASES = [  # M, N, K, (bn, bk), x dtype, what it covers
     (3, 200, 320, (128, 128), "bfloat16", "block FP8 decode, N and K ragged"),
     (1, 200, 320, (128, 128), "bfloat16", "block FP8, one row on the CUDA cores"),
-    (2, 48, 160, (1, 160), "float16", "per-channel, two rows on the CUDA cores"),
+    (2, 48, 160, (1, 160), "float16", "per-channel, two rows: the dot kernel"),
     (1, 40, 96, (40, 96), "bfloat16", "per-tensor, one row on the CUDA cores"),
     (2, 30, 160, (16, 48), "float16", "16-row blocks, two rows: the dot kernel"),
     (4, 48, 160, (1, 160), "float16", "per-channel decode"),
     (4, 40, 96, (40, 96), "bfloat16", "per-tensor decode"),
     (5, 30, 160, (16, 48), "float16", "block 48: 16-column K steps"),
     (5, 30, 160, (16, 40), "float16", "block 40: per-element dequantization"),
-    (70, 136, 256, (128, 128), "bfloat16", "weight-only 128-row tile"),
+    (70, 136, 256, (128, 128), "bfloat16", "W8A8 block from 33 rows: a mid-size step"),
     (259, 136, 320, (128, 128), "bfloat16", "W8A8 block, FP8 activations per 128 columns"),
     (256, 48, 160, (1, 160), "float16", "W8A8 per-channel, per-token activations"),
     (260, 40, 96, (40, 96), "bfloat16", "W8A8 per-tensor"),
@@ -208,6 +221,97 @@ def test_fp8_linear_matches_the_contract_dequantization():
         assert res["cuda_cores"] == ("CUDA cores" in what), what
         if res["w8a8"]:  # e4m3 activations: each rounded by at most 2^-4 relative
             assert res["unquantized"]["err"] <= 2 ** -4 * res["unquantized"]["abs_dot"], (what, res)
+
+
+ACT_SCRIPT = """
+import json
+import torch
+from test_quant_kernels import quantize_act_ref
+from nanovllm.kernels import quant_w8a8
+res = []
+x = torch.randn(7, 320, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+x[2, 64:128] = 0  # an all-zero group: scale 1e-12 / 448, values 0
+for group_cols, chunk_cols, column_major, pad in [(320, 16384, False, 1), (320, 128, False, 1),
+                                                  (64, 16384, False, 1), (64, 128, True, 4), (32, 64, False, 1)]:
+    quant_w8a8._QUANT_CHUNK_COLS = chunk_cols  # several chunks a row: both per-token passes and the per-group loop
+    xq, xs = quant_w8a8.quantize_activations(x, group_cols, scales_column_major=column_major, pad_rows_to=pad)
+    num_groups = -(-320 // group_cols)
+    back = xq[:7].float() * xs[:7].repeat_interleave(group_cols, 1)[:, :320]
+    res.append(dict(equal=torch.equal(back, quantize_act_ref(x, group_cols)), rows=xq.shape[0],
+                    scales_shape=list(xs.shape), scales_stride=list(xs.stride()),
+                    pad_zero=bool((xq[7:].float() == 0).all()), num_groups=num_groups))
+print(json.dumps(res))
+"""
+
+
+def test_activation_quantization_matches_the_reference_bit_for_bit():
+    res = interpret(ACT_SCRIPT)
+    assert [r["equal"] for r in res] == [True] * 5
+    assert [r["scales_shape"] for r in res] == [[7, 1], [7, 1], [7, 5], [8, 5], [7, 10]]
+    assert res[3]["rows"] == 8 and res[3]["pad_zero"] and res[3]["scales_stride"] == [1, 8]  # cuBLASLt's layout
+
+
+SPLIT_SCRIPT = """
+import json
+import torch
+from test_quant_kernels import make_fp8_weight, make_int_weight
+from nanovllm.kernels import quant_gemm
+from nanovllm.kernels import quant_matmul as qm
+qweight, q, scales, mins = make_int_weight(200, 1024, 128, 4, torch.float16, torch.float32)
+wq, ws = make_fp8_weight(200, 1024, 128, 128)
+cases = [(1, qweight, scales, mins, quant_gemm.KIND_INT4, 1, 0), (1, wq, ws, None, quant_gemm.KIND_FP8, 128, 2),
+         (5, qweight, scales, mins, quant_gemm.KIND_INT4, 1, None)]  # CUDA-core int4, CUDA-core FP8, dot tiles
+res = []
+for M, w, sc, mn, kind, group_n, plan_kind in cases:
+    x = torch.randn(M, 1024, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
+    plan = qm.plan_weight_only(M, 200, 1024, 128, weight_kind=plan_kind, group_n=group_n)
+    outs = {}
+    for mode in ("launch", "kernel", "kernel"):  # twice in the kernel: the counters must be back at 0
+        qm.SPLIT_K_REDUCE = mode
+        outs.setdefault(mode, []).append(qm.weight_only_linear(x, w, sc, mn, kind, group_n, 128, plan))
+    locks = qm._split_locks[torch.device("cpu")]
+    res.append(dict(splits=plan.num_splits, cuda_cores=plan.cuda_cores, locks_zero=bool((locks == 0).all()),
+                    equal=all(torch.equal(outs["launch"][0], y) for y in outs["kernel"])))
+print(json.dumps(res))
+"""
+
+
+def test_split_k_reduced_in_the_kernel_equals_the_second_launch_bit_for_bit():
+    res = interpret(SPLIT_SCRIPT)
+    assert [(r["splits"] > 1, r["cuda_cores"]) for r in res] == [(True, True), (True, True), (True, False)]
+    assert all(r["equal"] and r["locks_zero"] for r in res), res
+
+
+W4A8_SCRIPT = """
+import json
+import torch
+from test_quant_kernels import errors, make_int_weight, w4a8_ref
+from nanovllm.kernels import quant_matmul as qm
+qm.W4_DECODE = "dp4a"
+res = []
+for N, K, G, min_dtype in [(200, 1024, 128, torch.float32), (72, 768, 256, None), (40, 384, 128, torch.float16)]:
+    qweight, q, scales, mins = make_int_weight(N, K, G, 4, torch.float16, min_dtype)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(K)).to(torch.bfloat16)
+    x[0, :128] *= 8  # groups of different scales
+    y = qm.int_linear(x, qweight, scales, mins, 4, G)
+    ref = w4a8_ref(x, q, scales, mins, G)
+    plan = qm.plan_weight_only(1, N, K, G, weight_kind=0)
+    err = (y.double() - ref).abs().max().item()
+    exact_x = errors(y, x, q.float() * scales.float().repeat_interleave(G, 1) + (0 if mins is None else
+                     mins.float().repeat_interleave(G, 1)))
+    res.append(dict(err=err, max_ref=ref.abs().max().item(), splits=plan.num_splits, exact_x=exact_x))
+print(json.dumps(res))
+"""
+
+
+def test_w4a8_dp4a_matches_the_int8_activation_reference():
+    """NANOVLLM_W4_DECODE=dp4a at one row: within one bf16 rounding of the product with x rounded to int8 per 128
+    columns, and within 2^-7 of sum |x| |w| of the exact product (the int8 rounding: half a step of max |x| / 127)."""
+    res = interpret(W4A8_SCRIPT)
+    assert res[0]["splits"] > 1  # the split-K reduction ran too
+    for r in res:
+        assert r["err"] <= 1.01 * 2 ** -7 * r["max_ref"], r
+        assert r["exact_x"]["err"] <= 2 ** -7 * r["exact_x"]["abs_dot"], r
 
 
 OPS_SCRIPT = """

@@ -23,9 +23,9 @@ PLANS_SCRIPT = """
 import json
 import torch
 from test_quant_kernels import dequant_fp8, dequant_int, errors, make_fp8_weight, make_int_weight
-from nanovllm.kernels import quant_gemm, quant_matmul as qm
+from nanovllm.kernels import quant_gemm, quant_plans, quant_matmul as qm
 
-LIMITS = qm.DeviceLimits(64, 232448)  # few tiles here: 64 SMs make the decode and 128-row plans split K
+LIMITS = quant_plans.DeviceLimits(64, 232448)  # few tiles here: 64 SMs make the decode and 128-row plans split K
 
 def padded(t, pad_value, extra=4):
     # t as a view into a buffer with `extra` more columns of pad_value after each row
@@ -111,10 +111,10 @@ DEQUANT_SCRIPT = """
 import json
 import torch
 from test_quant_kernels import dequant_int, errors, make_int_weight
-from nanovllm.kernels import quant_gemm, quant_matmul as qm
+from nanovllm.kernels import quant_gemm, quant_plans, quant_matmul as qm
 res = []
 # N ragged against the 32-row programs, K against the 256-column ones; groups that are and are not powers of two
-for N, K, G, bits, x_dtype, s_dtype, m_dtype in [(72, 352, 32, 4, "bfloat16", "float16", "float32"),
+for N, K, G, bits, x_dtype, s_dtype, m_dtype in [(300, 352, 32, 4, "bfloat16", "float16", "float32"),
                                                  (40, 264, 24, 4, "float16", "bfloat16", None),
                                                  (33, 300, 20, 8, "bfloat16", "float32", "bfloat16"),
                                                  (50, 512, 128, 8, "float16", "float16", None)]:
@@ -128,8 +128,11 @@ for N, K, G, bits, x_dtype, s_dtype, m_dtype in [(72, 352, 32, 4, "bfloat16", "f
     M = qm.DEQUANT_GEMM_MIN_ROWS[kind] + 3
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
     y = qm.int_linear(x, qweight, scales, mins, bits, G)
+    qm.DEQUANT_SCRATCH_MAX_BYTES = 1  # 128-row chunks: several for N > 128, written into their output columns
+    y_chunked = qm.int_linear(x, qweight, scales, mins, bits, G)
+    qm.DEQUANT_SCRATCH_MAX_BYTES = 48 << 20
     res.append(dict(errors(y, x, ref), exact=bool(torch.equal(w, ref)), dtype=str(y.dtype),
-                    shape=list(y.shape), M=M, N=N))
+                    shape=list(y.shape), M=M, N=N, chunked_equal=bool(torch.equal(y, y_chunked))))
 print(json.dumps(res))
 """
 
@@ -140,6 +143,6 @@ def test_large_m_dequantizes_the_weight_exactly_then_multiplies():
     product is within a dequantized tile's bound (eps of the output and of sum |x| |w|)."""
     for res in interpret(DEQUANT_SCRIPT):
         eps = 2 ** -7 if res["dtype"] == "torch.bfloat16" else 2 ** -10
-        assert res["exact"], res
+        assert res["exact"] and res["chunked_equal"], res
         assert res["shape"] == [res["M"], res["N"]], res
         assert res["err"] <= 1.01 * (eps * res["max_ref"] + eps * res["abs_dot"]), res

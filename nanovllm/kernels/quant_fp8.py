@@ -26,28 +26,48 @@ FP8_E4M3_MAX = tl.constexpr(448.0)
 _MIN_AMAX = tl.constexpr(1e-12)  # an all-zero group gets a tiny scale, not 0 (its values quantize to 0 either way)
 
 
-@triton.jit
-def _quantize_act_kernel(x_ptr, xq_ptr, xs_ptr, K, group_cols, num_chunks, stride_xm, stride_qm, stride_sm,
-                         stride_sg, BLOCK: tl.constexpr):
-    """One program per (row, group of group_cols columns): scale = max|x| / 448, xq = x / scale in e4m3 (the
-    division is exact-rounded once, as in vLLM's per-token-group quantization). Two passes over the group in
-    chunks of BLOCK columns: the largest magnitude, then the quantized values."""
+@triton.jit(do_not_specialize=["M"])
+def _quantize_act_kernel(x_ptr, xq_ptr, xs_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
+                         GROUP: tl.constexpr, GROUPS_PER_CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+                         PER_TOKEN: tl.constexpr):
+    """One program per row: scale = max|x| / 448 over each group of GROUP columns (or over the whole row,
+    PER_TOKEN), xq = x / scale in e4m3 (the division rounded once, as in vLLM's per-token-group quantization).
+    The row is read as [GROUPS_PER_CHUNK, GROUP] tiles, NUM_CHUNKS of them: groups are independent, so each tile
+    is read once; per token, the largest magnitude needs the whole row first, so a row of several chunks is read
+    twice (the second time from L2), and a row of one chunk once. Rows from M on (padding that cuBLASLt's block
+    scaling asks for) are written as zeros."""
     row = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1)
-    start = group * group_cols
-    end = tl.minimum(start + group_cols, K)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for chunk in range(num_chunks):
-        cols = start + chunk * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < end, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), _MIN_AMAX) / FP8_E4M3_MAX
-    for chunk in range(num_chunks):
-        cols = start + chunk * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < end, other=0.0).to(tl.float32)
+    offs = tl.arange(0, GROUPS_PER_CHUNK)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [G, GROUP]
+    chunk_cols = GROUPS_PER_CHUNK * GROUP
+    read_cols = tl.where(row < M, K, 0)  # padding rows read nothing (0): their values and scales come out 0, tiny
+    if PER_TOKEN and NUM_CHUNKS == 1:
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < read_cols, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), _MIN_AMAX) / FP8_E4M3_MAX
         xq = tl.clamp(x / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX)
-        tl.store(xq_ptr + row * stride_qm + cols, xq.to(xq_ptr.dtype.element_ty), mask=cols < end)
-    tl.store(xs_ptr + row * stride_sm + group * stride_sg, scale)
+        tl.store(xq_ptr + row * stride_qm + offs, xq.to(xq_ptr.dtype.element_ty), mask=offs < K)
+        tl.store(xs_ptr + row * stride_sm, scale)
+    elif PER_TOKEN:
+        amax = tl.zeros([GROUPS_PER_CHUNK], dtype=tl.float32)
+        for chunk in range(NUM_CHUNKS):
+            cols = chunk * chunk_cols + offs
+            x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < read_cols, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        scale = tl.maximum(tl.max(amax, axis=0), _MIN_AMAX) / FP8_E4M3_MAX
+        for chunk in range(NUM_CHUNKS):
+            cols = chunk * chunk_cols + offs
+            x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < read_cols, other=0.0).to(tl.float32)
+            xq = tl.clamp(x / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+            tl.store(xq_ptr + row * stride_qm + cols, xq.to(xq_ptr.dtype.element_ty), mask=cols < K)
+        tl.store(xs_ptr + row * stride_sm, scale)
+    else:
+        for chunk in range(NUM_CHUNKS):
+            cols = chunk * chunk_cols + offs
+            x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < read_cols, other=0.0).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(x), axis=1), _MIN_AMAX) / FP8_E4M3_MAX  # [G]
+            xq = tl.clamp(x / scale[:, None], -FP8_E4M3_MAX, FP8_E4M3_MAX)
+            tl.store(xq_ptr + row * stride_qm + cols, xq.to(xq_ptr.dtype.element_ty), mask=cols < K)
+            groups = chunk * GROUPS_PER_CHUNK + tl.arange(0, GROUPS_PER_CHUNK)
+            tl.store(xs_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * GROUP < K)
 
 
 @triton.jit(do_not_specialize=["M"])  # a new batch size compiles nothing mid-run

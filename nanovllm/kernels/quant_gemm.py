@@ -29,10 +29,12 @@ dequantizes in fp32 before the dot (PER_ELEMENT): the contract's formula, any gr
 
 Split-K (decode). At 1-16 rows a tile of the output is a few KB of weights per program, and N / BLOCK_N programs
 (64 for a 4096-wide output at BLOCK_N = 64) cannot keep an H100's 132 SMs' loads in flight. Each of SPLIT_K
-programs per output tile takes a slice of K and writes fp32 partial sums [SPLIT_K, M, N]; a second small kernel
-sums the slices in a fixed order and rounds to the output dtype. Chosen over fp32 atomics: the same inputs give the
-same bits on every run (atomics add in arrival order), no zero-fill launch, and the partials (at most
-~2 MB for 16 rows) stay in L2.
+programs per output tile takes a slice of K and writes fp32 partial sums [SPLIT_K, M, N]; the last program of the
+tile to finish (a counter per tile, _reduce_splits_if_last) sums the slices in a fixed order and rounds to the
+output dtype, as Marlin's serial reduction does: no second launch, whose ~2 us between dependent kernels four
+linears a layer would pay (quant_matmul.SPLIT_K_REDUCE="launch" runs _sum_splits_kernel instead, the same bits).
+Chosen over fp32 atomics: the same inputs give the same bits on every run (atomics add in arrival order), no
+zero-fill launch, and the partials (at most ~2 MB for 16 rows) stay in L2.
 """
 import triton
 import triton.language as tl
@@ -148,9 +150,9 @@ def _dequant_tile(q, s_ptr, m_ptr, offs_n, k0, offs_k, N, stride_sn, stride_mn, 
 
 # the row count and the K steps per split change from step to step: not specialized on (a multiple of 16, or 1),
 # so that a new batch size compiles nothing mid-run
-@triton.jit(do_not_specialize=["M", "num_k_steps"])
-def _wo_gemm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, K, num_k_steps, stride_xm, stride_qn, stride_sn,
-                    stride_mn, stride_om, stride_split,
+@triton.jit(do_not_specialize=["M", "num_k_steps", "num_splits"])
+def _wo_gemm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_ptr, M, N, K, num_k_steps, num_splits,
+                    stride_xm, stride_qn, stride_sn, stride_mn, stride_om, stride_split, REDUCE_SPLITS: tl.constexpr,
                     WEIGHT_KIND: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                     HAS_MINS: tl.constexpr, SCALE_AFTER_DOT: tl.constexpr, PER_ELEMENT: tl.constexpr,
                     OFFSET: tl.constexpr, OFFSET_BITS: tl.constexpr, EMULATE_DOT_FP32: tl.constexpr,
@@ -195,8 +197,11 @@ def _wo_gemm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, K, num_k_steps, s
                 acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc)
             else:
                 acc = tl.dot(x, w, acc)
-    out = out_ptr + split * stride_split + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok & (offs_n[None, :] < N))
+    offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    mask = m_ok & (offs_n[None, :] < N)
+    tl.store(out_ptr + split * stride_split + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if REDUCE_SPLITS:
+        _reduce_splits_if_last(final_ptr, out_ptr, lock_ptr, tl.program_id(0), offs, mask, num_splits, stride_split)
 
 
 @triton.jit(do_not_specialize=["numel", "num_splits"])
@@ -210,7 +215,43 @@ def _sum_splits_kernel(part_ptr, out_ptr, numel, num_splits, BLOCK: tl.constexpr
     tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _reduce_splits_if_last(out_ptr, part_ptr, lock_ptr, tile_id, offs, mask, num_splits, stride_split):
+    """Split-K without a second launch: after this program's partial is stored, the last of the tile's num_splits
+    programs to arrive (a counter per tile, lock_ptr[tile_id]) sums the tile's partials in split order, exactly as
+    _sum_splits_kernel does (the same bits), writes out_ptr, and resets the counter to 0 for the next launch.
+    NOTE: the barrier orders every thread's partial before the count (a release at GPU scope is cumulative), the
+    acquire orders the last program's reads after all counts, and its reads skip L1 (.cg), which is not coherent
+    across SMs. Kernels on one stream never overlap, so one counter array serves every launch."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(lock_ptr + tile_id, 1, sem="acq_rel")
+    if arrived == num_splits - 1:
+        total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        for split in range(1, num_splits):
+            total += tl.load(part_ptr + split * stride_split + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(lock_ptr + tile_id, 0)
 
+
+
+
+
+@triton.jit
+def _store_rows(out_ptr, final_ptr, lock_ptr, y0, y1, offs_n, M, N, stride_om, num_splits, stride_split,
+                REDUCE_SPLITS: tl.constexpr, TWO_ROWS: tl.constexpr):
+    """The CUDA-core kernels' one or two output rows [BLOCK_N] into out_ptr[split] (partials or the output), then
+    the split-K reduction in the last program of the column tile (REDUCE_SPLITS)."""
+    split = tl.program_id(1)
+    n_ok = offs_n < N
+    out = out_ptr + split * stride_split + offs_n
+    tl.store(out, y0.to(out_ptr.dtype.element_ty), mask=n_ok)
+    if TWO_ROWS:
+        tl.store(out + stride_om, y1.to(out_ptr.dtype.element_ty), mask=n_ok & (tl.full(offs_n.shape, 1, tl.int32) < M))
+    if REDUCE_SPLITS:
+        rows = tl.arange(0, 2)
+        offs = offs_n[:, None] + rows[None, :] * stride_om  # [BLOCK_N, 2]
+        mask = (offs_n[:, None] < N) & (rows[None, :] < M)
+        _reduce_splits_if_last(final_ptr, out_ptr, lock_ptr, tl.program_id(0), offs, mask, num_splits, stride_split)
 
 
 @triton.jit
@@ -235,9 +276,10 @@ def _int4_row_dot(words, x_cols, row, M):
     return part, x_sum
 
 
-@triton.jit(do_not_specialize=["M", "num_k_steps"])
-def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, K, num_k_steps, stride_xm, stride_qn, stride_sn,
-                      stride_mn, stride_om, stride_split, GROUP_K: tl.constexpr, HAS_MINS: tl.constexpr,
+@triton.jit(do_not_specialize=["M", "num_k_steps", "num_splits"])
+def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_ptr, M, N, K, num_k_steps, num_splits,
+                      stride_xm, stride_qn, stride_sn, stride_mn, stride_om, stride_split,
+                      REDUCE_SPLITS: tl.constexpr, GROUP_K: tl.constexpr, HAS_MINS: tl.constexpr,
                       TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """4-bit decode of one or two rows (TWO_ROWS) on the CUDA cores: out[:M, n] for BLOCK_N columns over
     num_k_steps K steps of BLOCK_K (BLOCK_K divides the group, the group divides K: no step runs past K).
@@ -246,7 +288,6 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, K, num_k_steps,
     memory, which costs the dot kernel a 16-bit store and a load per value (~7.5 instructions per value in its
     sm_90 loop). Each step's scale and min apply to the step's per-word sums."""
     pid_n = tl.program_id(0)
-    split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w_rows = q_ptr + offs_n[:, None].to(tl.int64) * stride_qn
@@ -275,11 +316,8 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, K, num_k_steps,
             part, x_sum = _int4_row_dot(words, x_cols + stride_xm, 1, M)
             acc1 += (16.0 * s)[:, None] * part + bias[:, None] * x_sum[None, :]
         words = next_words
-    out = out_ptr + split * stride_split + offs_n
-    tl.store(out, tl.sum(acc0, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
-    if TWO_ROWS:
-        tl.store(out + stride_om, tl.sum(acc1, axis=1).to(out_ptr.dtype.element_ty),
-                 mask=n_ok & (tl.full([BLOCK_N], 1, tl.int32) < M))
+    _store_rows(out_ptr, final_ptr, lock_ptr, tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), offs_n, M, N, stride_om,
+                num_splits, stride_split, REDUCE_SPLITS, TWO_ROWS)
 
 
 @triton.jit
@@ -290,9 +328,10 @@ def _fp8_row_dot(acc, q, x_row_ptr, offs_k, row, M, K, step_scale):
     return acc + q * x[None, :]
 
 
-@triton.jit(do_not_specialize=["M", "num_k_steps"])
-def _fp8_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, num_k_steps, stride_xm, stride_qn, stride_sn, stride_om,
-                     stride_split, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, TWO_ROWS: tl.constexpr,
+@triton.jit(do_not_specialize=["M", "num_k_steps", "num_splits"])
+def _fp8_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, final_ptr, lock_ptr, M, N, K, num_k_steps, num_splits, stride_xm,
+                     stride_qn, stride_sn, stride_om, stride_split, REDUCE_SPLITS: tl.constexpr,
+                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, TWO_ROWS: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """FP8 decode of one or two rows (TWO_ROWS) on the CUDA cores: out[:M, n] for BLOCK_N columns over
     num_k_steps K steps of BLOCK_K. Per weight value: a conversion from e4m3 (two values per instruction to fp16,
@@ -301,7 +340,6 @@ def _fp8_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, num_k_steps, stride_
     BLOCK_N columns lie in one block row (GROUP_N is a multiple of BLOCK_N) and a step in one block column
     (BLOCK_K divides GROUP_K), so the step's single scale multiplies x (BLOCK_K values, not BLOCK_N x BLOCK_K)."""
     pid_n = tl.program_id(0)
-    split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w_rows = q_ptr + offs_n[:, None].to(tl.int64) * stride_qn
@@ -326,7 +364,5 @@ def _fp8_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, num_k_steps, stride_
         col_scale = tl.load(s_ptr + (offs_n // GROUP_N).to(tl.int64) * stride_sn, mask=n_ok, other=0.0)
         y0 = y0 * col_scale
         y1 = y1 * col_scale
-    out = out_ptr + split * stride_split + offs_n
-    tl.store(out, y0.to(out_ptr.dtype.element_ty), mask=n_ok)
-    if TWO_ROWS:
-        tl.store(out + stride_om, y1.to(out_ptr.dtype.element_ty), mask=n_ok & (tl.full([BLOCK_N], 1, tl.int32) < M))
+    _store_rows(out_ptr, final_ptr, lock_ptr, y0, y1, offs_n, M, N, stride_om, num_splits, stride_split,
+                REDUCE_SPLITS, TWO_ROWS)

@@ -14,10 +14,11 @@ Which kernel runs (a plan per shape, quant_plans.py):
     kept in flight by slicing K), and 4-bit and FP8 weights at 1-2 rows CUDA-core kernels, also split-K;
     larger M uses 128 x 128 tiles, except that "int" weights from DEQUANT_GEMM_MIN_ROWS rows on are dequantized
     to x's dtype in one pass (quant_dequant.py) and multiplied by cuBLAS, as vLLM does for AWQ at large batches.
-  - FP8 weights at M >= FP8_ACT_QUANT_MIN_ROWS (quant_fp8.py): activations quantized per token (and per bk
-    columns for block weights) and an FP8 tensor-core GEMM. Per-channel and per-tensor weights go to
-    torch._scaled_mm's rowwise scaling instead (`USE_SCALED_MM`, on by default); 128 x 128 block weights can go to
-    its cuBLASLt block scaling on sm_90 (`USE_SCALED_MM_BLOCKWISE`, off until measured).
+  - FP8 weights at M >= FP8_ACT_QUANT_MIN_ROWS (quant_w8a8.py): activations quantized to e4m3 per token (and per
+    bk columns for block weights) by one kernel (quant_fp8.py), then an FP8 tensor-core GEMM: torch._scaled_mm
+    (cuBLASLt) with rowwise scales for per-channel and per-tensor weights (`USE_SCALED_MM`) and with 1 x 128 /
+    128 x 128 block scales for 128 x 128 block weights on sm_90 (`USE_SCALED_MM_BLOCKWISE`); quant_fp8.py's Triton
+    GEMM where those cannot run (sm_89, other block shapes, fp16 activations).
 Both functions are torch custom ops (`torch.ops.nanovllm.int_linear`, `.fp8_linear`): torch.compile treats them as
 opaque calls, and CUDA graphs capture them (no host sync; the split-K partials come from the caching allocator).
 On CPU tensors they run only under Triton's interpreter (TRITON_INTERPRET=1, the tests); the engine's CPU path
@@ -26,19 +27,22 @@ dequantizes and calls F.linear.
 import functools
 import os
 import typing
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
 
-from nanovllm.kernels import quant_dequant, quant_fp8, quant_gemm
-from nanovllm.kernels.quant_plans import DeviceLimits, TilePlan, device_limits, plan_weight_only
+from nanovllm.kernels import quant_dequant, quant_gemm, quant_w4a8
+from nanovllm.kernels.quant_plans import (SCALE_AFTER_DOT_MAX_ROWS, TilePlan, device_limits,
+                                          plan_weight_only)
+from nanovllm.kernels.quant_w8a8 import _has_fp8_tensor_cores, fp8_w8a8_linear, interpreting
 
-FP8_ACT_QUANT_MIN_ROWS = 256  # FP8 weights: below this many rows the weight-only kernel (bf16 dot, exact x) runs
-USE_SCALED_MM = os.environ.get("NANOVLLM_FP8_SCALED_MM", "1") != "0"  # per-channel/-tensor FP8 at large M
-# 128 x 128 block FP8 through torch._scaled_mm (cuBLASLt block scaling) instead of the Triton GEMM: off until
-# bench_quant_kernels.py's fp8blk-smm column has shown it runs and wins on the installed torch and CUDA
-USE_SCALED_MM_BLOCKWISE = os.environ.get("NANOVLLM_FP8_BLOCK_SCALED_MM", "0") == "1"
+# FP8 weights from this many rows on quantize the activations and run an FP8 GEMM; below, the weight-only decode
+# tiles (bf16 dot, exact x, the scales after the dot) run. Above 32 rows those tiles dequantize each weight tile
+# (SCALE_AFTER_DOT_MAX_ROWS) and ran at ~175 TFLOP/s on an H100, where cuBLASLt's FP8 GEMM streams the same weight
+# bytes and multiplies at the FP8 rate (1.6x bf16 cuBLAS at 1,024 rows)
+FP8_ACT_QUANT_MIN_ROWS = SCALE_AFTER_DOT_MAX_ROWS + 1
 # "int" weights at this many rows or more: the weight dequantized to x's dtype in one pass (quant_dequant.py), then
 # cuBLAS. Measured on an H100, the 128-row Triton tiles ran at ~175 TFLOP/s for 4-bit and ~340 for 8-bit against
 # cuBLAS bf16's ~780; with one pass over the weights at copy bandwidth 4-bit breaks even near M = 128 (qkv: 58 us tiles,
@@ -46,13 +50,8 @@ USE_SCALED_MM_BLOCKWISE = os.environ.get("NANOVLLM_FP8_BLOCK_SCALED_MM", "0") ==
 DEQUANT_GEMM_MIN_ROWS = {quant_gemm.KIND_INT4: 128, quant_gemm.KIND_INT8: 256}
 
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _check_device(x: torch.Tensor, name: str):
-    if x.device.type != "cuda" and not _interpreting():
+    if x.device.type != "cuda" and not interpreting():
         raise ValueError(f"{name} runs on CUDA only (got x on {x.device}); on the CPU dequantize the weight and call "
                          f"F.linear (TRITON_INTERPRET=1 runs the kernel on CPU tensors, for tests)")
 
@@ -62,6 +61,27 @@ def _offset_bits(dtype: torch.dtype, kind: int) -> tuple[int, int]:
     if kind != quant_gemm.KIND_INT4:
         return 0, 0
     return (128, 0x4300) if dtype == torch.bfloat16 else (1024, 0x6400)
+
+
+# split-K's reduction: "kernel" (the last program of each tile sums the partials, quant_gemm._reduce_splits_if_last)
+# or "launch" (a second kernel, _sum_splits_kernel); the same bits either way
+SPLIT_K_REDUCE = os.environ.get("NANOVLLM_SPLIT_K_REDUCE", "kernel")
+_NUM_SPLIT_LOCKS = 1 << 14  # tile counters per device: split plans have <= 64 rows, so N / BLOCK_N tiles or fewer
+_split_locks: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_lock_tensor(device: torch.device, num_tiles: int) -> torch.Tensor | None:
+    """The device's zeroed int32 tile counters for the in-kernel split-K reduction, made on first use; None (the
+    second launch instead) when the reduction is switched off, the tiles outnumber the counters, or the first use
+    comes inside a CUDA graph capture (zeros made there would be the graph's, not persistent)."""
+    if SPLIT_K_REDUCE != "kernel" or num_tiles > _NUM_SPLIT_LOCKS:
+        return None
+    locks = _split_locks.get(device)
+    if locks is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        locks = _split_locks[device] = torch.zeros(_NUM_SPLIT_LOCKS, dtype=torch.int32, device=device)
+    return locks
 
 
 def weight_only_linear(x, qweight, scales, mins, kind: int, group_n: int, group_k: int,
@@ -75,50 +95,95 @@ def weight_only_linear(x, qweight, scales, mins, kind: int, group_n: int, group_
     plan = plan or plan_weight_only(M, N, K, group_k, device_limits(x.device), kind, group_n)
     split = plan.num_splits > 1
     target = torch.empty((plan.num_splits, M, N), dtype=torch.float32, device=x.device) if split else out
+    num_tiles = triton.cdiv(N, plan.block_n) * (1 if plan.cuda_cores else triton.cdiv(M, plan.block_m))
+    locks = _split_lock_tensor(x.device, num_tiles) if split else None
+    launch = _SplitLaunch(target, out, out if locks is None else locks, locks is not None)
     if plan.cuda_cores and kind == quant_gemm.KIND_FP8:
-        _launch_fp8_gemv(x, qweight, scales, target, group_n, group_k, plan)
+        _launch_fp8_gemv(x, qweight, scales, launch, group_n, group_k, plan)
+    elif plan.cuda_cores and _w4a8_applies(M, K, group_k, plan):
+        _launch_int4_dp4a(x, qweight, scales, mins, launch, group_k, plan)
     elif plan.cuda_cores:
-        _launch_int4_gemv(x, qweight, scales, mins, target, group_k, plan)
+        _launch_int4_gemv(x, qweight, scales, mins, launch, group_k, plan)
     else:
-        _launch_wo_gemm(x, qweight, scales, mins, target, kind, group_n, group_k, plan)
-    if split:
+        _launch_wo_gemm(x, qweight, scales, mins, launch, kind, group_n, group_k, plan)
+    if split and not launch.reduce_in_kernel:
         block = 1024
         quant_gemm._sum_splits_kernel[(triton.cdiv(M * N, block),)](target, out, M * N, plan.num_splits,
                                                                      BLOCK=block, num_warps=4)
     return out
 
 
-def _launch_int4_gemv(x, qweight, scales, mins, target, group_k: int, plan: TilePlan):
+@dataclass(frozen=True)
+class _SplitLaunch:
+    """Where a weight-only kernel writes: target (fp32 partials [splits, M, N] when split-K, else out itself), and
+    for the in-kernel reduction the output and the tile counters (locks; unused and set to out otherwise)."""
+    target: torch.Tensor
+    out: torch.Tensor
+    locks: torch.Tensor
+    reduce_in_kernel: bool
+
+    def split_stride(self) -> int:
+        return self.target.stride(0) if self.target.dim() == 3 else 0
+
+
+def _launch_int4_gemv(x, qweight, scales, mins, launch: _SplitLaunch, group_k: int, plan: TilePlan):
     M, N = x.shape[0], qweight.shape[0]
-    split = plan.num_splits > 1
     quant_gemm._int4_gemv_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
-        x, qweight, scales, scales if mins is None else mins, target, M, N, x.shape[1], plan.num_k_steps,
-        x.stride(0), qweight.stride(0), scales.stride(0), 0 if mins is None else mins.stride(0), target.stride(-2),
-        target.stride(0) if split else 0, GROUP_K=group_k, HAS_MINS=mins is not None, TWO_ROWS=M > 1,
+        x, qweight, scales, scales if mins is None else mins, launch.target, launch.out, launch.locks, M, N,
+        x.shape[1], plan.num_k_steps, plan.num_splits, x.stride(0), qweight.stride(0), scales.stride(0),
+        0 if mins is None else mins.stride(0), launch.out.stride(0), launch.split_stride(),
+        REDUCE_SPLITS=launch.reduce_in_kernel, GROUP_K=group_k, HAS_MINS=mins is not None, TWO_ROWS=M > 1,
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
 
 
-def _launch_fp8_gemv(x, qweight, scales, target, group_n: int, group_k: int, plan: TilePlan):
+# 4-bit weights at one row: "dp4a" rounds the activations to int8 per 128 columns and multiplies on the integer
+# dot-product units (quant_w4a8.py: W4A8, as llama.cpp does at batch 1); "fma" keeps them exact (_int4_gemv_kernel)
+W4_DECODE = os.environ.get("NANOVLLM_W4_DECODE", "fma")
+
+
+def _w4a8_applies(M: int, K: int, group_k: int, plan: TilePlan) -> bool:
+    return (W4_DECODE == "dp4a" and M == 1 and group_k % quant_w4a8.X_GROUP == 0 and K <= 16384
+            and plan.block_k == quant_w4a8.X_GROUP)
+
+
+def _launch_int4_dp4a(x, qweight, scales, mins, launch: _SplitLaunch, group_k: int, plan: TilePlan):
+    K, N = x.shape[1], qweight.shape[0]
+    xq = torch.empty((1, K // 4), dtype=torch.int32, device=x.device)
+    xs = torch.empty((1, K // quant_w4a8.X_GROUP), dtype=torch.float32, device=x.device)
+    xsum = torch.empty((1, K // 8), dtype=torch.float32, device=x.device)
+    quant_w4a8._quantize_x_int8_kernel[(1,)](x, xq, xs, xsum, K, x.stride(0), xq.stride(0), xs.stride(0),
+                                             xsum.stride(0), NUM_GROUPS=triton.next_power_of_2(K // 128),
+                                             num_warps=8)
+    quant_w4a8._int4_dp4a_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
+        xq, xs, xsum, qweight, scales, scales if mins is None else mins, launch.target, launch.out, launch.locks,
+        N, K, plan.num_k_steps, plan.num_splits, qweight.stride(0), scales.stride(0),
+        0 if mins is None else mins.stride(0), launch.split_stride(), REDUCE_SPLITS=launch.reduce_in_kernel,
+        HAS_MINS=mins is not None, GROUP_K=group_k, EMULATE=interpreting(), BLOCK_N=plan.block_n,
+        num_warps=plan.num_warps, num_stages=plan.num_stages)
+
+
+def _launch_fp8_gemv(x, qweight, scales, launch: _SplitLaunch, group_n: int, group_k: int, plan: TilePlan):
     (M, K), N = x.shape, qweight.shape[0]
-    split = plan.num_splits > 1
     quant_gemm._fp8_gemv_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
-        x, qweight, scales, target, M, N, K, plan.num_k_steps, x.stride(0), qweight.stride(0), scales.stride(0),
-        target.stride(-2), target.stride(0) if split else 0, GROUP_N=group_n, GROUP_K=group_k, TWO_ROWS=M > 1,
+        x, qweight, scales, launch.target, launch.out, launch.locks, M, N, K, plan.num_k_steps, plan.num_splits,
+        x.stride(0), qweight.stride(0), scales.stride(0), launch.out.stride(0), launch.split_stride(),
+        REDUCE_SPLITS=launch.reduce_in_kernel, GROUP_N=group_n, GROUP_K=group_k, TWO_ROWS=M > 1,
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
 
 
-def _launch_wo_gemm(x, qweight, scales, mins, target, kind: int, group_n: int, group_k: int, plan: TilePlan):
+def _launch_wo_gemm(x, qweight, scales, mins, launch: _SplitLaunch, kind: int, group_n: int, group_k: int,
+                    plan: TilePlan):
     (M, K), N = x.shape, qweight.shape[0]
-    split = plan.num_splits > 1
     offset, offset_bits = _offset_bits(x.dtype, kind) if plan.scale_after_dot else (0, 0)
     grid = (triton.cdiv(M, plan.block_m) * triton.cdiv(N, plan.block_n), plan.num_splits)
     quant_gemm._wo_gemm_kernel[grid](
-        x, qweight, scales, scales if mins is None else mins, target, M, N, K, plan.num_k_steps, x.stride(0),
-        qweight.stride(0), scales.stride(0), 0 if mins is None else mins.stride(0), target.stride(-2),
-        target.stride(0) if split else 0,
+        x, qweight, scales, scales if mins is None else mins, launch.target, launch.out, launch.locks, M, N, K,
+        plan.num_k_steps, plan.num_splits, x.stride(0), qweight.stride(0), scales.stride(0),
+        0 if mins is None else mins.stride(0), launch.out.stride(0), launch.split_stride(),
+        REDUCE_SPLITS=launch.reduce_in_kernel,
         WEIGHT_KIND=kind, GROUP_N=group_n, GROUP_K=group_k, HAS_MINS=mins is not None,
         SCALE_AFTER_DOT=plan.scale_after_dot, PER_ELEMENT=plan.per_element, OFFSET=offset, OFFSET_BITS=offset_bits,
-        EMULATE_DOT_FP32=_interpreting() and x.dtype == torch.bfloat16,
+        EMULATE_DOT_FP32=interpreting() and x.dtype == torch.bfloat16,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=8, num_warps=plan.num_warps,
         num_stages=plan.num_stages)
 
@@ -176,8 +241,44 @@ def _int_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     kind = quant_gemm.KIND_INT4 if bits == 4 else quant_gemm.KIND_INT8
     scales, mins = scales.contiguous(), None if mins is None else mins.contiguous()
     if x.shape[0] >= DEQUANT_GEMM_MIN_ROWS[kind]:
-        return F.linear(x, dequantize_int_weight(qweight, scales, mins, kind, group_size, x.dtype))
+        return _dequantize_then_mm(x, qweight, scales, mins, kind, group_size)
     return weight_only_linear(x, qweight, scales, mins, kind, 1, group_size)
+
+
+# the large-M "int" path dequantizes the weight in row chunks of at most this many bytes, and on CUDA of at most half
+# the L2: a chunk's bf16 copy is then read back by its GEMM from L2 (and overwritten there by the next chunk, the
+# caching allocator handing back the same block) instead of going to DRAM and back, about 2 x 14.5 GB a Qwen3-8B
+# step at 1,024 rows; and a whole gate_up (192 MiB in bf16) no longer sits at the peak of the activation profile
+# and of every piecewise graph pool (inside 8 GiB, that is KV). NANOVLLM_DEQUANT_CHUNK_MIB sets the cap (0: none).
+DEQUANT_SCRATCH_MAX_BYTES = int(float(os.environ.get("NANOVLLM_DEQUANT_CHUNK_MIB", "48")) * (1 << 20)) or (1 << 62)
+
+
+@functools.cache
+def _l2_cache_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).L2_cache_size
+
+
+def _dequant_chunk_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEQUANT_SCRATCH_MAX_BYTES
+    return min(DEQUANT_SCRATCH_MAX_BYTES, _l2_cache_bytes(device) // 2)
+
+
+def _dequantize_then_mm(x, qweight, scales, mins, kind: int, group_size: int) -> torch.Tensor:
+    """x @ dequant(W).T through cuBLAS, the weight dequantized in row chunks (_dequant_chunk_bytes), each chunk's
+    product written into its columns of the output (a strided view cuBLAS writes in place)."""
+    (M, K), N = x.shape, qweight.shape[0]
+    chunk_rows = max(128, _dequant_chunk_bytes(x.device) // (K * x.element_size()) // 128 * 128)
+    if chunk_rows >= N:
+        return F.linear(x, dequantize_int_weight(qweight, scales, mins, kind, group_size, x.dtype))
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    for n0 in range(0, N, chunk_rows):
+        rows = slice(n0, min(N, n0 + chunk_rows))
+        w = dequantize_int_weight(qweight[rows], scales[rows], None if mins is None else mins[rows], kind,
+                                  group_size, x.dtype)
+        torch.mm(x, w.t(), out=out[:, rows])
+        del w  # freed before the next chunk is made: the allocator hands back this block, whose lines are in L2
+    return out
 
 
 @_int_linear_op.register_fake
@@ -192,90 +293,6 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     _check_device(x, "int_linear")
     x2 = _rows(x, K)
     return _int_linear_op(x2, qweight, scales, mins, bits, group_size).view(*x.shape[:-1], qweight.shape[0])
-
-
-@functools.cache
-def _has_fp8_tensor_cores(device: torch.device) -> bool:
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def quantize_activations(x: torch.Tensor, group_cols: int,
-                         scales_column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K / group_cols)]): per token and per group_cols columns,
-    scale = max|x| / 448 over the group (quant_fp8.py). scales_column_major: the scales' layout that
-    torch._scaled_mm's 1 x 128 block scaling takes (stride (1, M))."""
-    M, K = x.shape
-    num_groups = triton.cdiv(K, group_cols)
-    # Triton's CPU interpreter rounds some values to the wrong e4m3 binade (126.5 -> 64): there the kernel writes
-    # the scaled fp32 values and torch rounds them
-    round_in_torch = _interpreting()
-    xq = torch.empty((M, K), dtype=torch.float32 if round_in_torch else torch.float8_e4m3fn, device=x.device)
-    if scales_column_major:
-        xs = torch.empty((num_groups, M), dtype=torch.float32, device=x.device).t()
-    else:
-        xs = torch.empty((M, num_groups), dtype=torch.float32, device=x.device)
-    if M:
-        block = min(1024, triton.next_power_of_2(min(group_cols, K)))
-        num_chunks = triton.cdiv(min(group_cols, K), block)
-        quant_fp8._quantize_act_kernel[(M, num_groups)](x, xq, xs, K, group_cols, num_chunks, x.stride(0),
-                                                         xq.stride(0), xs.stride(0), xs.stride(1), BLOCK=block,
-                                                         num_warps=4)
-    return (xq.to(torch.float8_e4m3fn) if round_in_torch else xq), xs
-
-
-def _scaled_mm_rowwise(xq, xs, qweight, scales, group_n: int, dtype) -> torch.Tensor:
-    """torch._scaled_mm with per-token activation scales and per-output-column weight scales."""
-    N = qweight.shape[0]
-    w_scale = scales[:, 0].repeat_interleave(group_n)[:N].view(1, N)  # [1, N]: per-channel or broadcast per-tensor
-    return torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=w_scale, out_dtype=dtype)
-
-
-def _scaled_mm_blockwise(xq, xs, qweight, scales, dtype) -> torch.Tensor:
-    """torch._scaled_mm with 1 x 128 activation scales (column-major [M, K / 128]) and 128 x 128 weight blocks
-    (cuBLASLt's DeepSeek-style block scaling: CUDA 12.9+, sm_90 only)."""
-    return torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=scales.t(), out_dtype=dtype)
-
-
-def _can_scaled_mm(x: torch.Tensor, N: int, K: int, block: tuple[int, int] | None = None) -> bool:
-    """torch._scaled_mm's rowwise mode (block None): CUDA, bf16 output, K and N multiples of 16; its 128 x 128
-    block mode also needs sm_90 and K and N multiples of 128."""
-    if x.device.type != "cuda" or x.dtype != torch.bfloat16 or K % 16 or N % 16:
-        return False
-    if block is None:
-        return True
-    sm90 = torch.cuda.get_device_capability(x.device) == (9, 0)
-    return block == (128, 128) and K % 128 == 0 and N % 128 == 0 and sm90
-
-
-def fp8_w8a8_linear(x, qweight, scales, group_n: int, group_k: int, use_scaled_mm: bool | None = None,
-                    limits: DeviceLimits | None = None) -> torch.Tensor:
-    """x [M, K] quantized per token (and per group_k columns when the weight scales change along K), then an FP8
-    tensor-core GEMM (quant_fp8.py) or torch._scaled_mm. use_scaled_mm None: USE_SCALED_MM for per-channel and
-    per-tensor weights, USE_SCALED_MM_BLOCKWISE for blocks; True or False forces either way where it can run."""
-    M, K = x.shape
-    N = qweight.shape[0]
-    per_step = scales.shape[1] > 1
-    if per_step:
-        blockwise = USE_SCALED_MM_BLOCKWISE if use_scaled_mm is None else use_scaled_mm
-        if blockwise and _can_scaled_mm(x, N, K, (group_n, group_k)):
-            xq, xs = quantize_activations(x, group_k, scales_column_major=True)
-            return _scaled_mm_blockwise(xq, xs, qweight, scales, x.dtype)
-    xq, xs = quantize_activations(x, group_k if per_step else K)
-    rowwise = USE_SCALED_MM if use_scaled_mm is None else use_scaled_mm
-    if not per_step and rowwise and _can_scaled_mm(x, N, K):
-        return _scaled_mm_rowwise(xq, xs, qweight, scales, group_n, x.dtype)
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0:
-        return out
-    small_smem = (limits or device_limits(x.device)).shared_memory_bytes < 160 * 1024
-    block_m, block_n, num_warps, num_stages = (64, 128, 4, 2) if small_smem else (128, 128, 8, 4)
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
-    quant_fp8._fp8_gemm_kernel[grid](
-        xq, xs, qweight, scales, out, M, N, K, xq.stride(0), xs.stride(0), xs.stride(1), qweight.stride(0),
-        scales.stride(0), out.stride(0), GROUP_N=group_n, PER_STEP_SCALES=per_step, EMULATE_DOT_FP32=False,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=group_k if per_step else 128, GROUP_M=8, num_warps=num_warps,
-        num_stages=num_stages)
-    return out
 
 
 def _w8a8_applies(x: torch.Tensor, K: int, group_k: int) -> bool:

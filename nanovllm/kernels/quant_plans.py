@@ -11,10 +11,10 @@ from nanovllm.kernels import quant_gemm
 
 _MAX_BLOCK_K = 128  # a K step; 128 holds a whole group of the common G = 128
 SCALE_AFTER_DOT_MAX_ROWS = 32  # taller tiles dequantize the tile instead (quant_gemm.py's docstring says why)
-# 4-bit and FP8 weights at up to this many rows run on the CUDA cores: about 5 instructions per 4-bit value on
-# sm_90 for one row, where the 16-row dot kernel's loop spends ~7.5 (static counts of the compiled loops; not yet
-# timed: bench_quant_kernels.py's w4 and w4-mma columns compare them)
-CUDA_CORE_MAX_ROWS = 2
+# weights of each kind at up to this many rows run on the CUDA cores. 4-bit: the one-row kernel streamed 1.6-2.9x
+# the 16-row dot kernel's rate on an H100 and the two-row one 1.5x; FP8: the one-row kernel ~1.2x on qkv, but the
+# two-row one (~225 registers a thread, one program an SM) fell to 0.6-0.8x the dot kernel
+CUDA_CORE_MAX_ROWS = {quant_gemm.KIND_INT4: 2, quant_gemm.KIND_FP8: 1}
 # split-K: the 4-warp decode programs (~128 registers a thread) fit four to an SM's 64K registers, and all of them
 # resident keep the most loads in flight; a split streams at least 4 steps so that its 4-stage pipeline fills.
 # Larger tiles split only to fill one wave.
@@ -71,11 +71,11 @@ def plan_weight_only(M: int, N: int, K: int, group_k: int, limits: DeviceLimits 
     (one accumulator of 64 fp32 registers per thread; ~190 registers and no spills on sm_90 for 4-bit weights),
     each step's tile dequantized before the dot. Devices with under 160 KB of shared memory per block (sm_89) get
     64 x 128 tiles with 4 warps and 3 stages. 4-bit weights at 1-2 rows take the CUDA-core kernel (128 columns,
-    4 warps, _int4_gemv_kernel's docstring says why), and so do FP8 weights whose scales fit
-    _fp8_gemv_kernel (one scale column, or blocks of a multiple of 64 rows)."""
+    4 warps, _int4_gemv_kernel's docstring says why), and so do FP8 weights at 1 row whose scales fit
+    _fp8_gemv_kernel (one scale column, or blocks of a multiple of 64 rows): CUDA_CORE_MAX_ROWS."""
     small_smem = limits.shared_memory_bytes < 160 * 1024
     block_k = aligned_block_k(group_k)
-    if M <= CUDA_CORE_MAX_ROWS and _fits_cuda_core_kernel(weight_kind, K, group_n, group_k):
+    if M <= CUDA_CORE_MAX_ROWS.get(weight_kind, 0) and _fits_cuda_core_kernel(weight_kind, K, group_n, group_k):
         block_k = block_k or 128  # FP8 with one scale column: any K step
         # 128 columns of 4-bit words, 64 of FP8 values: a thread holds 64 values either way, and for FP8 its
         # [64, 128] fp32 accumulator per row (128 columns spilled with two rows on sm_90)
