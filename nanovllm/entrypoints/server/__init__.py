@@ -9,7 +9,6 @@ The CLI imports this package lazily; nothing here imports the CLI.
 """
 from nanovllm.entrypoints.server.app import DEFAULT_MAX_REQUEST_BYTES, build_app, serve
 from nanovllm.entrypoints.server.engine_loop import EngineError, EngineLoop
-from nanovllm.entrypoints.server.prepare import GenerateRequest, prepare
+from nanovllm.entrypoints.server.prepare import prepare
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "EngineError", "EngineLoop", "GenerateRequest", "build_app", "prepare",
-           "serve"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "EngineError", "EngineLoop", "build_app", "prepare", "serve"]
