@@ -32,6 +32,11 @@ class InFlightStep:
 
 
 class EngineCore:
+    """The scheduler, the tiers and the step in flight, driven by `step()`.
+    NOTE: at most one step is in flight, and only with asynchronous scheduling: `_in_flight` is None whenever
+    step() returns under synchronous scheduling. A sequence's per-request state here (logit rules, logprob ids)
+    lives from `add` until it finishes (`_forget`) or is aborted (`abort`)."""
+
     def __init__(self, config: Config, executor: Executor, output_processor: OutputProcessor,
                  eos_token_ids: list[int]):
         self.config = config

@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
+    """The offline engine's frontend. NOTE: `requests` maps seq id -> sequence from its add until abort_request,
+    or until the call that queued it (generate, generate_stream, the server's loop) takes its output; `_unclaimed`
+    holds the add_request sequences that finished inside a generate call, until the next step() returns them."""
+
     def __init__(self, model: str, **kwargs):
         self.config = config = Config(model, **with_cpu_host_tier_default(with_card_batch_limits(kwargs)))
         self.executor: Executor | None = None
@@ -59,11 +63,6 @@ class LLMEngine:
     def runner(self):
         """Rank 0's ModelRunner (its caches, copy engine and model); None once closed."""
         return self.executor.runner if self.executor is not None else None
-
-    @property
-    def workers(self):
-        """The tensor-parallel worker processes (workers.py's WorkerPool); None with one rank or once closed."""
-        return self.executor.workers if self.executor is not None else None
 
     # --- requests
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
