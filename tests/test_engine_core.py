@@ -92,3 +92,25 @@ def test_the_step_in_flight_is_one_step_behind_only_with_asynchronous_scheduling
         # a prefill step and two decode steps; async adds one step that only reads the last one back
         assert num_steps == (4 if asynchronous else 3)
         assert num_in_flight == ([True, True, True, False] if asynchronous else [False] * 3)
+
+
+def test_each_prompt_is_checked_and_tokenized_once(qwen3_dir, monkeypatch):
+    """generate() with n samples checks (and tokenizes) each prompt once, not once more per sample; the server
+    checks in prepare(), off the loop thread, and the loop queues the samples without a second check."""
+    from nanovllm.engine.request_intake import RequestIntake
+    from nanovllm.entrypoints.server.prepare import prepare
+    checked = []
+    real = RequestIntake._prompt_token_ids
+    monkeypatch.setattr(RequestIntake, "_prompt_token_ids",
+                        lambda self, prompt, params: checked.append(len(prompt)) or real(self, prompt, params))
+    prompts = random_prompts([9, 17], seed=45)
+    with LLM(qwen3_dir, **tiny_llm_kwargs()) as llm:
+        outs = llm.generate(prompts, greedy(2, n=3), use_tqdm=False)
+        assert [len(o.outputs) for o in outs] == [3, 3] and checked == [9, 17]
+        request = prepare(llm, prompts[0], sampling={"max_tokens": 2, "n": 2})
+        assert checked == [9, 17, 9]
+        seq_ids = [llm.add_checked_request(sample) for sample in request.samples()]
+        while not llm.is_finished():
+            llm.step()
+        assert checked == [9, 17, 9]
+        assert [len(llm.requests[seq_id].completion_token_ids) for seq_id in seq_ids] == [2, 2]
