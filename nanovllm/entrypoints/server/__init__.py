@@ -3,8 +3,9 @@
   HTTP handlers (asyncio, FastAPI: app.py) -> EngineLoop (one thread, owns the LLM: engine_loop.py)
     -> LLM.step() (the offline engine)
 
-protocol.py holds the request models, prepare.py tokenizes a request off the loop thread, streaming.py writes the
-responses and Server-Sent Events, metrics.py /metrics, guards.py the API key, the body cap and internal errors.
+protocol.py holds the request models, prepare.py tokenizes and checks a request off the loop thread, streaming.py
+writes the responses and Server-Sent Events, metrics.py /metrics, guards.py the API key, the body cap and internal
+errors.
 The CLI imports this package lazily; nothing here imports the CLI.
 """
 from nanovllm.entrypoints.server.app import DEFAULT_MAX_REQUEST_BYTES, build_app, serve
