@@ -36,10 +36,7 @@ class LLMEngine:
     def __init__(self, model: str, **kwargs):
         self.config = config = Config(model, **with_cpu_host_tier_default(with_card_batch_limits(kwargs)))
         self.executor: Executor | None = None
-        self.core: EngineCore | None = None
-        self.host_tier = None
-        # where the GPU memory went, in bytes (nanovllm/core/memory_plan.py); None on CPU or with kv_cache_memory_bytes
-        self.memory_breakdown: dict | None = None
+        self.core: EngineCore | None = None  # both None until started: a failed start calls close()
         self.tokenizer = load_tokenizer(config.tokenizer or model)
         self.default_sampling_options = default_sampling_options(config.model, config.generation_config)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -50,7 +47,8 @@ class LLMEngine:
         except BaseException:
             self.close()
             raise
-        self.memory_breakdown = self.executor.log_memory()
+        # where the GPU memory went, in bytes (nanovllm/core/memory_plan.py); None on CPU or with kv_cache_memory_bytes
+        self.memory_breakdown: dict | None = self.executor.log_memory()
         self.scheduler, self.host_tier = self.core.scheduler, self.core.host_tier
         self.num_gpu_blocks, self.block_bytes = self.core.num_gpu_blocks, self.core.block_bytes
         self.intake = RequestIntake(config, self.tokenizer, self.num_gpu_blocks)
