@@ -21,7 +21,7 @@ import sys
 import time
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine import llm_engine, model_runner
+from nanovllm.engine import engine_core, model_runner
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.config import KV_CACHE_DTYPES
 from nanovllm.core.request_metrics import latency_summary
@@ -87,7 +87,7 @@ class HostTimer:
                 return result
             llm.runner.launch = timed_launch
         self._wrap(llm.scheduler, "schedule")
-        self._wrap(llm_engine, "make_plan")
+        self._wrap(engine_core, "make_plan")
         self._wrap(model_runner, "prepare_step_inputs")
         self._wrap(llm.runner.sampling, "sampling_tensors")
         self._wrap(llm.scheduler, "advance")

@@ -17,6 +17,7 @@ class LLM(LLMEngine):
         super().__init__(model, **kwargs)
 
     add_request = one_caller(LLMEngine.add_request)
+    add_checked_request = one_caller(LLMEngine.add_checked_request)
     abort_request = one_caller(LLMEngine.abort_request)
     reset_prefix_cache = one_caller(LLMEngine.reset_prefix_cache)
     step = one_caller(LLMEngine.step)

@@ -4,7 +4,7 @@ deleted, never listed here. This file is read by vulture, never imported."""
 # ruff: noqa
 _ = object()
 
-# LLMEngine._call runs these runner methods on every rank by name (_call("allocate_kv_cache", ...))
+# Executor.call runs these runner methods on every rank by name (executor.call("allocate_kv_cache", ...))
 _.num_kv_blocks_for_budget
 _.allocate_kv_cache
 _.allocate_host_cache

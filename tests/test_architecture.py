@@ -33,7 +33,8 @@ LAYERS = [
 UNIT_DEPTH = {"nanovllm": 2, "nanovllm_offload": 1}
 TORCH_FREE = ["nanovllm.core.*", "nanovllm.sampling_params", "nanovllm.inputs", "nanovllm.logprobs", "nanovllm.config",
               "nanovllm.utils.quant_spec", "nanovllm.utils.gguf_model",
-              "nanovllm.outputs", "nanovllm.engine.scheduler", "nanovllm.engine.step_plan", "nanovllm.engine.output",
+              "nanovllm.outputs", "nanovllm.engine.scheduler", "nanovllm.engine.step_plan",
+              "nanovllm.engine.output_processor", "nanovllm.engine.request_intake",
               "nanovllm.engine.penalties", "nanovllm.engine.logit_rules", "nanovllm.engine.parallel_sampling",
               "nanovllm_offload.host_block_pool",
               "nanovllm_offload.policy", "nanovllm_offload.host_memory", "nanovllm_offload.offload_manager",
@@ -156,7 +157,7 @@ def test_imports_run_downward_without_cycles():
 
 @pytest.mark.parametrize("plant", [
     ("nanovllm/core/sequence.py", "from nanovllm.engine.scheduler import Scheduler"),  # upward
-    ("nanovllm/engine/output.py", "import nanovllm.engine.llm_engine"),  # a cycle inside the engine
+    ("nanovllm/engine/output_processor.py", "import nanovllm.engine.llm_engine"),  # a cycle inside the engine
     ("nanovllm_offload/host_kv_cache.py", "from nanovllm.engine import scheduler"),  # offload -> engine
 ])
 def test_a_planted_violation_is_found(tmp_path, plant):

@@ -142,7 +142,7 @@ def test_prefill_speed_is_timed_between_read_backs(qwen3_dir, monkeypatch, async
     wait for the step before it (a decode: 0.1 s); the sample must be the prompt's tokens over its own 2 s."""
     from types import SimpleNamespace
 
-    import nanovllm.engine.llm_engine as engine_module
+    import nanovllm.engine.engine_core as engine_module
     clock = [0.0]
     monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     prompt = PROMPTS[2]
@@ -169,7 +169,7 @@ def test_an_idle_spell_is_not_timed_as_prefill(qwen3_dir, monkeypatch):
     aborted and the engine then idles (a fake 3 s), the next prompt's sample must not include the idle time."""
     from types import SimpleNamespace
 
-    import nanovllm.engine.llm_engine as engine_module
+    import nanovllm.engine.engine_core as engine_module
     clock = [0.0]
     monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     with LLM(qwen3_dir, **tiny_llm_kwargs(max_num_batched_tokens=16, async_scheduling=False)) as llm:

@@ -18,7 +18,8 @@ def test_decode_traffic_counts_every_context_token_of_every_decode_step(qwen3_di
     lengths, new_tokens = [12, 30, 7], [9, 5, 16]
     llm = LLM(qwen3_dir, **tiny_llm_kwargs())
     try:
-        monkeypatch.setattr(bench.llm_engine, "make_plan", bench.llm_engine.make_plan)  # HostTimer wraps it: undo after
+        # HostTimer wraps it: undo after
+        monkeypatch.setattr(bench.engine_core, "make_plan", bench.engine_core.make_plan)
         timer = bench.HostTimer(llm)
         params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in new_tokens]
         llm.generate(random_prompts(lengths), params, use_tqdm=False)

@@ -109,15 +109,15 @@ def test_another_kv_cache_dtype_never_hits(smollm2_dir, first_run, disk_copy):
 
 @pytest.mark.subprocess
 def test_a_slow_disk_is_skipped(smollm2_dir, first_run, disk_copy, monkeypatch):
-    import nanovllm.engine.llm_engine as llm_engine
-    open_store = llm_engine.open_disk_store
+    import nanovllm.engine.engine_core as engine_core
+    open_store = engine_core.open_disk_store
 
     def slow_store(*args, **kwargs):
         store = open_store(*args, **kwargs)
         store.read_bytes_per_s, store.ema, store.num_read_samples = 1e3, 0.0, 1  # 1 kB/s: any prefill beats it
         return store
 
-    monkeypatch.setattr(llm_engine, "open_disk_store", slow_store)
+    monkeypatch.setattr(engine_core, "open_disk_store", slow_store)
     token_ids, stats = generate(smollm2_dir, disk_copy)
     assert token_ids == first_run[1]
     assert stats["disk_hit_tokens"] == stats["disk_skipped_tokens"] == NUM_HIT_TOKENS
@@ -134,16 +134,16 @@ def test_the_first_admission_decides_on_the_seeded_prefill_speed(smollm2_dir, fi
     speed (fixed here at 1 GB/s: the 96 tokens' 4.4 MB in 4.4 ms) with the prefill speed the runner measured at
     start-up (stubbed: the CPU measures none, so its prior would decide). 100 tokens/s prefills them in 0.96 s: load;
     1G tokens/s in 0.1 us: recompute."""
-    import nanovllm.engine.llm_engine as llm_engine
+    import nanovllm.engine.engine_core as engine_core
     from nanovllm.engine.model_runner import ModelRunner
-    open_store = llm_engine.open_disk_store
+    open_store = engine_core.open_disk_store
 
     def store_at_1_gb_per_s(*args, **kwargs):
         store = open_store(*args, **kwargs)
         store.read_bytes_per_s, store.ema, store.num_read_samples = 1e9, 0.0, 1  # pinned: no read moves it
         return store
 
-    monkeypatch.setattr(llm_engine, "open_disk_store", store_at_1_gb_per_s)
+    monkeypatch.setattr(engine_core, "open_disk_store", store_at_1_gb_per_s)
     monkeypatch.setattr(ModelRunner, "measure_prefill_speed", lambda self: seeded_tokens_per_s)
     token_ids, stats = generate(smollm2_dir, disk_copy)
     assert token_ids == first_run[1]

@@ -619,15 +619,15 @@ def test_cli_chat_prompt_has_one_bos(smollm2_dir, tmp_path, monkeypatch):
     cfg_path.write_text(json.dumps(cfg))
     for extra in model.glob("chat_template.*"):
         extra.unlink()
-    from nanovllm.engine.llm_engine import LLMEngine
+    from nanovllm.engine.request_intake import RequestIntake
     from nanovllm.entrypoints import cli
     seen = []
-    real = LLMEngine._prompt_token_ids
-    monkeypatch.setattr(LLMEngine, "_prompt_token_ids", lambda self, p, sp: seen.append(real(self, p, sp)) or seen[-1])
+    real = RequestIntake.checked
+    monkeypatch.setattr(RequestIntake, "checked", lambda self, p, sp: seen.append(real(self, p, sp)) or seen[-1])
     assert cli.main(["generate", "hi", "--model", str(model), "--device", "cpu", "--dtype", "float32",
                      "--max-tokens", "1", "--max-model-len", "256", "--num-kvcache-blocks", "32",
                      "--kvcache-block-size", "16", "--enforce-eager"]) == 0
-    assert seen and seen[0][0] == 1 and seen[0][1] != 1, seen[0][:4]
+    assert seen and seen[0].token_ids[0] == 1 and seen[0].token_ids[1] != 1, seen[0].token_ids[:4]
 
 
 def test_a_closed_engine_lets_go_of_its_kv_cache(qwen3_dir):

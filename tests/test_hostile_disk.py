@@ -137,13 +137,13 @@ def test_a_kv_disk_path_that_cannot_be_written_is_a_value_error_before_the_weigh
     """/sys refuses new files even to root. The error names the option, and comes before the weights load (it
     was a bare OSError after the KV was allocated)."""
     from nanovllm import LLM
-    from nanovllm.engine import llm_engine
+    from nanovllm.engine import executor
     if not os.path.isdir("/sys"):
         pytest.skip("needs Linux's /sys")
 
     def no_weights(*args, **kwargs):
         raise AssertionError("the weights were loaded before kv_disk_path was checked")
-    monkeypatch.setattr(llm_engine, "ModelRunner", no_weights)
+    monkeypatch.setattr(executor, "ModelRunner", no_weights)
     with pytest.raises(ValueError, match=r"kv_disk_path='/sys' cannot be written \(.*\); pass a writable directory"):
         LLM(qwen3_dir, **tiny_llm_kwargs(swap_space=0.01, kv_disk_path="/sys"))
 

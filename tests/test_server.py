@@ -554,27 +554,27 @@ def test_a_failed_tensor_parallel_step_marks_the_engine_broken(qwen3_dir, monkey
     """At TP 1 a failed step fails the requests in flight and the loop goes on. With tensor parallelism the ranks
     are out of step after one: the loop stops taking requests and /health stops saying ok."""
     from conftest import tiny_llm_kwargs
-    from nanovllm.entrypoints.server import EngineError, EngineLoop, GenerateRequest
+    from nanovllm.entrypoints.server import EngineError, EngineLoop, prepare
     llm = LLM(qwen3_dir, **tiny_llm_kwargs())
     engine = EngineLoop(llm)
 
     def failing_step():
         raise RuntimeError("rank 1 ran out of memory")
     monkeypatch.setattr(llm, "step", failing_step)
-    monkeypatch.setattr(llm, "workers", object())  # as if tensor_parallel_size were 2
+    monkeypatch.setattr(llm.config, "tensor_parallel_size", 2)  # as if it were
     engine.start()
 
     async def scenario():
-        stream = await engine.submit(GenerateRequest([5, 6, 7], SamplingParams(max_tokens=4)))
+        stream = await engine.submit(prepare(llm, [5, 6, 7], sampling={"max_tokens": 4}))
         with pytest.raises(EngineError, match="out of memory"):
             async for _ in stream.events():
                 pass
         with pytest.raises(EngineError, match="restart the server"):
-            await engine.submit(GenerateRequest([5, 6, 7], SamplingParams(max_tokens=4)))
+            await engine.submit(prepare(llm, [5, 6, 7], sampling={"max_tokens": 4}))
     try:
         asyncio.run(scenario())
         assert not engine.is_alive and "out of step" in engine.broken
     finally:
         engine.stop()
-        monkeypatch.setattr(llm, "workers", None)
+        monkeypatch.setattr(llm.config, "tensor_parallel_size", 1)
         close_llm(llm)

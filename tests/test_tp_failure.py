@@ -31,7 +31,7 @@ def tp2(qwen3_dir, monkeypatch):
 
 def fail_in_step(monkeypatch, llm, num_steps: int, how):
     """After num_steps steps, the next step's "run" reaches the worker and `how` breaks it mid-step."""
-    pool, send, count = llm.workers, llm.workers.send, [0]
+    pool, send, count = llm.executor.workers, llm.executor.workers.send, [0]
 
     def send_then_break(method, *args):
         if method == "run" and count[0] == num_steps:
@@ -64,7 +64,7 @@ def test_a_worker_failing_mid_step_is_raised_on_rank_0(tp2, monkeypatch, how, pa
     with pytest.raises(RuntimeError, match=pattern):
         tp2.generate(PROMPTS, greedy(8), use_tqdm=False)
     assert time.monotonic() - start < 10
-    assert not any(p.is_alive() for p in tp2.workers.procs) and mp.active_children() == []
+    assert not any(p.is_alive() for p in tp2.executor.workers.procs) and mp.active_children() == []
     assert tp2.requests == {}
     with pytest.raises(RuntimeError, match=pattern):  # the ranks are out of step: no further step runs
         tp2.generate(PROMPTS, greedy(8), use_tqdm=False)
@@ -73,7 +73,7 @@ def test_a_worker_failing_mid_step_is_raised_on_rank_0(tp2, monkeypatch, how, pa
 def test_the_watchdog_notices_a_worker_that_dies_while_rank_0_is_elsewhere(tp2):
     """Rank 0 blocked in an NCCL collective would never see the death itself: the watchdog thread does, stops the
     other workers and aborts rank 0's process group (a hook here)."""
-    os.kill(tp2.workers.procs[0].pid, signal.SIGKILL)
+    os.kill(tp2.executor.workers.procs[0].pid, signal.SIGKILL)
     deadline = time.monotonic() + 5
     while not tp2.aborts and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -2,12 +2,36 @@
 
 A prompt becomes token ids (tokenized, cut by truncate_prompt_tokens, inside the vocabulary, within max_model_len
 and the KV cache); the options that depend on the engine are checked (a tokenizer for text options, max_logprobs,
-logit_bias's token ids). Only the engine's fixed parts are read, so a bad request leaves the engine untouched.
+logit_bias's token ids). Only the engine's fixed parts are read, so a bad request leaves the engine untouched, and
+any thread may check one (the server checks in its handlers' worker threads, off the engine loop's thread).
+
+Each request is checked and tokenized once, here: what comes out is a CheckedRequest, which the engine queues
+without looking at it again.
 """
+from dataclasses import dataclass, replace
+
 from nanovllm.config import Config
+from nanovllm.engine.logit_rules import bad_words_token_ids
 from nanovllm.engine.parallel_sampling import sample_params
 from nanovllm.inputs import as_prompt_list, check_prompt, checked_params
 from nanovllm.sampling_params import SamplingParams
+
+
+@dataclass
+class CheckedRequest:
+    """One prompt's request as RequestIntake accepted it. NOTE: built only by RequestIntake (or `samples`), so
+    whoever holds one may queue it unchecked (LLMEngine.add_checked_request)."""
+    token_ids: list[int]  # the prompt, tokenized and cut by truncate_prompt_tokens
+    sampling_params: SamplingParams  # the request's own checked copy; max_tokens=None became the room left
+    bad_words_token_ids: list[list[int]]  # bad_words, tokenized (logit_rules.py)
+    prompt_text: str | None = None  # RequestOutput.prompt: the prompt's text, None when it came as token ids
+
+    def samples(self) -> list["CheckedRequest"]:
+        """One request per sequence to generate (n / best_of: parallel_sampling.sample_params), sharing the prompt."""
+        params = sample_params(self.sampling_params)
+        if len(params) == 1:
+            return [self]
+        return [replace(self, sampling_params=child) for child in params]
 
 
 class RequestIntake:
@@ -21,11 +45,20 @@ class RequestIntake:
         max_len = min(self.config.max_model_len, self.num_gpu_blocks * self.config.kvcache_block_size)
         return max(1, max_len - num_prompt_tokens)
 
-    def prompt_token_ids(self, prompt, sampling_params: SamplingParams) -> list[int]:
-        """One request's prompt as token ids; raises ValueError naming the problem."""
+    def checked(self, prompt, sampling_params: SamplingParams) -> CheckedRequest:
+        """One request; `sampling_params` is already a checked copy (inputs.checked_params), which the request
+        keeps (its max_tokens=None becomes the room left). Raises ValueError naming the problem."""
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        token_ids = check_prompt(prompt)
+        text = check_prompt(prompt)
+        token_ids = self._prompt_token_ids(text, sampling_params)
+        if sampling_params.max_tokens is None:
+            sampling_params.max_tokens = self.room_left(len(token_ids))
+        bad_words = bad_words_token_ids(self.tokenizer, sampling_params.bad_words) if sampling_params.bad_words else []
+        return CheckedRequest(token_ids, sampling_params, bad_words, text if isinstance(text, str) else None)
+
+    def _prompt_token_ids(self, token_ids: str | list[int], sampling_params: SamplingParams) -> list[int]:
+        """A checked prompt (check_prompt's text or token ids) as token ids that fit this engine."""
         if isinstance(token_ids, str):
             if self.tokenizer is None:
                 raise ValueError(f"model={self.config.model!r} has no tokenizer files; pass prompts as token ids")
@@ -71,12 +104,11 @@ class RequestIntake:
         if bad:
             raise ValueError(f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {vocab})")
 
-    @staticmethod
-    def checked_batch(prompts, sampling_params, default_options: dict,
-                      streaming: bool = False) -> list[tuple[object, SamplingParams]]:
-        """generate()'s arguments as (prompt, checked SamplingParams) pairs: one prompt or a list of them, and one
-        SamplingParams for all, one each, or None (the engine's defaults). streaming refuses best_of > n: which
-        samples are returned is known only at the end (vLLM refuses it with streaming too)."""
+    def checked_batch(self, prompts, sampling_params, default_options: dict,
+                      streaming: bool = False) -> list[CheckedRequest]:
+        """generate()'s arguments as checked requests, all of them checked before any is queued: one prompt or a
+        list of them, and one SamplingParams for all, one each, or None (the engine's defaults). streaming refuses
+        best_of > n: which samples are returned is known only at the end (vLLM refuses it with streaming too)."""
         prompts = as_prompt_list(prompts)  # one prompt (a string or token ids) or a list of them
         if sampling_params is None:
             sampling_params = SamplingParams(**default_options)
@@ -92,10 +124,4 @@ class RequestIntake:
             if streaming and sp.num_samples > sp.n:
                 raise ValueError(f"best_of={sp.best_of} > n={sp.n} cannot stream: the best samples are known only at "
                                  f"the end; use generate(), or best_of=None")
-        return pairs
-
-    @staticmethod
-    def prompt_text(prompt) -> str | None:
-        """RequestOutput.prompt: the prompt's text, None when it came as token ids."""
-        text = check_prompt(prompt)
-        return text if isinstance(text, str) else None
+        return [self.checked(prompt, sp) for prompt, sp in pairs]

@@ -10,9 +10,8 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, AsyncIterator
 
-from nanovllm.engine.parallel_sampling import sample_params
 from nanovllm.entrypoints.server.engine_loop import Delta, EngineError, EngineLoop, RequestStream
-from nanovllm.entrypoints.server.prepare import GenerateRequest, prepare
+from nanovllm.entrypoints.server.prepare import prepare
 from nanovllm.entrypoints.server.protocol import APIError
 
 if TYPE_CHECKING:
@@ -34,8 +33,8 @@ async def submit_choices(engine: EngineLoop, preparers: ThreadPoolExecutor, llm:
     streams = []
     try:
         for request in requests:
-            for params in sample_params(request.sampling_params):
-                streams.append(await engine.submit(GenerateRequest(request.token_ids, params)))
+            for sample in request.samples():
+                streams.append(await engine.submit(sample))
     except BaseException as e:
         for stream in streams:
             engine.abort(stream)

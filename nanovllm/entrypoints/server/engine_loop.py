@@ -12,11 +12,12 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
+from nanovllm.engine.output_processor import DeltaCursor, StreamDelta
+from nanovllm.engine.request_intake import CheckedRequest
 from nanovllm.entrypoints.server.metrics import LatencyHistograms, Throughput, usage_ratio
-from nanovllm.entrypoints.server.prepare import GenerateRequest
 
 if TYPE_CHECKING:
     from nanovllm.llm import LLM
@@ -26,16 +27,28 @@ logger = logging.getLogger("nanovllm.server")
 
 @dataclass
 class Delta:
-    """A request's new output since its previous Delta. The last Delta has `finish_reason` set ("abort" when the
-    request was aborted) and `final_text`: the whole completion, exactly as the non-streaming API returns it."""
-    text: str
-    num_completion_tokens: int  # tokens generated so far, this delta's included
-    finish_reason: str | None = None
-    final_text: str | None = None
-    # SamplingParams.logprobs asked: this delta's tokens' entries ({token_id: Logprob}); the last Delta's
-    # final_logprobs are all the completion's
-    logprobs: list | None = None
-    final_logprobs: list | None = None
+    """A request's new output since its previous Delta: the engine's StreamDelta (the output processor's, as
+    generate_stream sends it) and, on the last one, the whole completion exactly as the non-streaming API returns
+    it. The last Delta has `finish_reason` set ("abort" when the request was aborted)."""
+    stream: StreamDelta
+    final_text: str | None = None  # the last Delta's: the whole text
+    final_logprobs: list | None = None  # the last Delta's: all the completion's logprobs (when asked for)
+
+    @property
+    def text(self) -> str:
+        return self.stream.text
+
+    @property
+    def num_completion_tokens(self) -> int:  # tokens generated so far, this delta's included
+        return self.stream.num_completion_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.stream.finish_reason
+
+    @property
+    def logprobs(self) -> list | None:  # SamplingParams.logprobs asked: this delta's tokens' {token_id: Logprob}
+        return self.stream.logprobs
 
 
 class EngineError(RuntimeError):
@@ -76,8 +89,7 @@ class RequestStream:
 class _Active:
     """Loop-thread bookkeeping of one unfinished request: what its stream has been sent so far."""
     stream: RequestStream
-    num_tokens_sent: int = 0
-    text_sent: str = ""
+    cursor: DeltaCursor = field(default_factory=DeltaCursor)
 
 
 _STOP = object()
@@ -126,8 +138,9 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.broken is None
 
-    async def submit(self, request: GenerateRequest) -> RequestStream:
-        """Queue a request; raises ValueError (nothing queued) when the engine refuses it."""
+    async def submit(self, request: CheckedRequest) -> RequestStream:
+        """Queue a request (one sample: CheckedRequest.samples' items); raises ValueError (nothing queued) when the
+        engine refuses it."""
         stream = RequestStream(asyncio.get_running_loop())
         try:
             await self._call(self._add, stream, request)
@@ -198,11 +211,11 @@ class EngineLoop:
         if reply is not None:
             reply.set_result(result)
 
-    def _add(self, stream: RequestStream, request: GenerateRequest):
+    def _add(self, stream: RequestStream, request: CheckedRequest):
         if self.broken is not None:
             raise EngineError(self.broken)
         try:
-            stream.seq_id = self.llm.add_request(request.token_ids, request.sampling_params)
+            stream.seq_id = self.llm.add_checked_request(request)  # checked by prepare(), off this thread
         except ValueError:
             self.num_rejected_requests += 1
             raise
@@ -217,7 +230,7 @@ class EngineLoop:
             return  # never added, already finished, or already aborted
         self.llm.abort_request(stream.seq_id)
         self.num_aborted_requests += 1
-        stream.put(Delta("", 0, finish_reason="abort", final_text=""))
+        stream.put(Delta(StreamDelta.aborted(), final_text=""))
 
     def _step(self):
         """One engine step, then every request's new output. A failure fails the requests in flight, not the loop:
@@ -231,7 +244,7 @@ class EngineLoop:
                 self._publish(active)
         except Exception as e:
             logger.exception("engine step failed; failing the %d requests in flight", len(self._active))
-            if self.llm.workers is not None:
+            if self.llm.config.tensor_parallel_size > 1:
                 self.broken = f"a tensor-parallel step failed ({e!r}); the ranks are out of step: restart the server"
             self._fail_all(EngineError(f"the engine failed a step: {e!r}"))
 
@@ -243,17 +256,11 @@ class EngineLoop:
         """Send the tokens and text that are new since the last Delta; on the last one, forget the request."""
         seq_id = active.stream.seq_id
         seq = self.llm.requests[seq_id]
-        new_ids = seq.completion_token_ids[active.num_tokens_sent:]
-        if not new_ids and not seq.is_finished:
+        stream_delta = self.llm.output_processor.delta(seq, active.cursor)
+        if stream_delta is None:
             return
-        text = self.llm._stream_text(seq)
-        delta = Delta(text[len(active.text_sent):], seq.num_completion_tokens)
-        if seq.logprobs is not None:
-            delta.logprobs = seq.logprobs[active.num_tokens_sent:active.num_tokens_sent + len(new_ids)]
-        active.num_tokens_sent += len(new_ids)
-        active.text_sent = text
+        delta = Delta(stream_delta)
         if seq.is_finished:
-            delta.finish_reason = seq.finish_reason
             output = self.llm.output(self.llm.requests.pop(seq_id))
             delta.final_text, delta.final_logprobs = output["text"], output["logprobs"]
             self._latency.observe(output["metrics"])

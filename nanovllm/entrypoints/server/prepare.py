@@ -1,15 +1,16 @@
-"""A request's prompt and options turned into what the engine loop adds: token ids and a SamplingParams.
+"""A request's prompt and options turned into what the engine loop adds: a CheckedRequest (token ids, a
+SamplingParams, the bad words' token ids).
 
 This runs in a worker thread of the request's handler, never on the engine loop's thread: tokenizing a long prompt
 or rendering a chat template takes time (seconds for megabytes), and on the loop thread it would stall every other
-stream. It only reads the engine's immutable parts (its config, the tokenizer, the size of the GPU cache); the
-engine's own checks run again when the loop adds the request.
+stream. It only reads the engine's immutable parts (its config, the tokenizer, the size of the GPU cache), the
+engine's own checks included (RequestIntake), so the loop queues the request without checking it again.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from nanovllm.engine.request_intake import CheckedRequest
 from nanovllm.engine.tokenizer import chat_token_ids
 from nanovllm.sampling_params import SamplingParams
 
@@ -17,17 +18,10 @@ if TYPE_CHECKING:
     from nanovllm.llm import LLM
 
 
-@dataclass
-class GenerateRequest:
-    """What a handler hands to the engine loop: a tokenized, checked request."""
-    token_ids: list[int]
-    sampling_params: SamplingParams
-
-
 def prepare(llm: LLM, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-            sampling: dict | None = None) -> GenerateRequest:
-    """Tokenize (or render the chat template for) one request and build its SamplingParams; exactly one of
-    `prompt` / `messages` is set. Raises ValueError naming the problem."""
+            sampling: dict | None = None) -> CheckedRequest:
+    """Tokenize (or render the chat template for) one request, build its SamplingParams and check it against the
+    engine; exactly one of `prompt` / `messages` is set. Raises ValueError naming the problem."""
     token_ids = prompt_token_ids(llm, prompt, messages)
     max_len = llm.config.max_model_len
     if len(token_ids) > max_len:  # checked here so the loop thread never scans an overlong list
@@ -39,7 +33,7 @@ def prepare(llm: LLM, prompt: str | list[int] | None = None, messages: list[dict
         raise ValueError(f"the prompt's {len(token_ids)} tokens and max_tokens={options['max_tokens']} make "
                          f"{len(token_ids) + options['max_tokens']}, more than max_model_len={max_len}; lower "
                          f"max_tokens or shorten the prompt")
-    return GenerateRequest(token_ids, SamplingParams(**{**llm.default_sampling_options, **options}))
+    return llm.intake.checked(token_ids, SamplingParams(**{**llm.default_sampling_options, **options}))
 
 
 def prompt_token_ids(llm: LLM, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
@@ -60,5 +54,4 @@ def room_left(llm: LLM, token_ids: list[int]) -> int:
     if len(token_ids) >= config.max_model_len:
         raise ValueError(f"prompt has {len(token_ids)} tokens, max_model_len={config.max_model_len} leaves no "
                          f"room for a completion; shorten it")
-    max_len = min(config.max_model_len, llm.num_gpu_blocks * config.kvcache_block_size)
-    return max(1, max_len - len(token_ids))  # max(1, ...): past the cache, add_request names the limit
+    return llm.intake.room_left(len(token_ids))  # at least 1: past the cache, the intake's check names the limit

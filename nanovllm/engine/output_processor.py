@@ -1,15 +1,50 @@
-"""What a request shows: its text (detokenised, cut at a stop string), its RequestOutput (nanovllm/outputs.py)
-and the pieces a stream sends. The engine calls `TextOutput` after each read-back; the scheduler only sees token
-ids."""
+"""The one way to produce output: a sequence's text (detokenised, cut at a stop string), its RequestOutput
+(nanovllm/outputs.py) and its stream deltas (new token ids, text and logprobs since the previous delta).
+
+EngineCore calls `apply_stop_strings` after each read-back (and `token_text` for the logprobs' decoded tokens);
+generate() builds RequestOutputs, and generate_stream(), the server's engine loop and the CLI's chat read
+`delta()`. The scheduler only sees token ids. No torch."""
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from nanovllm.core.sequence import Sequence
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 
-class TextOutput:
-    """Turns sequences' token ids into text with the request's tokenizer (None: token ids only, no text)."""
+@dataclass
+class StreamDelta:
+    """One sequence's new output since its previous delta: what generate_stream yields (as a dict, `as_chunk`) and
+    the server's engine loop publishes. The last delta of a sequence has `finish_reason` set."""
+    token_ids: list[int]  # the tokens new since the previous delta
+    text: str  # their text, as far as it is safe to send (OutputProcessor.stream_text)
+    finish_reason: str | None  # "stop", "length", "abort"; None until the last delta
+    num_completion_tokens: int  # tokens generated so far, this delta's included
+    logprobs: list | None = None  # the new tokens' {token_id: Logprob}; None unless asked for
+    prompt_logprobs: list | None = None  # whole in the first delta (after the prompt is computed), then None
+
+    def as_chunk(self, index: int, output_index: int) -> dict:
+        """generate_stream's chunk: "index" is the prompt's, "output_index" the sample's."""
+        return {"index": index, "token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
+                "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs, "output_index": output_index}
+
+    @classmethod
+    def aborted(cls) -> "StreamDelta":
+        """The last delta of a request aborted before it finished."""
+        return cls([], "", "abort", 0)
+
+
+@dataclass
+class DeltaCursor:
+    """What has been sent of one sequence's output, so each delta carries only what is new. One per streamed
+    sequence, owned by whoever streams it; only OutputProcessor.delta advances it."""
+    num_tokens_sent: int = 0
+    text_sent: str = ""
+
+
+class OutputProcessor:
+    """Turns sequences' token ids into text and outputs with the engine's tokenizer (None: token ids only, no
+    text)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -114,29 +149,16 @@ class TextOutput:
         holdback = max((len(s) - 1 for s in seq.sampling_params.stop), default=0)
         return text[:max(len(text) - holdback, 0)]
 
-
-class StreamCursor:
-    """What a generate_stream call has sent of each of its requests, so each chunk carries only the new tokens and
-    text."""
-
-    def __init__(self, text_output: TextOutput, seq_ids: list[int]):
-        self.text_output = text_output
-        self.num_sent = {seq_id: 0 for seq_id in seq_ids}
-        self.text_sent = {seq_id: "" for seq_id in seq_ids}
-
-    def chunk(self, seq: Sequence, index: int) -> dict | None:
-        """{"index", "token_ids", "text", "finish_reason", "logprobs", "prompt_logprobs"} with what seq gained since
-        the last chunk; None when it gained nothing and has not finished. "logprobs" are the new tokens' (None
-        unless asked for); "prompt_logprobs" come whole in the first chunk, which comes after the whole prompt is
-        computed, and are None after it."""
-        num_sent = self.num_sent[seq.seq_id]
+    def delta(self, seq: Sequence, cursor: DeltaCursor) -> StreamDelta | None:
+        """What seq gained since `cursor` (which moves past it); None when it gained nothing and has not finished."""
+        num_sent = cursor.num_tokens_sent
         new_ids = seq.completion_token_ids[num_sent:]
         if not new_ids and not seq.is_finished:
             return None
-        text = self.text_output.stream_text(seq)
-        delta = text[len(self.text_sent[seq.seq_id]):]
-        self.num_sent[seq.seq_id] += len(new_ids)
-        self.text_sent[seq.seq_id] = text
-        return {"index": index, "token_ids": new_ids, "text": delta, "finish_reason": seq.finish_reason,
-                "logprobs": None if seq.logprobs is None else seq.logprobs[num_sent:num_sent + len(new_ids)],
-                "prompt_logprobs": seq.prompt_logprobs if num_sent == 0 else None}
+        text = self.stream_text(seq)
+        delta = StreamDelta(new_ids, text[len(cursor.text_sent):], seq.finish_reason, seq.num_completion_tokens,
+                            None if seq.logprobs is None else seq.logprobs[num_sent:num_sent + len(new_ids)],
+                            seq.prompt_logprobs if num_sent == 0 else None)
+        cursor.num_tokens_sent += len(new_ids)
+        cursor.text_sent = text
+        return delta
