@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from nanovllm.kernels import quant_dequant, quant_gemm, quant_w4a8
+from nanovllm.kernels import quant_dequant, quant_gemm
 from nanovllm.kernels.quant_plans import (SCALE_AFTER_DOT_MAX_ROWS, TilePlan, device_limits,
                                           plan_weight_only)
 from nanovllm.kernels.quant_w8a8 import _has_fp8_tensor_cores, fp8_w8a8_linear, interpreting
@@ -100,8 +100,6 @@ def weight_only_linear(x, qweight, scales, mins, kind: int, group_n: int, group_
     launch = _SplitLaunch(target, out, out if locks is None else locks, locks is not None)
     if plan.cuda_cores and kind == quant_gemm.KIND_FP8:
         _launch_fp8_gemv(x, qweight, scales, launch, group_n, group_k, plan)
-    elif plan.cuda_cores and _w4a8_applies(M, K, group_k, plan):
-        _launch_int4_dp4a(x, qweight, scales, mins, launch, group_k, plan)
     elif plan.cuda_cores:
         _launch_int4_gemv(x, qweight, scales, mins, launch, group_k, plan)
     else:
@@ -134,32 +132,6 @@ def _launch_int4_gemv(x, qweight, scales, mins, launch: _SplitLaunch, group_k: i
         0 if mins is None else mins.stride(0), launch.out.stride(0), launch.split_stride(),
         REDUCE_SPLITS=launch.reduce_in_kernel, GROUP_K=group_k, HAS_MINS=mins is not None, TWO_ROWS=M > 1,
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
-
-
-# 4-bit weights at one row: "dp4a" rounds the activations to int8 per 128 columns and multiplies on the integer
-# dot-product units (quant_w4a8.py: W4A8, as llama.cpp does at batch 1); "fma" keeps them exact (_int4_gemv_kernel)
-W4_DECODE = os.environ.get("NANOVLLM_W4_DECODE", "fma")
-
-
-def _w4a8_applies(M: int, K: int, group_k: int, plan: TilePlan) -> bool:
-    return (W4_DECODE == "dp4a" and M == 1 and group_k % quant_w4a8.X_GROUP == 0 and K <= 16384
-            and plan.block_k == quant_w4a8.X_GROUP)
-
-
-def _launch_int4_dp4a(x, qweight, scales, mins, launch: _SplitLaunch, group_k: int, plan: TilePlan):
-    K, N = x.shape[1], qweight.shape[0]
-    xq = torch.empty((1, K // 4), dtype=torch.int32, device=x.device)
-    xs = torch.empty((1, K // quant_w4a8.X_GROUP), dtype=torch.float32, device=x.device)
-    xsum = torch.empty((1, K // 8), dtype=torch.float32, device=x.device)
-    quant_w4a8._quantize_x_int8_kernel[(1,)](x, xq, xs, xsum, K, x.stride(0), xq.stride(0), xs.stride(0),
-                                             xsum.stride(0), NUM_GROUPS=triton.next_power_of_2(K // 128),
-                                             num_warps=8)
-    quant_w4a8._int4_dp4a_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
-        xq, xs, xsum, qweight, scales, scales if mins is None else mins, launch.target, launch.out, launch.locks,
-        N, K, plan.num_k_steps, plan.num_splits, qweight.stride(0), scales.stride(0),
-        0 if mins is None else mins.stride(0), launch.split_stride(), REDUCE_SPLITS=launch.reduce_in_kernel,
-        HAS_MINS=mins is not None, GROUP_K=group_k, EMULATE=interpreting(), BLOCK_N=plan.block_n,
-        num_warps=plan.num_warps, num_stages=plan.num_stages)
 
 
 def _launch_fp8_gemv(x, qweight, scales, launch: _SplitLaunch, group_n: int, group_k: int, plan: TilePlan):
