@@ -13,7 +13,8 @@ Which kernel runs (a plan per shape, quant_plans.py):
     activations. M <= 64 uses 16-64-row tiles with split-K (decode: the weights are read once, the GPU's loads
     kept in flight by slicing K), and 4-bit and FP8 weights at 1-2 rows CUDA-core kernels, also split-K;
     larger M uses 128 x 128 tiles, except that "int" weights from DEQUANT_GEMM_MIN_ROWS rows on are dequantized
-    to x's dtype in one pass (quant_dequant.py) and multiplied by cuBLAS, as vLLM does for AWQ at large batches.
+    to x's dtype in one pass (quant_dequant.py; in row chunks where the memory budget bounds the scratch) and
+    multiplied by cuBLAS, as vLLM does for AWQ at large batches.
   - FP8 weights at M >= FP8_ACT_QUANT_MIN_ROWS (quant_w8a8.py): activations quantized to e4m3 per token (and per
     bk columns for block weights) by one kernel (quant_fp8.py), then an FP8 tensor-core GEMM: torch._scaled_mm
     (cuBLASLt) with rowwise scales for per-channel and per-tensor weights (`USE_SCALED_MM`) and with 1 x 128 /
@@ -24,7 +25,6 @@ opaque calls, and CUDA graphs capture them (no host sync; the split-K partials c
 On CPU tensors they run only under Triton's interpreter (TRITON_INTERPRET=1, the tests); the engine's CPU path
 dequantizes and calls F.linear.
 """
-import functools
 import os
 import typing
 from dataclasses import dataclass
@@ -217,30 +217,39 @@ def _int_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return weight_only_linear(x, qweight, scales, mins, kind, 1, group_size)
 
 
-# the large-M "int" path dequantizes the weight in row chunks of at most this many bytes, and on CUDA of at most half
-# the L2: a chunk's bf16 copy is then read back by its GEMM from L2 (and overwritten there by the next chunk, the
-# caching allocator handing back the same block) instead of going to DRAM and back, about 2 x 14.5 GB a Qwen3-8B
-# step at 1,024 rows; and a whole gate_up (192 MiB in bf16) no longer sits at the peak of the activation profile
-# and of every piecewise graph pool (inside 8 GiB, that is KV). NANOVLLM_DEQUANT_CHUNK_MIB sets the cap (0: none).
-DEQUANT_SCRATCH_MAX_BYTES = int(float(os.environ.get("NANOVLLM_DEQUANT_CHUNK_MIB", "48")) * (1 << 20)) or (1 << 62)
+# The large-M "int" path's dequantized-weight scratch, in bytes: None (no bound) dequantizes a whole weight in one
+# pass; a bound makes it dequantize row chunks of at most that many bytes, each multiplied before the next is made.
+# The scratch sits at the peak of the activation profile and of every piecewise graph pool, so inside a small budget
+# (8 GiB) a whole gate_up's bf16 copy (192 MiB on Qwen3-8B) is KV lost; on a large GPU chunks only cost time (each
+# chunk's GEMM is narrower). The engine sets it once at start-up from its memory budget
+# (memory_profile.bound_dequant_scratch); set_dequant_scratch_max_bytes is the only writer.
+_dequant_scratch_max_bytes: int | None = None
 
 
-@functools.cache
-def _l2_cache_bytes(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).L2_cache_size
+def set_dequant_scratch_max_bytes(max_bytes: int | None):
+    """Bound the large-M dequantization's scratch (None: a whole weight at once). At least 128 rows are
+    dequantized at a time whatever the bound."""
+    global _dequant_scratch_max_bytes
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError(f"max_bytes={max_bytes} must be >= 0 (or None for no bound)")
+    _dequant_scratch_max_bytes = max_bytes
 
 
-def _dequant_chunk_bytes(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEQUANT_SCRATCH_MAX_BYTES
-    return min(DEQUANT_SCRATCH_MAX_BYTES, _l2_cache_bytes(device) // 2)
+def dequant_chunk_rows(N: int, K: int, element_size: int) -> int:
+    """Rows of an [N, K] weight dequantized at a time under the scratch bound: N (one pass) when the whole copy
+    fits or nothing bounds it, else the most multiple of 128 rows that fit (at least 128)."""
+    max_bytes = _dequant_scratch_max_bytes
+    if max_bytes is None or N * K * element_size <= max_bytes:
+        return N
+    return min(N, max(128, max_bytes // (K * element_size) // 128 * 128))
 
 
 def _dequantize_then_mm(x, qweight, scales, mins, kind: int, group_size: int) -> torch.Tensor:
-    """x @ dequant(W).T through cuBLAS, the weight dequantized in row chunks (_dequant_chunk_bytes), each chunk's
-    product written into its columns of the output (a strided view cuBLAS writes in place)."""
+    """x @ dequant(W).T through cuBLAS: the weight dequantized whole, or in row chunks of at most
+    _dequant_scratch_max_bytes, each chunk's product written into its columns of the output (a strided view cuBLAS
+    writes in place)."""
     (M, K), N = x.shape, qweight.shape[0]
-    chunk_rows = max(128, _dequant_chunk_bytes(x.device) // (K * x.element_size()) // 128 * 128)
+    chunk_rows = dequant_chunk_rows(N, K, x.element_size())
     if chunk_rows >= N:
         return F.linear(x, dequantize_int_weight(qweight, scales, mins, kind, group_size, x.dtype))
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -249,7 +258,7 @@ def _dequantize_then_mm(x, qweight, scales, mins, kind: int, group_size: int) ->
         w = dequantize_int_weight(qweight[rows], scales[rows], None if mins is None else mins[rows], kind,
                                   group_size, x.dtype)
         torch.mm(x, w.t(), out=out[:, rows])
-        del w  # freed before the next chunk is made: the allocator hands back this block, whose lines are in L2
+        del w  # freed before the next chunk is made: the scratch never holds two chunks
     return out
 
 
