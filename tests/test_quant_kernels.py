@@ -244,6 +244,7 @@ import torch
 from test_quant_kernels import make_fp8_weight, make_int_weight
 from nanovllm.kernels import quant_gemm
 from nanovllm.kernels import quant_matmul as qm
+from nanovllm.utils.switches import SWITCHES
 qweight, q, scales, mins = make_int_weight(200, 1024, 128, 4, torch.float16, torch.float32)
 wq, ws = make_fp8_weight(200, 1024, 128, 128)
 cases = [(1, qweight, scales, mins, quant_gemm.KIND_INT4, 1, 0), (1, wq, ws, None, quant_gemm.KIND_FP8, 128, 2),
@@ -254,7 +255,7 @@ for M, w, sc, mn, kind, group_n, plan_kind in cases:
     plan = qm.plan_weight_only(M, 200, 1024, 128, weight_kind=plan_kind, group_n=group_n)
     outs = {}
     for mode in ("launch", "kernel", "kernel"):  # twice in the kernel: the counters must be back at 0
-        qm.SPLIT_K_REDUCE = mode
+        SWITCHES.split_k_reduce = mode
         outs.setdefault(mode, []).append(qm.weight_only_linear(x, w, sc, mn, kind, group_n, 128, plan))
     locks = qm._split_locks[torch.device("cpu")]
     res.append(dict(splits=plan.num_splits, cuda_cores=plan.cuda_cores, locks_zero=bool((locks == 0).all()),

@@ -24,6 +24,7 @@ compiled = compile_instead_of_launching(TARGET_CC, SHARED_LIMIT_BYTES)
 
 from nanovllm.kernels import quant_gemm, quant_plans
 from nanovllm.kernels import quant_matmul as qm
+from nanovllm.utils.switches import SWITCHES
 
 limits = quant_plans.DeviceLimits(NUM_SMS, SHARED_LIMIT_BYTES)
 K, N = 4096, 4096  # Qwen3-8B o_proj: plans with several K steps per program, as the engine runs them
@@ -49,7 +50,7 @@ for bits, group, dtype in [(4, 128, torch.bfloat16), (8, 32, torch.float16)]:  #
     kind = quant_gemm.KIND_INT4 if bits == 4 else quant_gemm.KIND_INT8
     qm.dequantize_int_weight(qweight, torch.ones(N, K // group, dtype=torch.float16), torch.zeros(N, K // group),
                              kind, group, dtype)
-qm.SPLIT_K_REDUCE = "launch"  # split-K's second launch (the kernels above reduce their splits themselves)
+SWITCHES.split_k_reduce = "launch"  # split-K's second launch (the kernels above reduce their splits themselves)
 plan = qm.plan_weight_only(1, N, K, 128, limits, quant_gemm.KIND_FP8, 128)
 qm.weight_only_linear(torch.zeros(1, K, dtype=torch.bfloat16), wq, torch.ones(N // 128, K // 128), None,
                       quant_gemm.KIND_FP8, 128, 128, plan)

@@ -17,15 +17,14 @@ Which kernel runs (a plan per shape, quant_plans.py):
     multiplied by cuBLAS, as vLLM does for AWQ at large batches.
   - FP8 weights at M >= FP8_ACT_QUANT_MIN_ROWS (quant_w8a8.py): activations quantized to e4m3 per token (and per
     bk columns for block weights) by one kernel (quant_fp8.py), then an FP8 tensor-core GEMM: torch._scaled_mm
-    (cuBLASLt) with rowwise scales for per-channel and per-tensor weights (`USE_SCALED_MM`) and with 1 x 128 /
-    128 x 128 block scales for 128 x 128 block weights on sm_90 (`USE_SCALED_MM_BLOCKWISE`); quant_fp8.py's Triton
+    (cuBLASLt) with rowwise scales for per-channel and per-tensor weights (switch `fp8_scaled_mm`) and with 1 x 128
+    / 128 x 128 block scales for 128 x 128 block weights on sm_90 (`fp8_block_scaled_mm`); quant_fp8.py's Triton
     GEMM where those cannot run (sm_89, other block shapes, fp16 activations).
 Both functions are torch custom ops (`torch.ops.nanovllm.int_linear`, `.fp8_linear`): torch.compile treats them as
 opaque calls, and CUDA graphs capture them (no host sync; the split-K partials come from the caching allocator).
 On CPU tensors they run only under Triton's interpreter (TRITON_INTERPRET=1, the tests); the engine's CPU path
 dequantizes and calls F.linear.
 """
-import os
 import typing
 from dataclasses import dataclass
 
@@ -37,6 +36,7 @@ from nanovllm.kernels import quant_dequant, quant_gemm
 from nanovllm.kernels.quant_plans import (SCALE_AFTER_DOT_MAX_ROWS, TilePlan, device_limits,
                                           plan_weight_only)
 from nanovllm.kernels.quant_w8a8 import _has_fp8_tensor_cores, fp8_w8a8_linear, interpreting
+from nanovllm.utils.switches import SWITCHES
 
 # FP8 weights from this many rows on quantize the activations and run an FP8 GEMM; below, the weight-only decode
 # tiles (bf16 dot, exact x, the scales after the dot) run. Above 32 rows those tiles dequantize each weight tile
@@ -63,9 +63,6 @@ def _offset_bits(dtype: torch.dtype, kind: int) -> tuple[int, int]:
     return (128, 0x4300) if dtype == torch.bfloat16 else (1024, 0x6400)
 
 
-# split-K's reduction: "kernel" (the last program of each tile sums the partials, quant_gemm._reduce_splits_if_last)
-# or "launch" (a second kernel, _sum_splits_kernel); the same bits either way
-SPLIT_K_REDUCE = os.environ.get("NANOVLLM_SPLIT_K_REDUCE", "kernel")
 _NUM_SPLIT_LOCKS = 1 << 14  # tile counters per device: split plans have <= 64 rows, so N / BLOCK_N tiles or fewer
 _split_locks: dict[torch.device, torch.Tensor] = {}
 
@@ -73,8 +70,10 @@ _split_locks: dict[torch.device, torch.Tensor] = {}
 def _split_lock_tensor(device: torch.device, num_tiles: int) -> torch.Tensor | None:
     """The device's zeroed int32 tile counters for the in-kernel split-K reduction, made on first use; None (the
     second launch instead) when the reduction is switched off, the tiles outnumber the counters, or the first use
-    comes inside a CUDA graph capture (zeros made there would be the graph's, not persistent)."""
-    if SPLIT_K_REDUCE != "kernel" or num_tiles > _NUM_SPLIT_LOCKS:
+    comes inside a CUDA graph capture (zeros made there would be the graph's, not persistent). The switch
+    split_k_reduce (utils/switches.py) picks the reduction: "kernel" (the last program of each tile sums the
+    partials, quant_gemm._reduce_splits_if_last) or "launch" (a second kernel, _sum_splits_kernel)."""
+    if SWITCHES.split_k_reduce != "kernel" or num_tiles > _NUM_SPLIT_LOCKS:
         return None
     locks = _split_locks.get(device)
     if locks is None:
