@@ -4,16 +4,15 @@ Qwen3-8B layer shapes, decode (M = 1..16) and prefill/batch (M = 128..8192) rows
     python benchmarks/bench_quant_kernels.py [--m 1 16 1024] [--shapes qkv o] [--json OUT] [--budget-s 160]
     python benchmarks/bench_quant_kernels.py --sweep-splits  # decode split-K counts for W4 and block FP8
 
-Variants: bf16 `F.linear`; `int_linear` 4-bit (at 1-2 rows a CUDA-core kernel; `w4-dp4a` the W4A8 kernel at 1 row,
-NANOVLLM_W4_DECODE=dp4a; `w4-mma` and `fp8blk-mma` time the 16-row dot kernel there instead; from
-DEQUANT_GEMM_MIN_ROWS rows on the weight dequantized to bf16 and cuBLAS, `w4-tile` and `w8-tile` time the Triton
-128-row tiles there instead) and 8-bit, group 128 with fp16 scales and fp32 mins (AWQ's and GPTQ's layout after
-repacking); `fp8_linear` with 128 x 128 blocks and per-channel (from FP8_ACT_QUANT_MIN_ROWS = 33 rows these quantize
-the activations to FP8 and call torch._scaled_mm); and, from 16 rows (W8A8_TRIAL_MIN_ROWS, to place
-FP8_ACT_QUANT_MIN_ROWS), the alternatives to the dispatch's pick: the Triton FP8 GEMM for per-channel weights
-(`fp8ch-tri`) and for block weights (`fp8blk-tri`; NANOVLLM_FP8_BLOCK_SCALED_MM=0 makes it the default),
-torch._scaled_mm's 1 x 128 / 128 x 128 block scaling forced (`fp8blk-smm`, cuBLASLt on sm_90: the default there) and
-the weight-only kernel on block FP8 weights (`fp8blk-a16`, bf16 activations).
+Variants: bf16 `F.linear`; `int_linear` 4-bit (at 1-2 rows a CUDA-core kernel; `w4-mma` and `fp8blk-mma` time the
+16-row dot kernel there instead; from DEQUANT_GEMM_MIN_ROWS rows on the weight dequantized to bf16 and cuBLAS,
+`w4-tile` and `w8-tile` time the Triton 128-row tiles there instead) and 8-bit, group 128 with fp16 scales and fp32
+mins (AWQ's and GPTQ's layout after repacking); `fp8_linear` with 128 x 128 blocks and per-channel (from
+FP8_ACT_QUANT_MIN_ROWS = 33 rows these quantize the activations to FP8 and call torch._scaled_mm); and, from 16 rows
+(W8A8_TRIAL_MIN_ROWS, to place FP8_ACT_QUANT_MIN_ROWS), the alternatives to the dispatch's pick: the Triton FP8 GEMM
+for per-channel weights (`fp8ch-tri`) and for block weights (`fp8blk-tri`; NANOVLLM_FP8_BLOCK_SCALED_MM=0 makes it
+the default), torch._scaled_mm's 1 x 128 / 128 x 128 block scaling forced (`fp8blk-smm`, cuBLASLt on sm_90: the
+default there) and the weight-only kernel on block FP8 weights (`fp8blk-a16`, bf16 activations).
 
 Each cell is `us / speedup over bf16 / %` where % is, for M <= 16, the bytes of weights + scales + mins read per
 second as a share of the device's copy bandwidth (a 1 GiB device-to-device copy_, read + write bytes over time,
@@ -52,13 +51,12 @@ PREFILL_M = [128, 512, 1024, 4096, 8192]
 CHECK_M = (1, 16, 1024)
 GROUP = 128
 L2_DEFEAT_BYTES = 256 << 20
-VARIANTS = ["bf16", "w4", "w4-dp4a", "w4-mma", "w4-tile", "w8", "w8-tile", "fp8blk",
+VARIANTS = ["bf16", "w4", "w4-mma", "w4-tile", "w8", "w8-tile", "fp8blk",
             "fp8blk-mma", "fp8ch", "fp8ch-tri", "fp8blk-smm", "fp8blk-tri", "fp8blk-a16"]
 LARGE_M_ONLY = {"fp8ch-tri", "fp8blk-smm", "fp8blk-tri", "fp8blk-a16"}
 # the forced W8A8 variants also run from this many rows, below FP8_ACT_QUANT_MIN_ROWS: where the threshold belongs
 W8A8_TRIAL_MIN_ROWS = 16
 SMALL_M_ONLY = {"w4-mma", "fp8blk-mma"}  # the 16-row dot kernel where the plan takes a CUDA-core one (1-2 rows)
-ONE_ROW_ONLY = {"w4-dp4a"}
 # the Triton tile kernels where int_linear dequantizes the weight and calls cuBLAS instead (DEQUANT_GEMM_MIN_ROWS)
 TILE_KINDS = {"w4-tile": quant_gemm.KIND_INT4, "w8-tile": quant_gemm.KIND_INT8}
 DEVICE = "cuda"  # the CPU smoke check of the references sets "cpu" (with TRITON_INTERPRET=1)
@@ -75,7 +73,7 @@ def make_weights(variant: str, N: int, K: int) -> dict:
     dev = DEVICE
     if variant == "bf16":
         return {"w": torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02}
-    if variant in ("w4", "w4-dp4a", "w4-mma", "w4-tile", "w8", "w8-tile"):
+    if variant in ("w4", "w4-mma", "w4-tile", "w8", "w8-tile"):
         if not variant.startswith("w8"):
             qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (N, K // 8), device=dev, dtype=torch.int32)
         else:
@@ -92,7 +90,7 @@ def make_weights(variant: str, N: int, K: int) -> dict:
 def dequantized(variant: str, t: dict) -> torch.Tensor:
     if variant == "bf16":
         return t["w"].float()
-    if variant in ("w4", "w4-dp4a", "w4-mma", "w4-tile", "w8", "w8-tile"):
+    if variant in ("w4", "w4-mma", "w4-tile", "w8", "w8-tile"):
         q = t["qweight"] if variant.startswith("w8") else unpack_int4(t["qweight"])
         return q.float() * t["scales"].float().repeat_interleave(GROUP, 1) + t["mins"].repeat_interleave(GROUP, 1)
     (bn, bk), (N, K) = t["block"], t["qweight"].shape
@@ -104,12 +102,6 @@ def call(variant: str, x: torch.Tensor, t: dict) -> torch.Tensor:
         return F.linear(x, t["w"])
     if variant in ("w4", "w8"):
         return qm.int_linear(x, t["qweight"], t["scales"], t["mins"], 4 if variant == "w4" else 8, GROUP)
-    if variant == "w4-dp4a":  # W4A8 at one row (quant_w4a8.py), what NANOVLLM_W4_DECODE=dp4a selects
-        default, qm.W4_DECODE = qm.W4_DECODE, "dp4a"
-        try:
-            return qm.int_linear(x, t["qweight"], t["scales"], t["mins"], 4, GROUP)
-        finally:
-            qm.W4_DECODE = default
     if variant == "w4-mma":
         (M, K), N = x.shape, t["qweight"].shape[0]
         plan = qm.plan_weight_only(M, N, K, GROUP, qm.device_limits(x.device))  # no weight kind: the dot kernel
@@ -186,8 +178,7 @@ def bench_variant(name: str, variant: str, N: int, K: int, ms: list, copy_bw: fl
     for M in ms:
         if variant in LARGE_M_ONLY and M < min(W8A8_TRIAL_MIN_ROWS, qm.FP8_ACT_QUANT_MIN_ROWS):
             continue
-        if (variant in SMALL_M_ONLY and M > max(quant_plans.CUDA_CORE_MAX_ROWS.values())
-                or variant in ONE_ROW_ONLY and M > 1):
+        if variant in SMALL_M_ONLY and M > max(quant_plans.CUDA_CORE_MAX_ROWS.values()):
             continue
         if variant in TILE_KINDS and M < qm.DEQUANT_GEMM_MIN_ROWS[TILE_KINDS[variant]]:
             continue

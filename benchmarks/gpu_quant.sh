@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The quantized-weights GPU measurements of issue 44 in one command, on one H100 or H200 (<= 8 min):
 #   kernels  bench_quant_kernels.py on the Qwen3-8B layer shapes, M = 1..16 and 64..4096 (incl. torch._scaled_mm)
-#   batch1   bench.py --num-seqs 1 for qwen3-8b, -fp8, -awq, and -awq with NANOVLLM_W4_DECODE=dp4a (batch-1 decode:
-#            targets 1.7x / 2.3x bf16)
+#   batch1   bench.py --num-seqs 1 for qwen3-8b, -fp8 and -awq (batch-1 decode: targets 1.7x / 2.3x bf16)
 #   mem      the 8 GiB starts: qwen3-8b-awq (>= 1.2 GiB KV), the same with --quantize-lm-head int8 (>= 2 GiB),
-#            qwen3-4b-fp8 (>= 3 GiB)
+#            qwen3-4b-fp8 (>= 3 GiB), then two diagnostics: 4B FP8 with the int8 (tied) embedding, 8B AWQ with
+#            a 4,096-token step
 #   large    bench.py --num-seqs 1024 --kv-cache-dtype fp8 for the three (targets 1.25x / 0.95x bf16; ~70-95 s each)
 #   profile  bench.py --profile-decode / --profile-mixed for the three: where a batch-1 and a large step's time goes
 #
@@ -54,22 +54,26 @@ for part in "${PARTS[@]}"; do
   case $part in
     kernels)
       step kernels 60 python benchmarks/bench_quant_kernels.py --m 1 2 16 64 1024 --budget-s 35 \
-        --variants bf16 w4 w4-dp4a fp8blk fp8blk-tri \
+        --variants bf16 w4 fp8blk fp8blk-tri \
         --json "$LOG_DIR/kernels.json" ;;
     batch1)
       for shape in qwen3-8b qwen3-8b-fp8 qwen3-8b-awq; do
         step "batch1-$shape" 60 python bench.py --shape "$shape" --num-seqs 1 --max-num-seqs 16
-      done
-      # the same AWQ shape with W4A8 at one row (int8 activations on dp4a, quant_w4a8.py; opt-in)
-      step batch1-qwen3-8b-awq-dp4a 60 env NANOVLLM_W4_DECODE=dp4a python bench.py --shape qwen3-8b-awq \
-        --num-seqs 1 --max-num-seqs 16 ;;
+      done ;;
     mem)
       step mem-qwen3-8b-awq 60 python bench.py --shape qwen3-8b-awq --gpu-memory-gib 8 --max-num-seqs 256 \
         --num-seqs 16 --kv-cache-dtype fp8
       step mem-qwen3-8b-awq-int8head 60 python bench.py --shape qwen3-8b-awq --gpu-memory-gib 8 \
         --max-num-seqs 256 --num-seqs 16 --kv-cache-dtype fp8 --quantize-lm-head int8
       step mem-qwen3-4b-fp8 60 python bench.py --shape qwen3-4b-fp8 --gpu-memory-gib 8 --max-num-seqs 256 \
-        --num-seqs 16 --kv-cache-dtype fp8 ;;
+        --num-seqs 16 --kv-cache-dtype fp8
+      # the tied 4B embedding (0.72 GiB in bf16) in int8 too
+      step mem-qwen3-4b-fp8-int8head 60 python bench.py --shape qwen3-4b-fp8 --gpu-memory-gib 8 \
+        --max-num-seqs 256 --num-seqs 16 --kv-cache-dtype fp8 --quantize-lm-head int8
+      # where the activation peak sits: a half-size profile step halves the MLP's [tokens, 2 x intermediate]
+      # output (the expected peak) but not the sampler's 256 x vocabulary rows
+      step mem-qwen3-8b-awq-int8head-4096 60 python bench.py --shape qwen3-8b-awq --gpu-memory-gib 8 \
+        --max-num-seqs 256 --num-seqs 16 --kv-cache-dtype fp8 --quantize-lm-head int8 --max-num-batched-tokens 4096 ;;
     profile)
       # batch 1 (where each kernel's share of a 4-6 ms step shows), then the large steps of the 1,024-sequence run
       for shape in qwen3-8b qwen3-8b-fp8 qwen3-8b-awq; do
@@ -103,7 +107,7 @@ done
 for part in batch1 large; do
   base=$(grep -ho "Throughput: [0-9]*" "$LOG_DIR/$part-qwen3-8b.log" 2>/dev/null | awk '{print $2}')
   [ -n "$base" ] || continue
-  for shape in qwen3-8b-fp8 qwen3-8b-awq qwen3-8b-awq-dp4a; do
+  for shape in qwen3-8b-fp8 qwen3-8b-awq; do
     tok=$(grep -ho "Throughput: [0-9]*" "$LOG_DIR/$part-$shape.log" 2>/dev/null | awk '{print $2}')
     [ -n "$tok" ] && echo "$part $shape: $tok tok/s = $(awk -v a="$tok" -v b="$base" 'BEGIN{printf "%.2f", a / b}')x bf16 ($base)"
   done

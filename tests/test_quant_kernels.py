@@ -58,19 +58,6 @@ def quantize_act_ref(x: torch.Tensor, group_cols: int) -> torch.Tensor:
     return out
 
 
-def w4a8_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-             group_size: int) -> torch.Tensor:
-    """float64 [M, N]: x rounded to int8 per 128 columns (scale max|x| / 127 in float32, half away from zero) times
-    q * scale, plus the mins times the exact x: what the W4A8 kernel (quant_w4a8.py) computes before rounding."""
-    xf = x.float().reshape(x.shape[0], -1, 128)
-    xs = xf.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127.0
-    v = xf / xs
-    xq = torch.where(v >= 0, torch.floor(v + 0.5), -torch.floor(0.5 - v))
-    x_hat = (xq.double() * xs.double()).reshape(x.shape)
-    ref = x_hat @ (q.double() * scales.double().repeat_interleave(group_size, 1)).T
-    return ref if mins is None else ref + x.double() @ mins.double().repeat_interleave(group_size, 1).T
-
-
 def make_int_weight(N: int, K: int, group_size: int, bits: int, scale_dtype, min_dtype, seed: int = 0):
     """(qweight in the contract's layout, the raw q [N, K], scales, mins or None)."""
     gen = torch.Generator().manual_seed(seed)
@@ -257,6 +244,7 @@ import torch
 from test_quant_kernels import make_fp8_weight, make_int_weight
 from nanovllm.kernels import quant_gemm
 from nanovllm.kernels import quant_matmul as qm
+from nanovllm.utils.switches import SWITCHES
 qweight, q, scales, mins = make_int_weight(200, 1024, 128, 4, torch.float16, torch.float32)
 wq, ws = make_fp8_weight(200, 1024, 128, 128)
 cases = [(1, qweight, scales, mins, quant_gemm.KIND_INT4, 1, 0), (1, wq, ws, None, quant_gemm.KIND_FP8, 128, 2),
@@ -267,7 +255,7 @@ for M, w, sc, mn, kind, group_n, plan_kind in cases:
     plan = qm.plan_weight_only(M, 200, 1024, 128, weight_kind=plan_kind, group_n=group_n)
     outs = {}
     for mode in ("launch", "kernel", "kernel"):  # twice in the kernel: the counters must be back at 0
-        qm.SPLIT_K_REDUCE = mode
+        SWITCHES.split_k_reduce = mode
         outs.setdefault(mode, []).append(qm.weight_only_linear(x, w, sc, mn, kind, group_n, 128, plan))
     locks = qm._split_locks[torch.device("cpu")]
     res.append(dict(splits=plan.num_splits, cuda_cores=plan.cuda_cores, locks_zero=bool((locks == 0).all()),
@@ -280,38 +268,6 @@ def test_split_k_reduced_in_the_kernel_equals_the_second_launch_bit_for_bit():
     res = interpret(SPLIT_SCRIPT)
     assert [(r["splits"] > 1, r["cuda_cores"]) for r in res] == [(True, True), (True, True), (True, False)]
     assert all(r["equal"] and r["locks_zero"] for r in res), res
-
-
-W4A8_SCRIPT = """
-import json
-import torch
-from test_quant_kernels import errors, make_int_weight, w4a8_ref
-from nanovllm.kernels import quant_matmul as qm
-qm.W4_DECODE = "dp4a"
-res = []
-for N, K, G, min_dtype in [(200, 1024, 128, torch.float32), (72, 768, 256, None), (40, 384, 128, torch.float16)]:
-    qweight, q, scales, mins = make_int_weight(N, K, G, 4, torch.float16, min_dtype)
-    x = torch.randn(1, K, generator=torch.Generator().manual_seed(K)).to(torch.bfloat16)
-    x[0, :128] *= 8  # groups of different scales
-    y = qm.int_linear(x, qweight, scales, mins, 4, G)
-    ref = w4a8_ref(x, q, scales, mins, G)
-    plan = qm.plan_weight_only(1, N, K, G, weight_kind=0)
-    err = (y.double() - ref).abs().max().item()
-    exact_x = errors(y, x, q.float() * scales.float().repeat_interleave(G, 1) + (0 if mins is None else
-                     mins.float().repeat_interleave(G, 1)))
-    res.append(dict(err=err, max_ref=ref.abs().max().item(), splits=plan.num_splits, exact_x=exact_x))
-print(json.dumps(res))
-"""
-
-
-def test_w4a8_dp4a_matches_the_int8_activation_reference():
-    """NANOVLLM_W4_DECODE=dp4a at one row: within one bf16 rounding of the product with x rounded to int8 per 128
-    columns, and within 2^-7 of sum |x| |w| of the exact product (the int8 rounding: half a step of max |x| / 127)."""
-    res = interpret(W4A8_SCRIPT)
-    assert res[0]["splits"] > 1  # the split-K reduction ran too
-    for r in res:
-        assert r["err"] <= 1.01 * 2 ** -7 * r["max_ref"], r
-        assert r["exact_x"]["err"] <= 2 ** -7 * r["exact_x"]["abs_dot"], r
 
 
 OPS_SCRIPT = """

@@ -24,6 +24,7 @@ compiled = compile_instead_of_launching(TARGET_CC, SHARED_LIMIT_BYTES)
 
 from nanovllm.kernels import quant_gemm, quant_plans
 from nanovllm.kernels import quant_matmul as qm
+from nanovllm.utils.switches import SWITCHES
 
 limits = quant_plans.DeviceLimits(NUM_SMS, SHARED_LIMIT_BYTES)
 K, N = 4096, 4096  # Qwen3-8B o_proj: plans with several K steps per program, as the engine runs them
@@ -49,12 +50,7 @@ for bits, group, dtype in [(4, 128, torch.bfloat16), (8, 32, torch.float16)]:  #
     kind = quant_gemm.KIND_INT4 if bits == 4 else quant_gemm.KIND_INT8
     qm.dequantize_int_weight(qweight, torch.ones(N, K // group, dtype=torch.float16), torch.zeros(N, K // group),
                              kind, group, dtype)
-qm.W4_DECODE = "dp4a"  # W4A8 at one row: the int8 activation packing and the dp4a kernel (inline PTX)
-qweight = torch.zeros(N, K // 8, dtype=torch.int32)
-qm.weight_only_linear(torch.zeros(1, K, dtype=torch.bfloat16), qweight, torch.ones(N, K // 128, dtype=torch.float16),
-                      torch.zeros(N, K // 128), quant_gemm.KIND_INT4, 1, 128,
-                      qm.plan_weight_only(1, N, K, 128, limits, quant_gemm.KIND_INT4))
-qm.SPLIT_K_REDUCE = "launch"  # split-K's second launch (the kernels above reduce their splits themselves)
+SWITCHES.split_k_reduce = "launch"  # split-K's second launch (the kernels above reduce their splits themselves)
 plan = qm.plan_weight_only(1, N, K, 128, limits, quant_gemm.KIND_FP8, 128)
 qm.weight_only_linear(torch.zeros(1, K, dtype=torch.bfloat16), wq, torch.ones(N // 128, K // 128), None,
                       quant_gemm.KIND_FP8, 128, 128, plan)
@@ -71,6 +67,5 @@ print(" ".join(sorted(compiled)))
 def test_every_quant_kernel_compiles_within_shared_memory(cc, shared_limit_bytes, num_sms):
     proc = run_compile_script(COMPILE_ALL, [cc, shared_limit_bytes, num_sms], timeout_s=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["_dequant_int_kernel", "_fp8_gemm_kernel", "_fp8_gemv_kernel", "_int4_dp4a_kernel",
-                                   "_int4_gemv_kernel", "_quantize_act_kernel", "_quantize_x_int8_kernel",
-                                   "_sum_splits_kernel", "_wo_gemm_kernel"]
+    assert proc.stdout.split() == ["_dequant_int_kernel", "_fp8_gemm_kernel", "_fp8_gemv_kernel", "_int4_gemv_kernel",
+                                   "_quantize_act_kernel", "_sum_splits_kernel", "_wo_gemm_kernel"]

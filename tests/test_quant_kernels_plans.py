@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("triton")
 
+import torch  # noqa: E402
 from test_quant_kernels import interpret  # noqa: E402
 
 from nanovllm.kernels import quant_gemm  # noqa: E402
@@ -128,9 +129,9 @@ for N, K, G, bits, x_dtype, s_dtype, m_dtype in [(300, 352, 32, 4, "bfloat16", "
     M = qm.DEQUANT_GEMM_MIN_ROWS[kind] + 3
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
     y = qm.int_linear(x, qweight, scales, mins, bits, G)
-    qm.DEQUANT_SCRATCH_MAX_BYTES = 1  # 128-row chunks: several for N > 128, written into their output columns
+    qm.set_dequant_scratch_max_bytes(1)  # 128-row chunks: several for N > 128, written into their output columns
     y_chunked = qm.int_linear(x, qweight, scales, mins, bits, G)
-    qm.DEQUANT_SCRATCH_MAX_BYTES = 48 << 20
+    qm.set_dequant_scratch_max_bytes(None)
     res.append(dict(errors(y, x, ref), exact=bool(torch.equal(w, ref)), dtype=str(y.dtype),
                     shape=list(y.shape), M=M, N=N, chunked_equal=bool(torch.equal(y, y_chunked))))
 print(json.dumps(res))
@@ -146,3 +147,23 @@ def test_large_m_dequantizes_the_weight_exactly_then_multiplies():
         assert res["exact"] and res["chunked_equal"], res
         assert res["shape"] == [res["M"], res["N"]], res
         assert res["err"] <= 1.01 * (eps * res["max_ref"] + eps * res["abs_dot"]), res
+
+
+@pytest.mark.parametrize("budget_gib, chunk_rows", [(8, {"qkv": 6144, "o": 4096, "gate_up": 10368, "down": 3456}),
+                                                    (80, {"qkv": 6144, "o": 4096, "gate_up": 24576, "down": 4096})])
+def test_the_dequantization_scratch_is_bounded_by_the_memory_budget(monkeypatch, budget_gib, chunk_rows):
+    """1% of the card (or budget): inside 8 GiB (85,899,345 bytes) Qwen3-8B's gate_up (192 MiB in bf16) is
+    dequantized 10,368 rows at a time and down_proj (96 MiB) 3,456, qkv and o whole; an 80 GiB card takes every
+    layer in one pass. Without the engine's setter nothing bounds it."""
+    from nanovllm.engine import memory_profile
+    monkeypatch.setattr(memory_profile, "card_bytes", lambda config, device: budget_gib << 30)
+    try:
+        max_bytes = memory_profile.bound_dequant_scratch(None, torch.device("cuda"))
+        assert max_bytes == int((budget_gib << 30) * 0.01)
+        assert {name: qm.dequant_chunk_rows(N, K, 2) for name, (N, K) in QWEN3_8B.items()} == chunk_rows
+        assert memory_profile.bound_dequant_scratch(None, torch.device("cpu")) is None
+    finally:
+        qm.set_dequant_scratch_max_bytes(None)
+    assert qm.dequant_chunk_rows(24576, 4096, 2) == 24576
+    with pytest.raises(ValueError, match="max_bytes=-1"):
+        qm.set_dequant_scratch_max_bytes(-1)

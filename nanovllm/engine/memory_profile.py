@@ -16,6 +16,7 @@ import torch
 from nanovllm.config import budget_bytes
 from nanovllm.core.memory_plan import GiB
 from nanovllm.layers.logprobs import chosen_and_top, raw_logprobs
+from nanovllm.layers.quantization.method import quant_matmul
 from nanovllm.layers.sampler import SamplingTensors
 from nanovllm.utils.context import AttentionMetadata, reset_context, set_context
 from nanovllm.utils.switches import SWITCHES
@@ -90,6 +91,23 @@ def apply_budget(config, device: torch.device):
         raise ValueError(f"gpu_memory_budget_gib={config.gpu_memory_budget_gib} leaves nothing for PyTorch: CUDA "
                          f"already holds {non_torch_bytes(device) / GiB:.2f} GiB; raise gpu_memory_budget_gib")
     torch.cuda.set_per_process_memory_fraction(min(1.0, torch_bytes / total), device)
+
+
+# The share of the card's memory (or of the budget, when smaller) that the large-M "int" path's dequantized-weight
+# scratch may take: 1% of an 80 GB card (800 MB) holds any layer of an 8B model whole, so it dequantizes in one pass
+# (chunks cost time: each chunk's GEMM is narrower); 1% of 8 GiB (82 MiB) chunks Qwen3-8B's gate_up (192 MiB in bf16)
+# and down_proj (96 MiB), whose whole copies would sit at the activation peak and in every graph pool, taking KV.
+DEQUANT_SCRATCH_SHARE = 0.01
+
+
+def bound_dequant_scratch(config, device: torch.device) -> int | None:
+    """Give the quantized kernels their scratch bound (quant_matmul.set_dequant_scratch_max_bytes) from the card's
+    memory or the budget; called once at start-up, before the memory is profiled. None where no kernel runs."""
+    if device.type != "cuda" or quant_matmul is None:
+        return None
+    max_bytes = int(card_bytes(config, device) * DEQUANT_SCRATCH_SHARE)
+    quant_matmul.set_dequant_scratch_max_bytes(max_bytes)
+    return max_bytes
 
 
 @torch.inference_mode()

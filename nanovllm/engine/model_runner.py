@@ -14,7 +14,8 @@ from nanovllm.core.sequence import Sequence
 from nanovllm.engine.device import resolve_device, resolve_dtype
 from nanovllm.engine.graph_runner import GraphRunner
 from nanovllm.engine.kv_cache import num_blocks_for_budget
-from nanovllm.engine.memory_profile import apply_budget, profile_memory, release_stack_reservation
+from nanovllm.engine.memory_profile import (apply_budget, bound_dequant_scratch, profile_memory,
+                                           release_stack_reservation)
 from nanovllm.engine.penalties import step_penalties
 from nanovllm.engine.prefill_probe import measure_prefill_tokens_per_s
 from nanovllm.engine.sampling_state import SamplingState
@@ -44,6 +45,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
             release_stack_reservation(self.device)
             apply_budget(config, self.device)
+            bound_dequant_scratch(config, self.device)  # the quantized kernels' scratch, from the budget
         if self.device.type == "cpu":  # the ranks share the usable cores instead of oversubscribing them
             set_cpu_threads(config.cpu_threads, config.hf_config.hidden_size, config.tensor_parallel_size)
         if config.tensor_parallel_size > 1:

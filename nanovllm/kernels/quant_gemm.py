@@ -32,7 +32,7 @@ Split-K (decode). At 1-16 rows a tile of the output is a few KB of weights per p
 programs per output tile takes a slice of K and writes fp32 partial sums [SPLIT_K, M, N]; the last program of the
 tile to finish (a counter per tile, _reduce_splits_if_last) sums the slices in a fixed order and rounds to the
 output dtype, as Marlin's serial reduction does: no second launch, whose ~2 us between dependent kernels four
-linears a layer would pay (quant_matmul.SPLIT_K_REDUCE="launch" runs _sum_splits_kernel instead, the same bits).
+linears a layer would pay (the switch split_k_reduce="launch" runs _sum_splits_kernel instead, the same bits).
 Chosen over fp32 atomics: the same inputs give the same bits on every run (atomics add in arrival order), no
 zero-fill launch, and the partials (at most ~2 MB for 16 rows) stay in L2.
 """

@@ -13,19 +13,18 @@ Which kernel runs (a plan per shape, quant_plans.py):
     activations. M <= 64 uses 16-64-row tiles with split-K (decode: the weights are read once, the GPU's loads
     kept in flight by slicing K), and 4-bit and FP8 weights at 1-2 rows CUDA-core kernels, also split-K;
     larger M uses 128 x 128 tiles, except that "int" weights from DEQUANT_GEMM_MIN_ROWS rows on are dequantized
-    to x's dtype in one pass (quant_dequant.py) and multiplied by cuBLAS, as vLLM does for AWQ at large batches.
+    to x's dtype in one pass (quant_dequant.py; in row chunks where the memory budget bounds the scratch) and
+    multiplied by cuBLAS, as vLLM does for AWQ at large batches.
   - FP8 weights at M >= FP8_ACT_QUANT_MIN_ROWS (quant_w8a8.py): activations quantized to e4m3 per token (and per
     bk columns for block weights) by one kernel (quant_fp8.py), then an FP8 tensor-core GEMM: torch._scaled_mm
-    (cuBLASLt) with rowwise scales for per-channel and per-tensor weights (`USE_SCALED_MM`) and with 1 x 128 /
-    128 x 128 block scales for 128 x 128 block weights on sm_90 (`USE_SCALED_MM_BLOCKWISE`); quant_fp8.py's Triton
+    (cuBLASLt) with rowwise scales for per-channel and per-tensor weights (switch `fp8_scaled_mm`) and with 1 x 128
+    / 128 x 128 block scales for 128 x 128 block weights on sm_90 (`fp8_block_scaled_mm`); quant_fp8.py's Triton
     GEMM where those cannot run (sm_89, other block shapes, fp16 activations).
 Both functions are torch custom ops (`torch.ops.nanovllm.int_linear`, `.fp8_linear`): torch.compile treats them as
 opaque calls, and CUDA graphs capture them (no host sync; the split-K partials come from the caching allocator).
 On CPU tensors they run only under Triton's interpreter (TRITON_INTERPRET=1, the tests); the engine's CPU path
 dequantizes and calls F.linear.
 """
-import functools
-import os
 import typing
 from dataclasses import dataclass
 
@@ -33,10 +32,11 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from nanovllm.kernels import quant_dequant, quant_gemm, quant_w4a8
+from nanovllm.kernels import quant_dequant, quant_gemm
 from nanovllm.kernels.quant_plans import (SCALE_AFTER_DOT_MAX_ROWS, TilePlan, device_limits,
                                           plan_weight_only)
 from nanovllm.kernels.quant_w8a8 import _has_fp8_tensor_cores, fp8_w8a8_linear, interpreting
+from nanovllm.utils.switches import SWITCHES
 
 # FP8 weights from this many rows on quantize the activations and run an FP8 GEMM; below, the weight-only decode
 # tiles (bf16 dot, exact x, the scales after the dot) run. Above 32 rows those tiles dequantize each weight tile
@@ -63,9 +63,6 @@ def _offset_bits(dtype: torch.dtype, kind: int) -> tuple[int, int]:
     return (128, 0x4300) if dtype == torch.bfloat16 else (1024, 0x6400)
 
 
-# split-K's reduction: "kernel" (the last program of each tile sums the partials, quant_gemm._reduce_splits_if_last)
-# or "launch" (a second kernel, _sum_splits_kernel); the same bits either way
-SPLIT_K_REDUCE = os.environ.get("NANOVLLM_SPLIT_K_REDUCE", "kernel")
 _NUM_SPLIT_LOCKS = 1 << 14  # tile counters per device: split plans have <= 64 rows, so N / BLOCK_N tiles or fewer
 _split_locks: dict[torch.device, torch.Tensor] = {}
 
@@ -73,8 +70,10 @@ _split_locks: dict[torch.device, torch.Tensor] = {}
 def _split_lock_tensor(device: torch.device, num_tiles: int) -> torch.Tensor | None:
     """The device's zeroed int32 tile counters for the in-kernel split-K reduction, made on first use; None (the
     second launch instead) when the reduction is switched off, the tiles outnumber the counters, or the first use
-    comes inside a CUDA graph capture (zeros made there would be the graph's, not persistent)."""
-    if SPLIT_K_REDUCE != "kernel" or num_tiles > _NUM_SPLIT_LOCKS:
+    comes inside a CUDA graph capture (zeros made there would be the graph's, not persistent). The switch
+    split_k_reduce (utils/switches.py) picks the reduction: "kernel" (the last program of each tile sums the
+    partials, quant_gemm._reduce_splits_if_last) or "launch" (a second kernel, _sum_splits_kernel)."""
+    if SWITCHES.split_k_reduce != "kernel" or num_tiles > _NUM_SPLIT_LOCKS:
         return None
     locks = _split_locks.get(device)
     if locks is None:
@@ -100,8 +99,6 @@ def weight_only_linear(x, qweight, scales, mins, kind: int, group_n: int, group_
     launch = _SplitLaunch(target, out, out if locks is None else locks, locks is not None)
     if plan.cuda_cores and kind == quant_gemm.KIND_FP8:
         _launch_fp8_gemv(x, qweight, scales, launch, group_n, group_k, plan)
-    elif plan.cuda_cores and _w4a8_applies(M, K, group_k, plan):
-        _launch_int4_dp4a(x, qweight, scales, mins, launch, group_k, plan)
     elif plan.cuda_cores:
         _launch_int4_gemv(x, qweight, scales, mins, launch, group_k, plan)
     else:
@@ -134,32 +131,6 @@ def _launch_int4_gemv(x, qweight, scales, mins, launch: _SplitLaunch, group_k: i
         0 if mins is None else mins.stride(0), launch.out.stride(0), launch.split_stride(),
         REDUCE_SPLITS=launch.reduce_in_kernel, GROUP_K=group_k, HAS_MINS=mins is not None, TWO_ROWS=M > 1,
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
-
-
-# 4-bit weights at one row: "dp4a" rounds the activations to int8 per 128 columns and multiplies on the integer
-# dot-product units (quant_w4a8.py: W4A8, as llama.cpp does at batch 1); "fma" keeps them exact (_int4_gemv_kernel)
-W4_DECODE = os.environ.get("NANOVLLM_W4_DECODE", "fma")
-
-
-def _w4a8_applies(M: int, K: int, group_k: int, plan: TilePlan) -> bool:
-    return (W4_DECODE == "dp4a" and M == 1 and group_k % quant_w4a8.X_GROUP == 0 and K <= 16384
-            and plan.block_k == quant_w4a8.X_GROUP)
-
-
-def _launch_int4_dp4a(x, qweight, scales, mins, launch: _SplitLaunch, group_k: int, plan: TilePlan):
-    K, N = x.shape[1], qweight.shape[0]
-    xq = torch.empty((1, K // 4), dtype=torch.int32, device=x.device)
-    xs = torch.empty((1, K // quant_w4a8.X_GROUP), dtype=torch.float32, device=x.device)
-    xsum = torch.empty((1, K // 8), dtype=torch.float32, device=x.device)
-    quant_w4a8._quantize_x_int8_kernel[(1,)](x, xq, xs, xsum, K, x.stride(0), xq.stride(0), xs.stride(0),
-                                             xsum.stride(0), NUM_GROUPS=triton.next_power_of_2(K // 128),
-                                             num_warps=8)
-    quant_w4a8._int4_dp4a_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
-        xq, xs, xsum, qweight, scales, scales if mins is None else mins, launch.target, launch.out, launch.locks,
-        N, K, plan.num_k_steps, plan.num_splits, qweight.stride(0), scales.stride(0),
-        0 if mins is None else mins.stride(0), launch.split_stride(), REDUCE_SPLITS=launch.reduce_in_kernel,
-        HAS_MINS=mins is not None, GROUP_K=group_k, EMULATE=interpreting(), BLOCK_N=plan.block_n,
-        num_warps=plan.num_warps, num_stages=plan.num_stages)
 
 
 def _launch_fp8_gemv(x, qweight, scales, launch: _SplitLaunch, group_n: int, group_k: int, plan: TilePlan):
@@ -245,30 +216,39 @@ def _int_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return weight_only_linear(x, qweight, scales, mins, kind, 1, group_size)
 
 
-# the large-M "int" path dequantizes the weight in row chunks of at most this many bytes, and on CUDA of at most half
-# the L2: a chunk's bf16 copy is then read back by its GEMM from L2 (and overwritten there by the next chunk, the
-# caching allocator handing back the same block) instead of going to DRAM and back, about 2 x 14.5 GB a Qwen3-8B
-# step at 1,024 rows; and a whole gate_up (192 MiB in bf16) no longer sits at the peak of the activation profile
-# and of every piecewise graph pool (inside 8 GiB, that is KV). NANOVLLM_DEQUANT_CHUNK_MIB sets the cap (0: none).
-DEQUANT_SCRATCH_MAX_BYTES = int(float(os.environ.get("NANOVLLM_DEQUANT_CHUNK_MIB", "48")) * (1 << 20)) or (1 << 62)
+# The large-M "int" path's dequantized-weight scratch, in bytes: None (no bound) dequantizes a whole weight in one
+# pass; a bound makes it dequantize row chunks of at most that many bytes, each multiplied before the next is made.
+# The scratch sits at the peak of the activation profile and of every piecewise graph pool, so inside a small budget
+# (8 GiB) a whole gate_up's bf16 copy (192 MiB on Qwen3-8B) is KV lost; on a large GPU chunks only cost time (each
+# chunk's GEMM is narrower). The engine sets it once at start-up from its memory budget
+# (memory_profile.bound_dequant_scratch); set_dequant_scratch_max_bytes is the only writer.
+_dequant_scratch_max_bytes: int | None = None
 
 
-@functools.cache
-def _l2_cache_bytes(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).L2_cache_size
+def set_dequant_scratch_max_bytes(max_bytes: int | None):
+    """Bound the large-M dequantization's scratch (None: a whole weight at once). At least 128 rows are
+    dequantized at a time whatever the bound."""
+    global _dequant_scratch_max_bytes
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError(f"max_bytes={max_bytes} must be >= 0 (or None for no bound)")
+    _dequant_scratch_max_bytes = max_bytes
 
 
-def _dequant_chunk_bytes(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEQUANT_SCRATCH_MAX_BYTES
-    return min(DEQUANT_SCRATCH_MAX_BYTES, _l2_cache_bytes(device) // 2)
+def dequant_chunk_rows(N: int, K: int, element_size: int) -> int:
+    """Rows of an [N, K] weight dequantized at a time under the scratch bound: N (one pass) when the whole copy
+    fits or nothing bounds it, else the most multiple of 128 rows that fit (at least 128)."""
+    max_bytes = _dequant_scratch_max_bytes
+    if max_bytes is None or N * K * element_size <= max_bytes:
+        return N
+    return min(N, max(128, max_bytes // (K * element_size) // 128 * 128))
 
 
 def _dequantize_then_mm(x, qweight, scales, mins, kind: int, group_size: int) -> torch.Tensor:
-    """x @ dequant(W).T through cuBLAS, the weight dequantized in row chunks (_dequant_chunk_bytes), each chunk's
-    product written into its columns of the output (a strided view cuBLAS writes in place)."""
+    """x @ dequant(W).T through cuBLAS: the weight dequantized whole, or in row chunks of at most
+    _dequant_scratch_max_bytes, each chunk's product written into its columns of the output (a strided view cuBLAS
+    writes in place)."""
     (M, K), N = x.shape, qweight.shape[0]
-    chunk_rows = max(128, _dequant_chunk_bytes(x.device) // (K * x.element_size()) // 128 * 128)
+    chunk_rows = dequant_chunk_rows(N, K, x.element_size())
     if chunk_rows >= N:
         return F.linear(x, dequantize_int_weight(qweight, scales, mins, kind, group_size, x.dtype))
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -277,7 +257,7 @@ def _dequantize_then_mm(x, qweight, scales, mins, kind: int, group_size: int) ->
         w = dequantize_int_weight(qweight[rows], scales[rows], None if mins is None else mins[rows], kind,
                                   group_size, x.dtype)
         torch.mm(x, w.t(), out=out[:, rows])
-        del w  # freed before the next chunk is made: the allocator hands back this block, whose lines are in L2
+        del w  # freed before the next chunk is made: the scratch never holds two chunks
     return out
 
 

@@ -17,17 +17,12 @@ import triton
 
 from nanovllm.kernels import quant_fp8
 from nanovllm.kernels.quant_plans import DeviceLimits, device_limits
+from nanovllm.utils.switches import SWITCHES
 
 
 def interpreting() -> bool:
     """Triton's CPU interpreter runs the kernels (TRITON_INTERPRET=1, the CPU tests)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-USE_SCALED_MM = os.environ.get("NANOVLLM_FP8_SCALED_MM", "1") != "0"  # per-channel/-tensor FP8 at large M
-# 128 x 128 block FP8 through torch._scaled_mm (cuBLASLt's 1 x 128 x 128 x 128 block scaling: CUDA 12.9+, sm_90)
-# instead of the Triton GEMM; "0" forces the Triton GEMM (bench_quant_kernels.py's fp8blk-tri column times it)
-USE_SCALED_MM_BLOCKWISE = os.environ.get("NANOVLLM_FP8_BLOCK_SCALED_MM", "1") != "0"
 
 
 @functools.cache
@@ -113,18 +108,18 @@ def fp8_w8a8_linear(x, qweight, scales, group_n: int, group_k: int, use_scaled_m
                     limits: DeviceLimits | None = None) -> torch.Tensor:
     """x [M, K] quantized per token (and per group_k columns when the weight scales change along K), then an FP8
     tensor-core GEMM: torch._scaled_mm (cuBLASLt) where it runs, else quant_fp8.py's Triton GEMM. use_scaled_mm
-    None: USE_SCALED_MM for per-channel and per-tensor weights, USE_SCALED_MM_BLOCKWISE for blocks; True or False
-    forces either way where it can run."""
+    None: the switches (utils/switches.py) fp8_scaled_mm for per-channel and per-tensor weights,
+    fp8_block_scaled_mm for blocks; True or False forces either way where it can run."""
     M, K = x.shape
     N = qweight.shape[0]
     per_step = scales.shape[1] > 1
     if per_step:
-        blockwise = USE_SCALED_MM_BLOCKWISE if use_scaled_mm is None else use_scaled_mm
+        blockwise = SWITCHES.fp8_block_scaled_mm if use_scaled_mm is None else use_scaled_mm
         if blockwise and _can_scaled_mm(x, N, K, (group_n, group_k)):
             xq, xs = quantize_activations(x, group_k, scales_column_major=True, pad_rows_to=_SCALED_MM_BLOCK_ROWS)
             return _scaled_mm_blockwise(xq, xs, qweight, scales, x.dtype)[:M]
     xq, xs = quantize_activations(x, group_k if per_step else K)
-    rowwise = USE_SCALED_MM if use_scaled_mm is None else use_scaled_mm
+    rowwise = SWITCHES.fp8_scaled_mm if use_scaled_mm is None else use_scaled_mm
     if not per_step and rowwise and _can_scaled_mm(x, N, K):
         return _scaled_mm_rowwise(xq, xs, qweight, scales, group_n, x.dtype)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)

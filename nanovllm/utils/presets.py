@@ -25,7 +25,6 @@ PRESETS["qwen3-8b-awq"] = dict(PRESETS["qwen3-8b"], quantization_config=AWQ_W4_G
 PRESETS["qwen3-4b-fp8"] = dict(PRESETS["qwen3-4b"], quantization_config=FP8_BLOCK_128)
 PRESETS["qwen3-8b-fp8"] = dict(PRESETS["qwen3-8b"], quantization_config=FP8_BLOCK_128)
 PRESETS["qwen3-1.7b-fp8"] = dict(PRESETS["qwen3-1.7b"], quantization_config=FP8_BLOCK_128)
-PRESETS["qwen3-8b-fp8"] = dict(PRESETS["qwen3-8b"], quantization_config=FP8_BLOCK_128)  # Qwen3-8B-FP8
 QWEN3_COMMON = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu",
                     attention_bias=False, torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645)

@@ -29,6 +29,15 @@ class Switches:
     release_cuda_stack: bool = True
     # NANOVLLM_CACHE: where converted checkpoints are kept ("": $XDG_CACHE_HOME/nanovllm, else ~/.cache/nanovllm)
     cache_dir: str = ""
+    # NANOVLLM_SPLIT_K_REDUCE: how the quantized decode kernels sum their split-K partials: "kernel" (the last
+    # program of each output tile, kernels/quant_gemm.py) or "launch" (a second kernel); the same bits either way
+    split_k_reduce: str = "kernel"
+    # NANOVLLM_FP8_SCALED_MM (default on): per-channel and per-tensor FP8 weights at large M through torch._scaled_mm
+    # (cuBLASLt, rowwise scales); 0 runs the Triton W8A8 GEMM (kernels/quant_w8a8.py)
+    fp8_scaled_mm: bool = True
+    # NANOVLLM_FP8_BLOCK_SCALED_MM (default on): 128 x 128 block FP8 weights at large M through torch._scaled_mm's
+    # 1 x 128 / 128 x 128 block scaling (CUDA 12.9+, sm_90); 0 runs the Triton W8A8 GEMM
+    fp8_block_scaled_mm: bool = True
 
     @classmethod
     def from_environ(cls, environ=os.environ) -> "Switches":
@@ -53,6 +62,9 @@ ENV_NAMES = {
     "NANOVLLM_PIECEWISE_GRAPHS": "piecewise_graphs",
     "NANOVLLM_CUDA_STACK": "release_cuda_stack",
     "NANOVLLM_CACHE": "cache_dir",
+    "NANOVLLM_SPLIT_K_REDUCE": "split_k_reduce",
+    "NANOVLLM_FP8_SCALED_MM": "fp8_scaled_mm",
+    "NANOVLLM_FP8_BLOCK_SCALED_MM": "fp8_block_scaled_mm",
 }
 assert set(ENV_NAMES.values()) == {f.name for f in fields(Switches)}, "every switch has one environment variable"
 
