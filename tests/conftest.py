@@ -44,6 +44,36 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# The test modules that cost the most CPU time (pytest --cpu-durations, summed per module), heaviest first. Under
+# pytest-xdist (`--dist loadfile --no-loadscope-reorder`, pyproject.toml) each module runs whole on one worker, so a
+# module-scoped engine or server is built once, and the modules go out in collection order: these first, so that
+# no worker starts a three-minute module while the other is finishing. A stale list costs balance, never a test.
+HEAVIEST_MODULES_FIRST = [
+    "test_quant_perplexity.py",  # GPTQ of four formats and six perplexity runs on SmolLM2: over three minutes
+    "test_triton_compile.py", "test_server.py", "test_tensor_parallel.py", "test_engine_e2e.py",
+    "test_triton_interpreter.py", "test_fp8_accuracy.py", "test_async_scheduling.py", "test_docs_snippets.py",
+    "test_gguf_engine.py",
+]
+
+
+class HeaviestModulesFirst:
+    """A plugin of its own: a conftest has one pytest_collection_modifyitems, and this one must wrap all others."""
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_collection_modifyitems(self, items):
+        """After every other reordering: the heaviest modules first, each module's tests in their own order (a
+        stable sort by module)."""
+        result = yield
+        rank = {name: i for i, name in enumerate(HEAVIEST_MODULES_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+        return result
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # on pytest-xdist's workers only: a run without -n keeps pytest's order
+        config.pluginmanager.register(HeaviestModulesFirst(), "heaviest-modules-first")
+
+
 # ---------------------------------------------------------------- --cpu-durations: what each test costs in CPU time
 # Wall time lies on a shared machine (a test waits for cores other jobs hold); CPU time does not. Each phase (setup,
 # call, teardown) is charged the process's CPU time (all its threads) plus that of the child processes it waited for
