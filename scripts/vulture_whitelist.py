@@ -45,6 +45,12 @@ check_tp2
 K
 # pytest calls its hooks by name (tests/conftest.py)
 pytest_collection_modifyitems
+pytest_configure
+pytest_addoption
+pytest_runtest_makereport
+pytest_runtest_protocol
+pytest_runtest_logreport
+pytest_terminal_summary
 # pytest reads module-level pytestmark; fixtures used for their setup and teardown only
 pytestmark
 serves_good

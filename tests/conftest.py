@@ -27,6 +27,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import torch
 
+# the suite's cost: --cpu-durations, and the order pytest-xdist's workers take the modules in (tests/suite_cost.py);
+# pytest finds hooks by name in a conftest, imported ones included
+from suite_cost import (  # noqa: F401
+    pytest_addoption, pytest_configure, pytest_runtest_logreport, pytest_runtest_makereport, pytest_runtest_protocol,
+    pytest_terminal_summary)
+
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by markers
 def pytest_collection_modifyitems(config, items):

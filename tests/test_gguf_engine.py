@@ -120,6 +120,29 @@ def test_tiny_mixed_gguf_generates_exactly_as_its_float32_dequantization(tiny_gg
     assert len({tuple(g["token_ids"]) for g in got}) == 2  # not a degenerate model
 
 
+def gguf_parses(monkeypatch) -> list[str]:
+    """The paths every GGUFReader built from now on parses (transformers' and the engine's alike)."""
+    from nanovllm.utils.gguf_model import close_gguf
+    close_gguf()  # nothing kept from an earlier test
+    paths, real_init = [], gguf.GGUFReader.__init__
+
+    def counting_init(self, path, *args, **kwargs):
+        paths.append(str(path))
+        real_init(self, path, *args, **kwargs)
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counting_init)
+    return paths
+
+
+def test_an_engine_parses_its_gguf_once(tiny_gguf, monkeypatch):
+    """The config (through transformers), the quantization spec and the weights all read one parse of the file:
+    each parse of SmolLM2's metadata costs seconds (test_smollm2_runs_natively_from_its_q4_1_gguf adds the
+    tokenizer)."""
+    parses = gguf_parses(monkeypatch)
+    with LLM(tiny_gguf[0], **ENGINE):
+        pass
+    assert parses == [tiny_gguf[0]]
+
+
 def test_a_block_type_the_engine_does_not_read_is_named_before_loading(tmp_path):
     """Q5_0 (not among the supported types): one ValueError naming the tensor and its type, from LLM()."""
     tensors = _tiny_tensors(np.random.default_rng(1))
@@ -135,10 +158,12 @@ def test_quantization_option_must_match_a_gguf(tiny_gguf):
         LLM(tiny_gguf[0], quantization="awq", **ENGINE)
 
 
-def test_smollm2_runs_natively_from_its_q4_1_gguf(smollm2_dir):
+def test_smollm2_runs_natively_from_its_q4_1_gguf(smollm2_dir, monkeypatch):
     from nanovllm.utils.convert import find_gguf
     prompts = ["The capital of France is", "def fibonacci(n):"]
+    parses = gguf_parses(monkeypatch)
     got, qkv = _greedy(find_gguf(), prompts, 16)
+    assert len(parses) == 1, parses  # config, tokenizer and weights from one parse (6 s of CPU each)
     want, _ = _greedy(smollm2_dir, prompts, 16)
     assert qkv.bits == 4 and qkv.qweight.dtype == torch.int32 and qkv.scales.dtype == torch.float16
     for g, w in zip(got, want):

@@ -67,13 +67,16 @@ def assert_still_serving(base_url: str):
 
 
 class StreamTimer(threading.Thread):
-    """Reads one long stream and records when each chunk arrived."""
+    """Reads one long stream and records when each chunk arrived. Once a chunk arrives after `stop_after` (a
+    time.monotonic() the test sets when it has seen what it measures), the timer hangs up: the server aborts the
+    rest, so a test pays for the seconds it watches, not for all max_tokens decode steps."""
 
     def __init__(self, base_url: str, max_tokens: int = 400):
         super().__init__(daemon=True)
         self.base_url, self.max_tokens = base_url, max_tokens
         self.arrivals: list[float] = []
         self.started = threading.Event()
+        self.stop_after = float("inf")
 
     def run(self):
         body = completion(prompt="Once upon a time", max_tokens=self.max_tokens, ignore_eos=True, stream=True)
@@ -83,6 +86,8 @@ class StreamTimer(threading.Thread):
                     self.arrivals.append(time.monotonic())
                     if len(self.arrivals) == 3:
                         self.started.set()
+                    if self.arrivals[-1] > self.stop_after:
+                        return  # leaving the `with` closes the connection
 
     def longest_gap_s(self, start: float, end: float) -> float:
         times = [t for t in self.arrivals if start <= t <= end]
@@ -104,6 +109,7 @@ def refuse_while_streaming(base_url: str, refuse, may_take_most: bool = False) -
     answered = time.monotonic()
     time.sleep(0.5)  # a stall shows as a gap after the answer too
     end = time.monotonic()
+    timer.stop_after = end
     timer.join(180)
     assert timer.arrivals[-1] > end, "the stream ended before the hostile request was answered: make it longer"
     gap_s, usual_gap_s = timer.longest_gap_s(start - 0.2, end), timer.longest_gap_s(start - 1.0, start)

@@ -17,7 +17,7 @@ import json
 import torch
 from nanovllm.kernels.sampling import sample_tempered
 res = {}
-n = 800
+n = 400  # one interpreted program per draw
 logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0])
 for temperature in (0.6, 2.0):
     ids = sample_tempered(logits.expand(n, -1).contiguous(), torch.full((n,), temperature), seed=1)
@@ -79,8 +79,8 @@ def interpret(script: str) -> dict:
 @pytest.mark.subprocess
 def test_triton_sampler_draws_follow_the_tempered_softmax():
     res = interpret(SAMPLER)
-    # 800 draws per temperature: a frequency's standard deviation is at most 0.018; the noise is seeded, so the
-    # result is the same on every run
+    # 400 draws per temperature: a frequency's standard deviation is at most 0.025, and the noise is seeded, so the
+    # result is the same on every run; a temperature ignored or misapplied moves a frequency by 0.19 or more
     assert res["0.6"] < 0.06 and res["2.0"] < 0.06, res
     assert res["greedy"] == [2100, 5]  # greedy rows take the argmax, here in the third and the first chunk
     assert res["same_seed_same_ids"] and res["other_seed_changed"] > 50 and res["distinct_ids"] > 50, res

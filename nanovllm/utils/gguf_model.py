@@ -4,6 +4,7 @@ Hugging Face names, and its quantization (each weight's block type: a Q4_K_M fil
 
 Torch-free: Config imports it. The weights are read by nanovllm/utils/gguf_loader.py.
 """
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -54,7 +55,8 @@ def load_gguf_config(path: str):
     from transformers import AutoConfig
     directory, name = os.path.split(os.path.abspath(path))
     try:
-        return AutoConfig.from_pretrained(directory, gguf_file=name)
+        with transformers_reads_the_kept_reader(path):
+            return AutoConfig.from_pretrained(directory, gguf_file=name)
     except (ValueError, KeyError) as e:  # transformers' words for an architecture it cannot read from a GGUF
         raise ValueError(f"model={path!r}: transformers cannot read this GGUF's config ({e}); supported GGUF "
                          f"architectures: {sorted(GGUF_ARCHITECTURES)}") from None
@@ -76,7 +78,31 @@ def load_gguf_tokenizer(path: str):
         return None
     from transformers import AutoTokenizer
     directory, name = os.path.split(os.path.abspath(path))
-    return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    with transformers_reads_the_kept_reader(path):
+        return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+
+
+@contextlib.contextmanager
+def transformers_reads_the_kept_reader(path: str):
+    """transformers' GGUF support opens its own GGUFReader (`from gguf import GGUFReader` inside the call) for the
+    config, and again for the tokenizer; each parse of SmolLM2's metadata costs about 6 s of CPU (49,152 tokens and
+    48,900 merges read string by string). Inside this block a GGUFReader of `path` is the one open_gguf keeps, so
+    an engine parses its file once. Read-only use: transformers reads the fields, and the tensors only to load
+    weights, which the engine does not ask of it. NOTE: not thread-safe (it swaps a module attribute); an engine
+    is built on one thread."""
+    import gguf
+    kept_path, kept_reader = os.path.abspath(path), open_gguf(path)  # parsed (or kept) before the swap
+    real_reader = gguf.GGUFReader
+
+    def reader(file_path, *args, **kwargs):
+        if os.path.abspath(file_path) == kept_path and not args and not kwargs:
+            return kept_reader
+        return real_reader(file_path, *args, **kwargs)
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real_reader
 
 
 @functools.lru_cache(maxsize=1)

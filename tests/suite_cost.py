@@ -1,0 +1,98 @@
+"""What the test suite costs, and the order it is spent in.
+
+`pytest --cpu-durations N` lists the N tests that cost the most CPU time (0: all) and the suite's sum. Wall time
+lies on a shared machine (a test waits for cores other jobs hold); CPU time does not. Each phase (setup, call,
+teardown) is charged the process's CPU time (all its threads) plus that of the child processes it waited for (the
+CLI's and the server's subprocesses). A session fixture is charged to the first test that uses it.
+
+Under pytest-xdist, HEAVIEST_MODULES_FIRST orders the modules the workers take (pyproject.toml's addopts).
+"""
+from __future__ import annotations
+
+import resource
+import time
+
+import pytest
+
+# The test modules that cost the most CPU time (pytest --cpu-durations, summed per module), heaviest first. Under
+# pytest-xdist (`--dist loadfile --no-loadscope-reorder`, pyproject.toml) each module runs whole on one worker, so a
+# module-scoped engine or server is built once, and the modules go out in collection order: these first, so that
+# no worker starts a three-minute module while the other is finishing. A stale list costs balance, never a test.
+HEAVIEST_MODULES_FIRST = [
+    "test_quant_perplexity.py",  # GPTQ of four formats and six perplexity runs on SmolLM2: over three minutes
+    "test_triton_compile.py", "test_server.py", "test_tensor_parallel.py", "test_engine_e2e.py",
+    "test_triton_interpreter.py", "test_fp8_accuracy.py", "test_async_scheduling.py", "test_docs_snippets.py",
+    "test_gguf_engine.py",
+]
+
+
+class HeaviestModulesFirst:
+    """A plugin of its own: a conftest has one pytest_collection_modifyitems, and this one must wrap all others."""
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_collection_modifyitems(self, items):
+        """After every other reordering: the heaviest modules first, each module's tests in their own order (a
+        stable sort by module)."""
+        result = yield
+        rank = {name: i for i, name in enumerate(HEAVIEST_MODULES_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+        return result
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # on pytest-xdist's workers only: a run without -n keeps pytest's order
+        config.pluginmanager.register(HeaviestModulesFirst(), "heaviest-modules-first")
+
+
+# ---------------------------------------------------------------- --cpu-durations
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-durations", type=int, default=None, metavar="N",
+                     help="list the N tests that cost the most CPU time (0: all) and the whole suite's sum")
+
+
+def _cpu_seconds() -> float:
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if item.config.getoption("cpu_durations") is not None:
+        started = item.stash.get(_CPU_PHASE_START, None)
+        if started is not None:
+            outcome.get_result().user_properties.append(("cpu_s", _cpu_seconds() - started))
+        item.stash[_CPU_PHASE_START] = _cpu_seconds()  # the next phase starts here
+
+
+_CPU_PHASE_START = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    if item.config.getoption("cpu_durations") is not None:
+        item.stash[_CPU_PHASE_START] = _cpu_seconds()
+    yield
+
+
+_cpu_s_by_test: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    # runs in the controller too under pytest-xdist: the user_properties come back with the report
+    for name, value in report.user_properties:
+        if name == "cpu_s":
+            _cpu_s_by_test[report.nodeid] = _cpu_s_by_test.get(report.nodeid, 0.0) + value
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    num_shown = config.getoption("cpu_durations")
+    if num_shown is None or not _cpu_s_by_test:
+        return
+    ranked = sorted(_cpu_s_by_test.items(), key=lambda item: -item[1])
+    terminalreporter.write_sep("=", f"CPU time per test (process + waited-for children), top {num_shown or 'all'}")
+    for nodeid, cpu_s in ranked[:num_shown or None]:
+        terminalreporter.write_line(f"{cpu_s:9.2f}s  {nodeid}")
+    terminalreporter.write_line(f"{sum(_cpu_s_by_test.values()):9.2f}s  CPU in all, {len(ranked)} tests")
