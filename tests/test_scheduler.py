@@ -257,7 +257,8 @@ def test_a_resumed_sequence_stays_out_of_the_batch_until_its_kv_has_landed():
     s.preempt(b, mode="swap")
     # b's swap-out goes out, and b is swapped straight back in: its copies are in flight
     swapped, _ = run_step(s, land_copies=False)
-    assert swapped.swap_in and b.status.name == "RUNNING" and b.seq_id in s.offload.arriving
+    assert swapped.swap_in and b.status.name == "RUNNING" and s.offload.seq_ids_to_hold(s.running) == {b.seq_id}
+    assert b.block_table == [2, 4] and s.block_manager.loading == {4}  # its full block 2 was still cached
     out, _ = run_step(s)
     assert out.seqs == [a]  # a runs; b waits for its KV instead of stalling the forward
     s.offload.complete(TransferReport([swapped.store_id]))
@@ -265,7 +266,7 @@ def test_a_resumed_sequence_stays_out_of_the_batch_until_its_kv_has_landed():
     assert out.seqs == [a]  # its swap-out landed, its swap-in not yet
     s.offload.complete(TransferReport([swapped.load_id]))
     out, _ = run_step(s)
-    assert out.seqs == [a, b] and not s.offload.arriving
+    assert out.seqs == [a, b] and not s.block_manager.loading
 
 
 def test_a_sequence_waiting_for_its_kv_runs_when_nothing_else_can():
@@ -276,7 +277,8 @@ def test_a_sequence_waiting_for_its_kv_runs_when_nothing_else_can():
     s.preempt(b, mode="swap")
     run_step(s, land_copies=False)  # swapped out and straight back in
     out, _ = run_step(s)
-    assert out.seqs == [b] and b.seq_id in s.offload.arriving  # alone: the forward waits for the copies (rule 3)
+    # alone: it runs, and the forward waits for the copy into block 2 on the device (rule 3)
+    assert out.seqs == [b] and b.block_table == [0, 2] and s.block_manager.loading == {2}
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])

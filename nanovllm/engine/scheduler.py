@@ -96,8 +96,9 @@ class Scheduler:
             self._resume_swapped(out)
         out.new_gpu_block_ids = self.block_manager.new_gpu_block_ids
         out.one_token_rows_first()
+        out.name_written_blocks(self.block_manager.block_size)
         if self.offload is not None:  # this step's copies, and those of preempt() calls since the last step
-            out.swap_out, out.store_id, out.swap_in, out.load_id = self.offload.end_step(out.seqs, out.num_new_tokens)
+            out.swap_out, out.store_id, out.swap_in, out.load_id = self.offload.end_step(out.written_gpu_block_ids)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
@@ -156,7 +157,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if host_block_ids:  # it waits out of the batch until they land
-                self.offload.load_prefix_hits(seq, host_block_ids)
+                self.offload.load_prefix_hits(seq, host_block_ids, self.block_manager)
                 self.stats.host_prefix_hit_tokens += len(host_block_ids) * self.block_manager.block_size
                 self.stats.blocks_onloaded += len(host_block_ids)
                 continue
