@@ -13,9 +13,8 @@ hands to `complete` once per step. Completions, and only completions, advance th
 - a GPU block a load fills is loading (BlockManager.loading) and held by the load until it lands; a sequence of a
   load in flight waits out of the batch (`seq_ids_to_hold`) meanwhile.
 """
-import itertools
 import logging
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.sequence import Sequence, SequenceStatus
@@ -25,30 +24,14 @@ from nanovllm_offload.host_memory import GiB, check_host_memory, num_host_blocks
 from nanovllm_offload.policy import PreemptionPolicy
 from nanovllm_offload.swap_in_allocation import allocate_for_swap_in
 from nanovllm_offload.transfer_report import TransferHandler, TransferReport
+from nanovllm_offload.transfers_in_flight import StepCopies, TransfersInFlight
 
 if TYPE_CHECKING:
     from nanovllm.config import Config
 
 logger = logging.getLogger(__name__)
 CPU_PREFILL_PRIOR = 1e3  # tokens/s: a small model's prefill on a few CPU cores
-NO_TRANSFER = -1  # the transfer id of a direction without copies this step
 TRANSFER_HOLD = -1  # the owner a transfer's reference on a host block is released under (in error messages)
-
-
-class Load(NamedTuple):
-    """A load in flight: what it holds, and whom it fills."""
-    cpu_holds: list[list[int]]  # per prepared load: the host blocks it reads, held, in release order
-    seqs: list[Sequence]  # the sequences whose GPU blocks it fills: out of the batch until it lands
-    gpu_block_ids: list[int]  # its destinations: loading, held by it (BlockManager.begin_loads)
-
-
-class StepCopies(NamedTuple):
-    """A step's copies: (gpu_block_id, cpu_block_id) stores and (cpu_block_id, gpu_block_id) loads, each direction
-    under one transfer id (NO_TRANSFER without copies)."""
-    swap_out: list[tuple[int, int]]
-    store_id: int
-    swap_in: list[tuple[int, int]]
-    load_id: int
 
 
 class OffloadManager:
@@ -60,9 +43,7 @@ class OffloadManager:
 
     NOTE: a SWAPPED sequence's computed KV is in the host blocks of its cpu_block_table and nowhere else. Its
           swap-in moves those references to the load, which releases them when it lands.
-    NOTE: transfers in flight, by id: `_stores` (the host blocks a step's GPU->host copies fill, each held once by
-          the store) and `_loads` (a step's host->GPU copies: see Load). The copies of the step being scheduled
-          collect in `_step_*` until `end_step` names them.
+    NOTE: the copies handed out and not yet completed, and who they hold, are in `transfers` (TransfersInFlight).
     NOTE: one GPU pool: `gpu_pool` is the BlockManager that swap_in and load_prefix_hits were given, whose loading
           blocks `complete` finishes.
     """
@@ -76,19 +57,13 @@ class OffloadManager:
         # the disk tier's counters when it was closed (close_disk): the writes still queued then are done by close,
         # and stats() after close() counts them (in the run that wrote them, before close, they may read 0)
         self.closed_disk_stats: dict | None = None
-        self._transfer_ids = itertools.count()
-        self._step_stores: list[tuple[int, int]] = []  # (gpu_block_id, cpu_block_id)
-        self._step_disk_writes: list[tuple[int, int]] = []  # (cpu_block_id, block_hash): to disk once READY
-        self._step_loads: list[tuple[int, int]] = []  # (cpu_block_id, gpu_block_id)
-        self._step_load_holds: list[list[int]] = []  # per load: the cpu blocks it holds, in release order
-        self._step_load_seqs: list[Sequence] = []
-        self._stores: dict[int, tuple[list[int], list[tuple[int, int]]]] = {}  # id -> (cpu blocks, disk writes)
-        self._loads: dict[int, Load] = {}
+        self.transfers = TransfersInFlight()
         self.gpu_pool: BlockManager | None = None
         self._loaded_from_disk: list[Sequence] = []  # disk loads that landed, for the scheduler's next step
-        # the gpu blocks the step scheduled last writes (SchedulerOutput.written_gpu_block_ids), as a set once a
-        # swap-out asks
-        self._written_in_flight: list[int] | set[int] = []
+        # the gpu blocks the step scheduled last writes (SchedulerOutput.written_gpu_block_ids); as a set once a
+        # swap-out asks (None until then)
+        self._written_in_flight: list[int] = []
+        self._written_in_flight_set: set[int] | None = None
         self._said_swap_fallback = False
 
     @classmethod
@@ -133,15 +108,16 @@ class OffloadManager:
         copies.sort(key=lambda c: rank[c[0]])
         for _, cpu_block_id in copies:
             self.pool.take(cpu_block_id)  # the store's hold: an abort of seq must not free a block being written
-        self._step_stores += copies
+        self.transfers.step_stores += copies
         return len(copies)
 
     def _blocks_in_flight(self, seq: Sequence) -> list[int]:
         """seq's blocks that the step scheduled last writes: with asynchronous scheduling its forward may still be
         running."""
-        if not isinstance(self._written_in_flight, set):
-            self._written_in_flight = set(self._written_in_flight)
-        return [gpu_block_id for gpu_block_id in seq.block_table if gpu_block_id in self._written_in_flight]
+        if self._written_in_flight_set is None:
+            self._written_in_flight_set = set(self._written_in_flight)
+        written = self._written_in_flight_set
+        return [gpu_block_id for gpu_block_id in seq.block_table if gpu_block_id in written]
 
     def _say_swap_fallback(self, seq: Sequence, gpu_blocks: BlockManager):
         """A swap becomes a recompute (no room in the host pool): said once, since it costs prefill time that the
@@ -212,10 +188,9 @@ class OffloadManager:
                 self.pool.release(cpu_block_id, seq.seq_id)
             return
         self.gpu_pool = gpu_blocks
-        gpu_blocks.begin_loads([gpu_block_id for _, gpu_block_id in copies])
-        self._step_loads += copies
-        self._step_load_holds.append(held_cpu_block_ids)
-        self._step_load_seqs.append(seq)
+        gpu_block_ids = [gpu_block_id for _, gpu_block_id in copies]
+        gpu_blocks.begin_loads(gpu_block_ids)
+        self.transfers.add_load(seq, copies, held_cpu_block_ids, gpu_block_ids)
 
     def store_cached_blocks(self, candidates: list[tuple[int, int]]) -> int:
         """Copy cached GPU blocks (gpu_block_id, block_hash) that the host prefix cache does not hold yet; blocks the
@@ -226,10 +201,10 @@ class OffloadManager:
         for gpu_block_id, block_hash in candidates:
             cpu_block_id = self.pool.store(block_hash)  # RESERVED, held by the store
             if cpu_block_id is not None:
-                self._step_stores.append((gpu_block_id, cpu_block_id))
+                self.transfers.step_stores.append((gpu_block_id, cpu_block_id))
                 num_stored += 1
                 if self.disk is not None:
-                    self._step_disk_writes.append((cpu_block_id, block_hash))
+                    self.transfers.step_disk_writes.append((cpu_block_id, block_hash))
         return num_stored
 
     def can_reset_cache(self) -> bool:
@@ -243,19 +218,10 @@ class OffloadManager:
     def end_step(self, written_gpu_block_ids: list[int]) -> StepCopies:
         """The copies of the step just scheduled, whose forward writes written_gpu_block_ids, and of preempt() calls
         since the last one. Their host destinations are WRITING from now on."""
-        self._written_in_flight = written_gpu_block_ids
-        copies = StepCopies([], NO_TRANSFER, [], NO_TRANSFER)
-        if self._step_stores:
-            copies = copies._replace(swap_out=self._step_stores, store_id=next(self._transfer_ids))
-            cpu_block_ids = [cpu_block_id for _, cpu_block_id in self._step_stores]
-            self.pool.begin_writes(cpu_block_ids)
-            self._stores[copies.store_id] = (cpu_block_ids, self._step_disk_writes)
-            self._step_stores, self._step_disk_writes = [], []
-        if self._step_loads:
-            copies = copies._replace(swap_in=self._step_loads, load_id=next(self._transfer_ids))
-            gpu_block_ids = [gpu_block_id for _, gpu_block_id in self._step_loads]
-            self._loads[copies.load_id] = Load(self._step_load_holds, self._step_load_seqs, gpu_block_ids)
-            self._step_loads, self._step_load_holds, self._step_load_seqs = [], [], []
+        self._written_in_flight, self._written_in_flight_set = written_gpu_block_ids, None
+        copies = self.transfers.end_step()
+        if copies.swap_out:
+            self.pool.begin_writes(self.transfers.stores[copies.store_id].cpu_block_ids)
         return copies
 
     def seq_ids_to_hold(self, running: list[Sequence]) -> set[int]:
@@ -263,9 +229,9 @@ class OffloadManager:
         loads in flight (a sequence resumed twice is in two, and loads land in order, so the later one decides);
         none when nothing else could run (then the forward waits for the copies on the device instead: the copy
         engine's rule 3)."""
-        if not self._loads:
+        if not self.transfers.loads:
             return set()
-        held = {seq.seq_id for load in self._loads.values() for seq in load.seqs
+        held = {seq.seq_id for load in self.transfers.loads.values() for seq in load.seqs
                 if seq.status == SequenceStatus.RUNNING}
         return set() if len(held) == len(running) else held
 
@@ -273,21 +239,22 @@ class OffloadManager:
         """Advance every transfer `report` names, then the disk's: a store's host blocks become READY (and those
         for the disk go to it), a load's host blocks are released and its sequences may join the batch, a disk
         load's sequence goes back to the scheduler (take_loaded_from_disk). The copies' timings feed the policy."""
+        stores, loads = self.transfers.stores, self.transfers.loads
         for transfer_id in report.finished_ids:
-            if transfer_id in self._stores:
+            if transfer_id in stores:
                 self._complete_store(transfer_id)
-            elif transfer_id in self._loads:
+            elif transfer_id in loads:
                 self._complete_load(transfer_id)
             else:
                 raise RuntimeError(f"OffloadManager.complete: transfer {transfer_id} is not in flight "
-                                   f"(stores {sorted(self._stores)}, loads {sorted(self._loads)})")
+                                   f"(stores {sorted(stores)}, loads {sorted(loads)})")
         if self.policy is not None:
             self.policy.observe_copies(report)
         if self.disk is not None:
             self._loaded_from_disk += self.disk.poll()
 
     def _complete_store(self, store_id: int):
-        cpu_block_ids, disk_writes = self._stores.pop(store_id)
+        cpu_block_ids, disk_writes = self.transfers.stores.pop(store_id)
         self.pool.finish_writes(cpu_block_ids)
         to_disk = {cpu_block_id for cpu_block_id, block_hash in disk_writes
                    if self.disk.write(cpu_block_id, block_hash)}  # the store's hold becomes the write's
@@ -296,7 +263,7 @@ class OffloadManager:
                 self.pool.release(cpu_block_id, TRANSFER_HOLD)
 
     def _complete_load(self, load_id: int):
-        load = self._loads.pop(load_id)
+        load = self.transfers.loads.pop(load_id)
         for held in load.cpu_holds:
             for cpu_block_id in held:
                 self.pool.release(cpu_block_id, TRANSFER_HOLD)
@@ -308,12 +275,12 @@ class OffloadManager:
         before its launch): its holds are dropped, and the blocks it was to fill hold nothing (FREE)."""
         copies.synchronize()
         self.complete(copies.get_finished())
-        for store_id in list(self._stores):
-            cpu_block_ids, _ = self._stores.pop(store_id)
+        for store_id in list(self.transfers.stores):
+            cpu_block_ids, _ = self.transfers.stores.pop(store_id)
             self.pool.abandon_writes(cpu_block_ids)
             for cpu_block_id in cpu_block_ids:
                 self.pool.release(cpu_block_id, TRANSFER_HOLD)
-        for load_id in list(self._loads):
+        for load_id in list(self.transfers.loads):
             self._complete_load(load_id)  # the host blocks it was to read are intact
         if self.disk is not None:
             self.disk.store.wait_idle()
@@ -321,22 +288,12 @@ class OffloadManager:
 
     def check_invariants(self, seqs: list[Sequence] = ()):
         """For tests: the host pool's, with the references that transfers in flight and the disk hold."""
-        holds = [0] * self.pool.num_blocks
-        for cpu_block_ids, _ in self._stores.values():
-            for cpu_block_id in cpu_block_ids:
-                holds[cpu_block_id] += 1
-        for load in self._loads.values():
-            for cpu_block_id in itertools.chain.from_iterable(load.cpu_holds):
-                holds[cpu_block_id] += 1
-        for cpu_block_id in itertools.chain.from_iterable(self._step_load_holds):
-            holds[cpu_block_id] += 1
-        for _, cpu_block_id in self._step_stores:
-            holds[cpu_block_id] += 1
+        holds = self.transfers.num_cpu_holds(self.pool.num_blocks)
         if self.disk is not None:
             for cpu_block_id, n in self.disk.held_cpu_block_ids().items():
                 holds[cpu_block_id] += n
         self.pool.check_invariants(seqs, holds)
-        loading = [b for load in self._loads.values() for b in load.gpu_block_ids] + [b for _, b in self._step_loads]
+        loading = self.transfers.gpu_block_ids_loading()
         gpu_loading = self.gpu_pool.loading if self.gpu_pool is not None else set()
         if sorted(loading) != sorted(gpu_loading):
             raise RuntimeError(f"the loads in flight fill gpu blocks {sorted(loading)}, but gpu blocks "

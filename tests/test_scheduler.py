@@ -433,3 +433,34 @@ def test_settle_drops_the_holds_of_copies_that_were_never_issued():
     assert pool.num_free_blocks == 4 and not pool.hash_to_block_id and {st.name for st in pool.state} == {"FREE"}
     assert s.reset_prefix_cache()
     check(s)
+
+
+def test_a_sequence_aborted_while_its_kv_loads_frees_its_gpu_blocks_when_the_load_lands():
+    """The load holds the blocks it fills: handed out before the copy landed, they would be overwritten by it."""
+    s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=8, mode="swap")
+    a, b = make_seq(6), make_seq(6, start=200)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # a [0, 1], b [2, 3]
+    s.preempt(b, mode="swap")
+    swapped, _ = run_step(s, land_copies=False)  # b's swap-out, and its swap-in of the partial block
+    assert b.block_table == [2, 4] and swapped.swap_in == [(1, 4)] and s.block_manager.loading == {4}
+    s.finish(b, "abort")
+    assert 4 not in s.block_manager.free_block_ids and s.block_manager.ref_counts[4] == 1
+    s.offload.complete(TransferReport([swapped.store_id, swapped.load_id]))
+    assert not s.block_manager.loading and 4 in s.block_manager.free_block_ids
+    check(s)
+
+
+def test_the_scheduler_names_the_blocks_each_step_writes():
+    """SchedulerOutput.written_gpu_block_ids: one block per row in a decode step, each row's blocks otherwise;
+    the offload manager and the copy engine read this list, nothing recomputes it."""
+    s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=8, max_num_batched_tokens=64)
+    a, b = make_seq(6), make_seq(9, start=200)
+    s.add(a)
+    s.add(b)
+    out, _ = run_step(s)
+    assert a.block_table == [0, 1] and b.block_table == [2, 3, 4] and out.written_gpu_block_ids == [0, 1, 2, 3, 4]
+    out, _ = run_step(s)  # a's position 6 in block 1, b's position 9 in block 4
+    assert out.written_gpu_block_ids == [1, 4]
+    assert s.offload._blocks_in_flight(a) == [1] and s.offload._blocks_in_flight(b) == [4]
