@@ -124,7 +124,7 @@ def _fill_decode_rows(plan: StepPlan, seqs: list[Sequence], bs: int):
     starts = [seq.num_computed_tokens for seq in seqs]
     plan.input_ids = [seq.token_ids[p] for seq, p in zip(seqs, starts)]
     plan.positions = starts
-    if len(plan.written_gpu_block_ids) != len(seqs):  # a step the scheduler did not name (tests, bench.py)
+    if len(plan.written_gpu_block_ids) != len(seqs):  # a SchedulerOutput built by hand (tests)
         plan.written_gpu_block_ids = written_gpu_block_ids(seqs, [1] * len(seqs), bs)
     plan.slot_mapping = [b * bs + p % bs for b, p in zip(plan.written_gpu_block_ids, starts)]
     plan.seq_lens = [p + 1 for p in starts]
