@@ -34,8 +34,9 @@ class Load(NamedTuple):
 class TransfersInFlight:
     """The copies of the step being scheduled (`step_*`, collected until `end_step` names them), then `stores` and
     `loads` by transfer id until the manager completes them.
-    NOTE: every host block a copy reads or writes, and every GPU block a load fills, is held by that copy (one
-          reference) from the moment it is collected until the manager completes it: `num_cpu_holds` counts them."""
+    NOTE: every host block a copy reads or writes is held by that copy (one reference in the host pool) from the
+          moment it is collected until the manager completes it, and so is every GPU block a load fills (in the GPU
+          pool: BlockManager.begin_loads); `num_cpu_holds` and `gpu_block_ids_loading` list them for the checks."""
 
     def __init__(self):
         self._transfer_ids = itertools.count()
