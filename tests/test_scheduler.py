@@ -464,3 +464,26 @@ def test_the_scheduler_names_the_blocks_each_step_writes():
     out, _ = run_step(s)  # a's position 6 in block 1, b's position 9 in block 4
     assert out.written_gpu_block_ids == [1, 4]
     assert s.offload._blocks_in_flight(a) == [1] and s.offload._blocks_in_flight(b) == [4]
+
+
+def test_a_prompt_waits_for_the_blocks_a_load_holds_after_its_sequence_was_aborted():
+    """The blocks of a sequence aborted while its KV loads come free when the load lands; until then a prompt
+    that needs them is not admitted, and the scheduler says a load is in flight (a reason to wait)."""
+    s = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8, mode="swap")
+    b = make_seq(6, start=200, max_tokens=20)
+    s.add(b)
+    run_step(s)  # b [0, 1]: block 0 full (cached), block 1 partial
+    s.preempt(b, mode="swap")
+    swapped, _ = run_step(s, land_copies=False)  # back in: block 0 still cached, the partial block copied to 2
+    assert b.block_table == [0, 2] and swapped.swap_in == [(1, 2)] and s.block_manager.loading == {2}
+    assert s.num_loads_in_flight == 1
+    s.finish(b, "abort")  # blocks 0 and 3 are free (and 1, which b left); block 2 stays with the load
+    assert list(s.block_manager.free_block_ids) == [3, 1, 0] and s.block_manager.ref_counts[2] == 1
+    c = make_seq(13, start=500)  # needs 4 blocks
+    s.add(c)
+    out, _ = run_step(s)
+    assert out.seqs == [] and list(s.waiting) == [c] and s.num_loads_in_flight == 1
+    s.offload.complete(TransferReport([swapped.store_id, swapped.load_id]))
+    assert s.num_loads_in_flight == 0 and s.block_manager.num_free_blocks == 4
+    out, _ = run_step(s)
+    assert out.seqs == [c]

@@ -78,6 +78,13 @@ class Scheduler:
         """Waiting sequences that are out of the queue while their prefix is read from disk."""
         return self.offload.num_disk_waiting if self.offload is not None else 0
 
+    @property
+    def num_loads_in_flight(self) -> int:
+        """Host->GPU loads not reported yet. Their GPU blocks stay held (loading) even when their sequence is gone
+        (aborted, preempted), so a step that can schedule nothing may only be waiting for one to land: like a disk
+        load, a reason to wait rather than a lack of progress."""
+        return len(self.offload.transfers.loads) if self.offload is not None else 0
+
     def _take_loaded_from_disk(self):
         """Sequences whose disk loads landed go back to the front of `waiting`, where their blocks are host hits."""
         if self.offload is not None:
