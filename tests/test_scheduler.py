@@ -487,3 +487,21 @@ def test_a_prompt_waits_for_the_blocks_a_load_holds_after_its_sequence_was_abort
     assert s.num_loads_in_flight == 0 and s.block_manager.num_free_blocks == 4
     out, _ = run_step(s)
     assert out.seqs == [c]
+
+
+def test_a_sequence_whose_kv_is_loading_is_passed_over_as_a_victim():
+    """Preempting c while its swap-in is in flight would free none of its loading blocks (the load holds them):
+    b, the newest sequence not loading, is preempted instead (here b itself, which needed the block)."""
+    s = make_scheduler(num_gpu_blocks=7, num_cpu_blocks=16, mode="swap", prefix_caching=False)
+    a, b, c = make_seq(6), make_seq(6, start=200), make_seq(6, start=300)
+    for seq in (a, b, c):
+        s.add(seq)
+    run_step(s)  # a [0, 1], b [2, 3], c [4, 5]
+    s.preempt(c, mode="swap")
+    out, _ = run_step(s, land_copies=False)  # c out of [4, 5] and back into [6, 4]
+    assert out.swap_in == [(0, 6), (1, 4)] and s.block_manager.loading == {4, 6}
+    out, _ = run_step(s, land_copies=False)  # a and b decode; c waits for its KV
+    assert out.seqs == [a, b] and list(s.block_manager.free_block_ids) == [5]
+    out, _ = run_step(s, land_copies=False)  # a takes block 5; b needs one: c is passed over
+    assert out.seqs == [a] and b.status.name == "SWAPPED" and c.status.name == "RUNNING"
+    assert out.swap_out == [(2, 2), (3, 3)] and s.block_manager.loading == {4, 6}

@@ -110,8 +110,9 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
         """One decode token, or the next prompt chunk, per running sequence, oldest first; when blocks run out,
-        preempt from the back (the newest) until this one fits. Returns (token budget left, sequences preempted).
-        This loop runs once per row of every decode step: its hot path reads fields, not properties."""
+        preempt from the back (the newest whose KV is not loading: pop_victim) until this one fits. Returns (token
+        budget left, sequences preempted). This loop runs once per row of every decode step: its hot path reads
+        fields, not properties."""
         num_preempted = 0
         hold_arriving = self.offload.seq_ids_to_hold(self.running) if self.offload is not None else ()
         running, allocate = self.running, self.block_manager.allocate
@@ -127,7 +128,7 @@ class Scheduler:
                 continue
             num_new = min(num_tokens - seq.num_computed_tokens, budget)
             while not allocate(seq, num_new):
-                victim = running.pop()
+                victim = pop_victim(running, hold_arriving)
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is seq:
@@ -335,3 +336,14 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.metrics.mark_finished(time.perf_counter())
+
+
+def pop_victim(running: list[Sequence], seq_ids_loading: set[int]) -> Sequence:
+    """Take the newest running sequence whose KV is not loading. Preempting one whose KV is loading frees none of
+    the loading blocks until the copy lands (its load holds them) and wastes the copy, so it is passed over, as
+    vLLM keeps a request whose KV loads out of its running queue. The sequence being scheduled is never loading,
+    so there always is one."""
+    for j in range(len(running) - 1, -1, -1):
+        if running[j].seq_id not in seq_ids_loading:
+            return running.pop(j)
+    raise RuntimeError(f"Scheduler: every running sequence {[seq.seq_id for seq in running]} is loading")
