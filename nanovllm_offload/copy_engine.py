@@ -2,8 +2,11 @@
 
 Ordering rules (each enforced by an event wait, never by a device-wide sync):
 1. A swap-out reads a block only after the last forward that writes it. With asynchronous scheduling a step's
-   copies are issued while the forward before is still queued or running; the blocks that forward writes (its slot
-   mapping) are copied after it, all others as soon as the forward before it is done, so they overlap it.
+   copies are issued while the step before (the step in flight) is still queued or running; the blocks that step
+   writes (`SchedulerOutput.written_gpu_block_ids`, named once by the scheduler and carried by the plan) are
+   copied after its forward, all others as soon as the forwards before it are done, so they overlap it. "The step
+   in flight" counts steps, not forwards: a step without a forward (only copies) writes nothing, and the forwards
+   before it are all done before the next step's stale copies start (`InFlightStep`).
 2. Compute that writes a GPU block waits for any swap-out still reading that block (`wait_before_forward`).
    Each run of a swap-out records its own event, and the scheduler orders a victim's blocks the way they are
    handed out again, so the next owner usually waits for one block's copy, not for the victim's whole KV.
@@ -38,17 +41,42 @@ def contiguous_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def written_block_ids(slot_mapping: list[int], block_size: int) -> set[int]:
-    """GPU blocks a forward writes KV into (slot -1 is CUDA-graph padding)."""
-    return {slot // block_size for slot in slot_mapping if slot >= 0}
-
-
 def split_by_last_forward(pairs: list[tuple[int, int]], written: set[int] | None):
-    """Swap-out pairs -> (stale, hot): hot ones read a block the last forward writes and must wait for it; stale
-    ones only for the forward before. `written` None (no forward before the last one): all are hot."""
+    """Swap-out pairs -> (stale, hot): hot ones read a block the step in flight writes and must wait for its
+    forward; stale ones only for the forwards before. `written` None (nothing to wait for short of all compute
+    issued so far): all are hot."""
     if written is None:
         return [], pairs
     return [p for p in pairs if p[0] not in written], [p for p in pairs if p[0] in written]
+
+
+class InFlightStep:
+    """Rule 1's bookkeeping, kept per step (a step without a forward too): the blocks the step in flight writes, and
+    an event that every forward issued before it has passed. `step_issued` starts a step (before its copies),
+    `forward_issued` records its forward; the events are CUDA events on the copy engine, stand-ins in tests.
+    NOTE: the written blocks come from the plan of a step that was launched, so a step scheduled but never launched
+          (one that raised) cannot make a copy skip a forward that writes its block."""
+
+    def __init__(self):
+        self.last_forward = None  # event after the latest forward
+        self.forwards_before = None  # event after every forward issued before the step in flight (None: none)
+        self.written: list[int] = []  # gpu blocks the step in flight writes
+        self._forwards_before_this_step = None
+        self._this_step_written: list[int] = []
+
+    def step_issued(self):
+        """A new step's copies are about to go out: the step before it becomes the step in flight."""
+        self.forwards_before, self._forwards_before_this_step = self._forwards_before_this_step, self.last_forward
+        self.written, self._this_step_written = self._this_step_written, []
+
+    def forward_issued(self, event, written_gpu_block_ids: list[int]):
+        self.last_forward = event
+        self._this_step_written = written_gpu_block_ids
+
+    def split(self, pairs: list[tuple[int, int]]):
+        """Swap-out pairs -> (stale, hot) for the copies of the step just issued (see split_by_last_forward)."""
+        written = None if self.forwards_before is None else set(self.written)
+        return split_by_last_forward(pairs, written)
 
 
 def events_to_wait(new_gpu_block_ids: list[int], block_tables: list[list[int]], reading: dict, arriving: dict) -> list:
@@ -81,9 +109,7 @@ class CopyEngine:
         self.reading_gpu_blocks: dict[int, torch.cuda.Event] = {}  # swap-out sources still being read
         self.arriving_gpu_blocks: dict[int, torch.cuda.Event] = {}  # swap-in destinations still being filled
         self.last_out_event = self.last_in_event = None
-        # rule 1: events recorded after the last two forwards, and the slots the last one writes
-        self.before_last_forward = self.last_forward = None
-        self.last_forward_slots: list[int] = []
+        self.in_flight_step = InFlightStep()  # rule 1
         self.pending_copies: list[tuple[object, object, int]] = []  # (start, end, bytes): copies not yet timed
         self.pending_waits: list[tuple[object, object]] = []  # compute-stream stalls not yet timed
         self.bytes_out = self.bytes_in = 0
@@ -99,6 +125,7 @@ class CopyEngine:
         applies to the blocks the forward writes: a swap-in's destinations are written by the copy, which is
         ordered after the swap-outs (rule 4)."""
         self.poll()
+        self.in_flight_step.step_issued()
         self.swap_out(swap_out)
         if swap_out and self.reports_completions:
             self.in_flight.append((store_id, self.last_out_event))  # the out stream runs the step's runs in order
@@ -108,26 +135,24 @@ class CopyEngine:
         if swap_in and self.reports_completions:
             self.in_flight.append((load_id, self.last_in_event))
 
-    def forward_issued(self, slot_mapping: list[int]):
-        """Call after each forward is enqueued on the compute stream (rule 1). KV written on the compute stream by
-        anything else would not be waited for by the swap-outs of blocks the last forward does not write."""
+    def forward_issued(self, written_gpu_block_ids: list[int]):
+        """Call after each forward is enqueued on the compute stream, with the blocks it writes (the plan's
+        `written_gpu_block_ids`; rule 1). KV written on the compute stream by anything else would not be waited for
+        by the swap-outs of blocks the step in flight does not write."""
         if not self.is_cuda:
             return
         event = torch.cuda.Event()
         event.record()
-        self.before_last_forward, self.last_forward = self.last_forward, event
-        self.last_forward_slots = slot_mapping
+        self.in_flight_step.forward_issued(event, written_gpu_block_ids)
 
     def swap_out(self, pairs: list[tuple[int, int]]):
         """pairs: (gpu_block_id, cpu_block_id), in the order the blocks are handed out again."""
         if not pairs:
             return
         self.bytes_out += len(pairs) * self.block_bytes
-        written = None  # on CPU forward_issued records nothing, so every pair is "hot": one synchronous copy
-        if self.before_last_forward is not None:
-            written = written_block_ids(self.last_forward_slots, self.block_size)
-        stale, hot = split_by_last_forward(pairs, written)
-        self._copy(stale, self.gpu_kv, self.host_kv, "out", after=self.before_last_forward)
+        # on CPU forward_issued records nothing, so every pair is "hot": one synchronous copy
+        stale, hot = self.in_flight_step.split(pairs)
+        self._copy(stale, self.gpu_kv, self.host_kv, "out", after=self.in_flight_step.forwards_before)
         self._copy(hot, self.gpu_kv, self.host_kv, "out")
 
     def swap_in(self, pairs: list[tuple[int, int]]):

@@ -10,11 +10,11 @@ hands to `complete` once per step. Completions, and only completions, advance th
 - a host block is FREE -> RESERVED (handed out) -> WRITING (its step's copies went out) -> READY (they landed);
   only READY blocks are found by `lookup`, and a block in flight is held by its transfer, so it is never evicted;
 - a host block a load reads is held until the load lands, then released (a cached one stays findable);
-- a sequence whose GPU blocks are loading waits out of the batch (`seq_ids_to_hold`) until its load lands.
+- a GPU block a load fills is loading (BlockManager.loading) and held by the load until it lands; a sequence of a
+  load in flight waits out of the batch (`seq_ids_to_hold`) meanwhile.
 """
-import itertools
 import logging
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.sequence import Sequence, SequenceStatus
@@ -24,23 +24,14 @@ from nanovllm_offload.host_memory import GiB, check_host_memory, num_host_blocks
 from nanovllm_offload.policy import PreemptionPolicy
 from nanovllm_offload.swap_in_allocation import allocate_for_swap_in
 from nanovllm_offload.transfer_report import TransferHandler, TransferReport
+from nanovllm_offload.transfers_in_flight import StepCopies, TransfersInFlight
 
 if TYPE_CHECKING:
     from nanovllm.config import Config
 
 logger = logging.getLogger(__name__)
 CPU_PREFILL_PRIOR = 1e3  # tokens/s: a small model's prefill on a few CPU cores
-NO_TRANSFER = -1  # the transfer id of a direction without copies this step
 TRANSFER_HOLD = -1  # the owner a transfer's reference on a host block is released under (in error messages)
-
-
-class StepCopies(NamedTuple):
-    """A step's copies: (gpu_block_id, cpu_block_id) stores and (cpu_block_id, gpu_block_id) loads, each direction
-    under one transfer id (NO_TRANSFER without copies)."""
-    swap_out: list[tuple[int, int]]
-    store_id: int
-    swap_in: list[tuple[int, int]]
-    load_id: int
 
 
 class OffloadManager:
@@ -52,9 +43,9 @@ class OffloadManager:
 
     NOTE: a SWAPPED sequence's computed KV is in the host blocks of its cpu_block_table and nowhere else. Its
           swap-in moves those references to the load, which releases them when it lands.
-    NOTE: transfers in flight, by id: `_stores` (the host blocks a step's GPU->host copies fill, each held once by
-          the store) and `_loads` (the host blocks a step's host->GPU copies read, held; the sequences waiting for
-          them). The copies of the step being scheduled collect in `_step_*` until `end_step` names them.
+    NOTE: the copies handed out and not yet completed, and who they hold, are in `transfers` (TransfersInFlight).
+    NOTE: one GPU pool: `gpu_pool` is the BlockManager that swap_in and load_prefix_hits were given, whose loading
+          blocks `complete` finishes.
     """
 
     def __init__(self, num_blocks: int, block_size: int, policy: PreemptionPolicy | None, prefix_cache: bool):
@@ -66,17 +57,13 @@ class OffloadManager:
         # the disk tier's counters when it was closed (close_disk): the writes still queued then are done by close,
         # and stats() after close() counts them (in the run that wrote them, before close, they may read 0)
         self.closed_disk_stats: dict | None = None
-        self._transfer_ids = itertools.count()
-        self._step_stores: list[tuple[int, int]] = []  # (gpu_block_id, cpu_block_id)
-        self._step_disk_writes: list[tuple[int, int]] = []  # (cpu_block_id, block_hash): to disk once READY
-        self._step_loads: list[tuple[int, int]] = []  # (cpu_block_id, gpu_block_id)
-        self._step_load_holds: list[list[int]] = []  # per load: the cpu blocks it holds, in release order
-        self._step_arriving: list[Sequence] = []
-        self._stores: dict[int, tuple[list[int], list[tuple[int, int]]]] = {}  # id -> (cpu blocks, disk writes)
-        self._loads: dict[int, tuple[list[list[int]], list[Sequence]]] = {}  # id -> (holds, sequences)
-        self.arriving: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (seq, load_id): its GPU blocks are loading
+        self.transfers = TransfersInFlight()
+        self.gpu_pool: BlockManager | None = None
         self._loaded_from_disk: list[Sequence] = []  # disk loads that landed, for the scheduler's next step
-        self._last_step: tuple[list[Sequence], list[int]] = ([], [])  # (seqs, num_new_tokens) scheduled last
+        # the gpu blocks the step scheduled last writes (SchedulerOutput.written_gpu_block_ids); as a set once a
+        # swap-out asks (None until then)
+        self._written_in_flight: list[int] = []
+        self._written_in_flight_set: set[int] | None = None
         self._said_swap_fallback = False
 
     @classmethod
@@ -110,7 +97,8 @@ class OffloadManager:
         """Store seq's computed KV in host blocks and free its GPU blocks: the number of blocks to copy, or None
         (nothing changed) when the pool is short. The copies go in the order the GPU blocks are handed out again,
         so the next owner's forward waits for one block's copy rather than for the victim's whole KV; the blocks
-        the step in flight writes are copied, and handed out, last."""
+        the step in flight writes are copied, and handed out, last (the copy engine copies those after its forward:
+        both read SchedulerOutput.written_gpu_block_ids)."""
         copies = self.pool.swap_out(seq, gpu_blocks.computed_block_ids(seq))
         if copies is None:
             self._say_swap_fallback(seq, gpu_blocks)
@@ -120,17 +108,16 @@ class OffloadManager:
         copies.sort(key=lambda c: rank[c[0]])
         for _, cpu_block_id in copies:
             self.pool.take(cpu_block_id)  # the store's hold: an abort of seq must not free a block being written
-        self._step_stores += copies
+        self.transfers.step_stores += copies
         return len(copies)
 
     def _blocks_in_flight(self, seq: Sequence) -> list[int]:
         """seq's blocks that the step scheduled last writes: with asynchronous scheduling its forward may still be
-        running. A preference for the hand-out order only; the copy engine's rule 1 is what orders the copies."""
-        for other, num_new in zip(*self._last_step):
-            if other is seq:
-                bs, end = self.block_size, seq.num_computed_tokens
-                return seq.block_table[(end - num_new) // bs:(end + bs - 1) // bs]
-        return []
+        running."""
+        if self._written_in_flight_set is None:
+            self._written_in_flight_set = set(self._written_in_flight)
+        written = self._written_in_flight_set
+        return [gpu_block_id for gpu_block_id in seq.block_table if gpu_block_id in written]
 
     def _say_swap_fallback(self, seq: Sequence, gpu_blocks: BlockManager):
         """A swap becomes a recompute (no room in the host pool): said once, since it costs prefill time that the
@@ -156,7 +143,7 @@ class OffloadManager:
         if copies is None:
             return None
         held, seq.cpu_block_table = seq.cpu_block_table[::-1], []  # released last block first, as pool.free does
-        self._prepare_load(seq, copies, held)
+        self._prepare_load(seq, copies, held, gpu_blocks)
         return len(copies)
 
     def free(self, seq: Sequence) -> bool:
@@ -183,24 +170,27 @@ class OffloadManager:
         """Hits become the most recently used host blocks."""
         self.pool.touch(cpu_block_ids)
 
-    def load_prefix_hits(self, seq: Sequence, cpu_block_ids: list[int]):
+    def load_prefix_hits(self, seq: Sequence, cpu_block_ids: list[int], gpu_blocks: BlockManager):
         """Copy host hits into the GPU blocks just allocated for them; the hits count as computed from now on, and
-        seq waits out of the batch until they land. The hits are held until then: not evictable meanwhile."""
+        seq waits out of the batch until they land. The hits are held until then: not evictable meanwhile; the GPU
+        blocks are loading."""
         first = seq.num_computed_tokens // self.block_size
         gpu_block_ids = seq.block_table[first:first + len(cpu_block_ids)]
         seq.num_computed_tokens += len(cpu_block_ids) * self.block_size
         for cpu_block_id in cpu_block_ids:
             self.pool.take(cpu_block_id)
-        self._prepare_load(seq, list(zip(cpu_block_ids, gpu_block_ids)), cpu_block_ids)
+        self._prepare_load(seq, list(zip(cpu_block_ids, gpu_block_ids)), cpu_block_ids, gpu_blocks)
 
-    def _prepare_load(self, seq: Sequence, copies: list[tuple[int, int]], held_cpu_block_ids: list[int]):
+    def _prepare_load(self, seq: Sequence, copies: list[tuple[int, int]], held_cpu_block_ids: list[int],
+                      gpu_blocks: BlockManager):
         if not copies:  # every block still cached on the GPU: nothing to wait for
             for cpu_block_id in held_cpu_block_ids:
                 self.pool.release(cpu_block_id, seq.seq_id)
             return
-        self._step_loads += copies
-        self._step_load_holds.append(held_cpu_block_ids)
-        self._step_arriving.append(seq)
+        self.gpu_pool = gpu_blocks
+        gpu_block_ids = [gpu_block_id for _, gpu_block_id in copies]
+        gpu_blocks.begin_loads(gpu_block_ids)
+        self.transfers.add_load(seq, copies, held_cpu_block_ids, gpu_block_ids)
 
     def store_cached_blocks(self, candidates: list[tuple[int, int]]) -> int:
         """Copy cached GPU blocks (gpu_block_id, block_hash) that the host prefix cache does not hold yet; blocks the
@@ -211,10 +201,10 @@ class OffloadManager:
         for gpu_block_id, block_hash in candidates:
             cpu_block_id = self.pool.store(block_hash)  # RESERVED, held by the store
             if cpu_block_id is not None:
-                self._step_stores.append((gpu_block_id, cpu_block_id))
+                self.transfers.step_stores.append((gpu_block_id, cpu_block_id))
                 num_stored += 1
                 if self.disk is not None:
-                    self._step_disk_writes.append((cpu_block_id, block_hash))
+                    self.transfers.step_disk_writes.append((cpu_block_id, block_hash))
         return num_stored
 
     def can_reset_cache(self) -> bool:
@@ -225,55 +215,46 @@ class OffloadManager:
         return self.pool.reset_cache()
 
     # --- once per step: hand the copies out, take the completions in
-    def end_step(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepCopies:
-        """The copies of the step just scheduled (seqs computing num_new_tokens each), and of preempt() calls since
-        the last one. Their host destinations are WRITING from now on."""
-        self._last_step = (seqs, num_new_tokens)
-        copies = StepCopies([], NO_TRANSFER, [], NO_TRANSFER)
-        if self._step_stores:
-            copies = copies._replace(swap_out=self._step_stores, store_id=next(self._transfer_ids))
-            cpu_block_ids = [cpu_block_id for _, cpu_block_id in self._step_stores]
-            self.pool.begin_writes(cpu_block_ids)
-            self._stores[copies.store_id] = (cpu_block_ids, self._step_disk_writes)
-            self._step_stores, self._step_disk_writes = [], []
-        if self._step_loads:
-            copies = copies._replace(swap_in=self._step_loads, load_id=next(self._transfer_ids))
-            self._loads[copies.load_id] = (self._step_load_holds, self._step_arriving)
-            for seq in self._step_arriving:
-                self.arriving[seq.seq_id] = (seq, copies.load_id)
-            self._step_loads, self._step_load_holds, self._step_arriving = [], [], []
+    def end_step(self, written_gpu_block_ids: list[int]) -> StepCopies:
+        """The copies of the step just scheduled, whose forward writes written_gpu_block_ids, and of preempt() calls
+        since the last one. Their host destinations are WRITING from now on."""
+        self._written_in_flight, self._written_in_flight_set = written_gpu_block_ids, None
+        copies = self.transfers.end_step()
+        if copies.swap_out:
+            self.pool.begin_writes(self.transfers.stores[copies.store_id].cpu_block_ids)
         return copies
 
     def seq_ids_to_hold(self, running: list[Sequence]) -> set[int]:
-        """Ids of the running sequences to leave out of this step because their loads have not landed; none when
-        nothing else could run (then the forward waits for the copies on the device instead: the copy engine's
-        rule 3)."""
-        if not self.arriving:
+        """Ids of the running sequences to leave out of this step because blocks of theirs are loading: those of the
+        loads in flight (a sequence resumed twice is in two, and loads land in order, so the later one decides);
+        none when nothing else could run (then the forward waits for the copies on the device instead: the copy
+        engine's rule 3)."""
+        if not self.transfers.loads:
             return set()
-        self.arriving = {i: a for i, a in self.arriving.items() if a[0].status == SequenceStatus.RUNNING}
-        if len(self.arriving) == len(running):
-            return set()
-        return set(self.arriving)
+        held = {seq.seq_id for load in self.transfers.loads.values() for seq in load.seqs
+                if seq.status == SequenceStatus.RUNNING}
+        return set() if len(held) == len(running) else held
 
     def complete(self, report: TransferReport):
         """Advance every transfer `report` names, then the disk's: a store's host blocks become READY (and those
         for the disk go to it), a load's host blocks are released and its sequences may join the batch, a disk
         load's sequence goes back to the scheduler (take_loaded_from_disk). The copies' timings feed the policy."""
+        stores, loads = self.transfers.stores, self.transfers.loads
         for transfer_id in report.finished_ids:
-            if transfer_id in self._stores:
+            if transfer_id in stores:
                 self._complete_store(transfer_id)
-            elif transfer_id in self._loads:
+            elif transfer_id in loads:
                 self._complete_load(transfer_id)
             else:
                 raise RuntimeError(f"OffloadManager.complete: transfer {transfer_id} is not in flight "
-                                   f"(stores {sorted(self._stores)}, loads {sorted(self._loads)})")
+                                   f"(stores {sorted(stores)}, loads {sorted(loads)})")
         if self.policy is not None:
             self.policy.observe_copies(report)
         if self.disk is not None:
             self._loaded_from_disk += self.disk.poll()
 
     def _complete_store(self, store_id: int):
-        cpu_block_ids, disk_writes = self._stores.pop(store_id)
+        cpu_block_ids, disk_writes = self.transfers.stores.pop(store_id)
         self.pool.finish_writes(cpu_block_ids)
         to_disk = {cpu_block_id for cpu_block_id, block_hash in disk_writes
                    if self.disk.write(cpu_block_id, block_hash)}  # the store's hold becomes the write's
@@ -282,13 +263,11 @@ class OffloadManager:
                 self.pool.release(cpu_block_id, TRANSFER_HOLD)
 
     def _complete_load(self, load_id: int):
-        holds, seqs = self._loads.pop(load_id)
-        for held in holds:
+        load = self.transfers.loads.pop(load_id)
+        for held in load.cpu_holds:
             for cpu_block_id in held:
                 self.pool.release(cpu_block_id, TRANSFER_HOLD)
-        for seq in seqs:
-            if self.arriving.get(seq.seq_id, (None, None))[1] == load_id:
-                del self.arriving[seq.seq_id]
+        self.gpu_pool.finish_loads(load.gpu_block_ids)
 
     def settle(self, copies: TransferHandler):
         """With nothing running: wait for every copy and disk transfer and complete them (a prefix-cache reset, or
@@ -296,12 +275,12 @@ class OffloadManager:
         before its launch): its holds are dropped, and the blocks it was to fill hold nothing (FREE)."""
         copies.synchronize()
         self.complete(copies.get_finished())
-        for store_id in list(self._stores):
-            cpu_block_ids, _ = self._stores.pop(store_id)
+        for store_id in list(self.transfers.stores):
+            cpu_block_ids, _ = self.transfers.stores.pop(store_id)
             self.pool.abandon_writes(cpu_block_ids)
             for cpu_block_id in cpu_block_ids:
                 self.pool.release(cpu_block_id, TRANSFER_HOLD)
-        for load_id in list(self._loads):
+        for load_id in list(self.transfers.loads):
             self._complete_load(load_id)  # the host blocks it was to read are intact
         if self.disk is not None:
             self.disk.store.wait_idle()
@@ -309,21 +288,16 @@ class OffloadManager:
 
     def check_invariants(self, seqs: list[Sequence] = ()):
         """For tests: the host pool's, with the references that transfers in flight and the disk hold."""
-        holds = [0] * self.pool.num_blocks
-        for cpu_block_ids, _ in self._stores.values():
-            for cpu_block_id in cpu_block_ids:
-                holds[cpu_block_id] += 1
-        for held_lists, _ in self._loads.values():
-            for cpu_block_id in itertools.chain.from_iterable(held_lists):
-                holds[cpu_block_id] += 1
-        for cpu_block_id in itertools.chain.from_iterable(self._step_load_holds):
-            holds[cpu_block_id] += 1
-        for _, cpu_block_id in self._step_stores:
-            holds[cpu_block_id] += 1
+        holds = self.transfers.num_cpu_holds(self.pool.num_blocks)
         if self.disk is not None:
             for cpu_block_id, n in self.disk.held_cpu_block_ids().items():
                 holds[cpu_block_id] += n
         self.pool.check_invariants(seqs, holds)
+        loading = self.transfers.gpu_block_ids_loading()
+        gpu_loading = self.gpu_pool.loading if self.gpu_pool is not None else set()
+        if sorted(loading) != sorted(gpu_loading):
+            raise RuntimeError(f"the loads in flight fill gpu blocks {sorted(loading)}, but gpu blocks "
+                               f"{sorted(gpu_loading)} are loading")
 
     # --- the disk tier below the host pool (nanovllm_offload/disk_tier.py)
     def attach_disk(self, store, host_blocks, on_cpu: bool = False):

@@ -224,3 +224,53 @@ def test_free_swapped_out_returns_the_order_the_free_queue_hands_the_blocks_out(
     assert order == [3, 2, 0, 1]
     handed_out = [bm.pop_free() for _ in range(bm.num_free_blocks)]
     assert [b for b in handed_out if b in order] == order
+
+
+def test_a_loading_block_is_held_by_its_load_and_is_no_prefix_hit():
+    """A gpu block is loading from the moment its load is prepared until the copy engine reports it: its load
+    holds it, so freeing its sequence meanwhile (an abort) does not hand it out, and no lookup finds it."""
+    bm = BlockManager(6, BLOCK_SIZE)
+    a = make_seq(10)
+    assert bm.allocate(a, 10) and a.block_table == [0, 1, 2]
+    a.num_computed_tokens = 10
+    bm.cache_full_blocks(a)  # blocks 0 and 1 are cached
+    bm.begin_loads([1, 2])  # say a came back from the host and blocks 1 and 2 are being filled
+    assert bm.loading == {1, 2} and bm.ref_counts[:3] == [1, 2, 2]
+    assert bm.find_cached_prefix(make_seq(9)) == [0]  # block 1 holds a's second block, but not yet
+    bm.check_invariants([a])  # the loads' references count
+    bm.free(a)  # aborted while loading: only block 0 is free
+    assert list(bm.free_block_ids) == [3, 4, 5, 0] and bm.ref_counts[:3] == [0, 1, 1]
+    b = make_seq(12, start=500)
+    assert not bm.allocate(b, 20)  # 5 blocks wanted, 4 free: the loading ones are not among them
+    bm.finish_loads([1, 2])  # landed: block 2 (unhashed) goes to the head, block 1 (cached) to the tail
+    assert not bm.loading and list(bm.free_block_ids) == [2, 3, 4, 5, 0, 1]
+    assert bm.find_cached_prefix(make_seq(9)) == [0, 1]
+    bm.check_invariants([])
+
+
+def test_loading_states_are_asserted_on_the_block():
+    bm = BlockManager(4, BLOCK_SIZE)
+    a = make_seq(4)
+    assert bm.allocate(a, 4) and a.block_table == [0]
+    bm.begin_loads([0])
+    with pytest.raises(RuntimeError, match="gpu block 0 is already loading"):
+        bm.begin_loads([0])
+    with pytest.raises(RuntimeError, match="gpu block 3 is not loading"):
+        bm.finish_loads([3])
+    bm.loading.add(1)  # a broken invariant: a loading block in the free queue
+    with pytest.raises(RuntimeError, match="gpu block 1 is loading but was in the free queue"):
+        bm.allocate(make_seq(8, start=300), 8)
+
+
+def test_a_swap_in_does_not_reuse_a_cached_block_that_is_still_loading():
+    bm = BlockManager(6, BLOCK_SIZE)
+    a, b = make_seq(8), make_seq(8)  # the same two full blocks
+    assert bm.allocate(a, 8) and a.block_table == [0, 1]
+    a.num_computed_tokens = 8
+    bm.cache_full_blocks(a)
+    assert bm.hash_to_block_id == {a.block_hashes[0]: 0, a.block_hashes[1]: 1}
+    bm.begin_loads([1])  # block 1 is cached (a's second block) but still being filled
+    b.num_computed_tokens, b.cpu_block_table = 8, [4, 5]  # b is SWAPPED with the same KV on the host
+    b.block_hashes = list(a.block_hashes)  # hashed when it computed them
+    assert allocate_for_swap_in(b, bm) == [(5, 2)] and b.block_table == [0, 2]
+    bm.check_invariants([a, b])

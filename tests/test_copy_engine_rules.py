@@ -1,6 +1,6 @@
 """Which copies wait for which forward, and which forward waits for which copies (rules 1-3 of
 nanovllm_offload/copy_engine.py), with stand-in events."""
-from nanovllm_offload.copy_engine import contiguous_runs, events_to_wait, split_by_last_forward, written_block_ids
+from nanovllm_offload.copy_engine import InFlightStep, contiguous_runs, events_to_wait, split_by_last_forward
 
 
 class Event:
@@ -37,13 +37,31 @@ def test_contiguous_runs_merge_only_when_both_ids_advance():
 
 
 def test_a_swap_out_waits_for_the_last_forward_only_for_the_blocks_it_writes():
-    # block size 4; the last forward wrote slots 21 (block 5), 8 and 9 (block 2); -1 is graph padding
-    written = written_block_ids([21, 8, 9, -1], 4)
-    assert written == {5, 2}
-    stale, hot = split_by_last_forward([(4, 0), (5, 1), (2, 2), (7, 3)], written)
+    # the step in flight writes blocks 5 and 2 (its plan's written_gpu_block_ids)
+    stale, hot = split_by_last_forward([(4, 0), (5, 1), (2, 2), (7, 3)], {5, 2})
     assert stale == [(4, 0), (7, 3)] and hot == [(5, 1), (2, 2)]
-    # no forward before the last one: everything waits for the last
+    # no forward before the step in flight: everything waits for all compute issued so far
     assert split_by_last_forward([(4, 0)], None) == ([], [(4, 0)])
+
+
+def test_the_step_in_flight_is_counted_in_steps_so_a_step_without_a_forward_writes_nothing():
+    """Rule 1's bookkeeping: stale swap-outs wait for the forwards before the step in flight, hot ones (blocks that
+    step writes) for its forward. A step without a forward becomes the step in flight too: it writes nothing."""
+    steps = InFlightStep()
+    steps.step_issued()  # step 1: no forward before it
+    steps.forward_issued(Event("forward 1"), [5, 6])
+    assert steps.split([(5, 0), (7, 1)]) == ([], [(5, 0), (7, 1)])  # (step 1's copies: nothing before it)
+    steps.step_issued()  # step 2: step 1 is in flight
+    assert steps.forwards_before is None and steps.split([(5, 0), (7, 1)]) == ([], [(5, 0), (7, 1)])
+    steps.forward_issued(Event("forward 2"), [7])
+    steps.step_issued()  # step 3: step 2 (writes 7) in flight; forward 1 (wrote 5) is before it
+    assert steps.forwards_before.name == "forward 1"
+    assert steps.split([(5, 0), (7, 1)]) == ([(5, 0)], [(7, 1)])
+    # step 3 launched only copies (no forward); step 4's copies: step 3, which writes nothing, is in flight, and
+    # forward 2 (which wrote 7) is before it
+    steps.step_issued()
+    assert steps.forwards_before.name == "forward 2" and steps.written == []
+    assert steps.split([(5, 0), (7, 1)]) == ([(5, 0), (7, 1)], [])
 
 
 def test_get_finished_names_each_steps_transfers_once():

@@ -639,11 +639,11 @@ def test_a_load_reads_at_once_into_free_host_blocks_never_into_blocks_a_copy_hol
     swapped.num_computed_tokens = 10
     gpu.cache_full_blocks(swapped)
     assert tier.swap_out(swapped, gpu) == 3
-    out = tier.end_step([], [])
+    out = tier.end_step([])
     assert out.swap_out == [(2, 2), (1, 1), (0, 0)] and tier.pool.state[2].name == "WRITING"
     landed(tier, [out.store_id])
     assert tier.swap_in(swapped, gpu, 0, 64) == 1  # the partial block: host block 2 is read by the copy
-    out = tier.end_step([], [])
+    out = tier.end_step([])
     assert out.swap_in == [(2, 2)] and tier.pool.num_free_blocks == 5  # 0, 1 and 2 held by the load
     seq = Sequence(list(range(500, 517)), SamplingParams(), 4)  # 4 full blocks before the last token
     store_prompt_blocks(store, seq, range(4))

@@ -212,6 +212,6 @@ def test_a_host_hit_waits_for_its_store_to_land_and_holds_its_block_until_its_lo
     with pytest.raises(RuntimeError, match="transfer 99 is not in flight"):
         s.offload.complete(TransferReport([99]))
     s.offload.complete(TransferReport([loaded.load_id]))
-    assert s.offload.pool.num_free_blocks == 2 and not s.offload.arriving
+    assert s.offload.pool.num_free_blocks == 2 and not s.block_manager.loading
     finish(s, c)
     check(s)

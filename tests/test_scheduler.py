@@ -257,7 +257,8 @@ def test_a_resumed_sequence_stays_out_of_the_batch_until_its_kv_has_landed():
     s.preempt(b, mode="swap")
     # b's swap-out goes out, and b is swapped straight back in: its copies are in flight
     swapped, _ = run_step(s, land_copies=False)
-    assert swapped.swap_in and b.status.name == "RUNNING" and b.seq_id in s.offload.arriving
+    assert swapped.swap_in and b.status.name == "RUNNING" and s.offload.seq_ids_to_hold(s.running) == {b.seq_id}
+    assert b.block_table == [2, 4] and s.block_manager.loading == {4}  # its full block 2 was still cached
     out, _ = run_step(s)
     assert out.seqs == [a]  # a runs; b waits for its KV instead of stalling the forward
     s.offload.complete(TransferReport([swapped.store_id]))
@@ -265,7 +266,7 @@ def test_a_resumed_sequence_stays_out_of_the_batch_until_its_kv_has_landed():
     assert out.seqs == [a]  # its swap-out landed, its swap-in not yet
     s.offload.complete(TransferReport([swapped.load_id]))
     out, _ = run_step(s)
-    assert out.seqs == [a, b] and not s.offload.arriving
+    assert out.seqs == [a, b] and not s.block_manager.loading
 
 
 def test_a_sequence_waiting_for_its_kv_runs_when_nothing_else_can():
@@ -276,7 +277,8 @@ def test_a_sequence_waiting_for_its_kv_runs_when_nothing_else_can():
     s.preempt(b, mode="swap")
     run_step(s, land_copies=False)  # swapped out and straight back in
     out, _ = run_step(s)
-    assert out.seqs == [b] and b.seq_id in s.offload.arriving  # alone: the forward waits for the copies (rule 3)
+    # alone: it runs, and the forward waits for the copy into block 2 on the device (rule 3)
+    assert out.seqs == [b] and b.block_table == [0, 2] and s.block_manager.loading == {2}
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
@@ -431,3 +433,75 @@ def test_settle_drops_the_holds_of_copies_that_were_never_issued():
     assert pool.num_free_blocks == 4 and not pool.hash_to_block_id and {st.name for st in pool.state} == {"FREE"}
     assert s.reset_prefix_cache()
     check(s)
+
+
+def test_a_sequence_aborted_while_its_kv_loads_frees_its_gpu_blocks_when_the_load_lands():
+    """The load holds the blocks it fills: handed out before the copy landed, they would be overwritten by it."""
+    s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=8, mode="swap")
+    a, b = make_seq(6), make_seq(6, start=200)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # a [0, 1], b [2, 3]
+    s.preempt(b, mode="swap")
+    swapped, _ = run_step(s, land_copies=False)  # b's swap-out, and its swap-in of the partial block
+    assert b.block_table == [2, 4] and swapped.swap_in == [(1, 4)] and s.block_manager.loading == {4}
+    s.finish(b, "abort")
+    assert 4 not in s.block_manager.free_block_ids and s.block_manager.ref_counts[4] == 1
+    s.offload.complete(TransferReport([swapped.store_id, swapped.load_id]))
+    assert not s.block_manager.loading and 4 in s.block_manager.free_block_ids
+    check(s)
+
+
+def test_the_scheduler_names_the_blocks_each_step_writes():
+    """SchedulerOutput.written_gpu_block_ids: one block per row in a decode step, each row's blocks otherwise;
+    the offload manager and the copy engine read this list, nothing recomputes it."""
+    s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=8, max_num_batched_tokens=64)
+    a, b = make_seq(6), make_seq(9, start=200)
+    s.add(a)
+    s.add(b)
+    out, _ = run_step(s)
+    assert a.block_table == [0, 1] and b.block_table == [2, 3, 4] and out.written_gpu_block_ids == [0, 1, 2, 3, 4]
+    out, _ = run_step(s)  # a's position 6 in block 1, b's position 9 in block 4
+    assert out.written_gpu_block_ids == [1, 4]
+    assert s.offload._blocks_in_flight(a) == [1] and s.offload._blocks_in_flight(b) == [4]
+
+
+def test_a_prompt_waits_for_the_blocks_a_load_holds_after_its_sequence_was_aborted():
+    """The blocks of a sequence aborted while its KV loads come free when the load lands; until then a prompt
+    that needs them is not admitted, and the scheduler says a load is in flight (a reason to wait)."""
+    s = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8, mode="swap")
+    b = make_seq(6, start=200, max_tokens=20)
+    s.add(b)
+    run_step(s)  # b [0, 1]: block 0 full (cached), block 1 partial
+    s.preempt(b, mode="swap")
+    swapped, _ = run_step(s, land_copies=False)  # back in: block 0 still cached, the partial block copied to 2
+    assert b.block_table == [0, 2] and swapped.swap_in == [(1, 2)] and s.block_manager.loading == {2}
+    assert s.num_loads_in_flight == 1
+    s.finish(b, "abort")  # blocks 0 and 3 are free (and 1, which b left); block 2 stays with the load
+    assert list(s.block_manager.free_block_ids) == [3, 1, 0] and s.block_manager.ref_counts[2] == 1
+    c = make_seq(13, start=500)  # needs 4 blocks
+    s.add(c)
+    out, _ = run_step(s)
+    assert out.seqs == [] and list(s.waiting) == [c] and s.num_loads_in_flight == 1
+    s.offload.complete(TransferReport([swapped.store_id, swapped.load_id]))
+    assert s.num_loads_in_flight == 0 and s.block_manager.num_free_blocks == 4
+    out, _ = run_step(s)
+    assert out.seqs == [c]
+
+
+def test_a_sequence_whose_kv_is_loading_is_passed_over_as_a_victim():
+    """Preempting c while its swap-in is in flight would free none of its loading blocks (the load holds them):
+    b, the newest sequence not loading, is preempted instead (here b itself, which needed the block)."""
+    s = make_scheduler(num_gpu_blocks=7, num_cpu_blocks=16, mode="swap", prefix_caching=False)
+    a, b, c = make_seq(6), make_seq(6, start=200), make_seq(6, start=300)
+    for seq in (a, b, c):
+        s.add(seq)
+    run_step(s)  # a [0, 1], b [2, 3], c [4, 5]
+    s.preempt(c, mode="swap")
+    out, _ = run_step(s, land_copies=False)  # c out of [4, 5] and back into [6, 4]
+    assert out.swap_in == [(0, 6), (1, 4)] and s.block_manager.loading == {4, 6}
+    out, _ = run_step(s, land_copies=False)  # a and b decode; c waits for its KV
+    assert out.seqs == [a, b] and list(s.block_manager.free_block_ids) == [5]
+    out, _ = run_step(s, land_copies=False)  # a takes block 5; b needs one: c is passed over
+    assert out.seqs == [a] and b.status.name == "SWAPPED" and c.status.name == "RUNNING"
+    assert out.swap_out == [(2, 2), (3, 3)] and s.block_manager.loading == {4, 6}

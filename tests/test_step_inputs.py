@@ -37,6 +37,30 @@ def test_decode_rows_equal_the_general_loop(seed):
         assert getattr(fast, name) == getattr(loop, name), name
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_decode_plan_takes_its_slots_from_the_blocks_the_scheduler_named(seed):
+    """The scheduler names the blocks a step writes once (written_gpu_block_ids); a decode plan carries that list
+    to the copy engine and computes its slots from it, as the per-token loop would."""
+    rng = random.Random(seed)
+    seqs = decode_seqs(rng.randint(1, 40), 4, rng)
+    out = SchedulerOutput(seqs=seqs, num_new_tokens=[1] * len(seqs), samples=[True] * len(seqs))
+    out.name_written_blocks(4)
+    assert out.written_gpu_block_ids == [seq.block_table[-1] for seq in seqs]  # the last token's block
+    plan, _ = make_plan(out, 4)
+    loop = StepPlan()
+    _fill_rows(loop, seqs, [1] * len(seqs), 4)
+    assert plan.written_gpu_block_ids is out.written_gpu_block_ids and plan.slot_mapping == loop.slot_mapping
+
+
+def test_a_mixed_step_names_each_rows_blocks_in_order():
+    a, b = make_seq(num_tokens=9), make_seq(num_tokens=6)
+    a.block_table, b.block_table = [7, 8, 9], [3, 4]
+    a.num_computed_tokens, b.num_computed_tokens = 8, 1  # a decodes position 8; b computes positions 1-5
+    out = SchedulerOutput(seqs=[a, b], num_new_tokens=[1, 5], samples=[True, True])
+    out.name_written_blocks(4)
+    assert out.written_gpu_block_ids == [9, 3, 4]
+
+
 def test_make_plan_logits_indices_and_sample_seqs_of_a_mixed_step():
     seqs = decode_seqs(2, 4, random.Random(0)) + [make_seq(num_tokens=9), make_seq(num_tokens=6)]
     for seq in seqs[2:]:

@@ -4,6 +4,9 @@ from nanovllm.core.hashing import content_hash
 from nanovllm.core.sequence import PLACEHOLDER_TOKEN, Sequence
 
 
+LOAD_HOLD = -1  # the owner a load's reference on a gpu block is released under (in error messages)
+
+
 class BlockManager(BlockPool):
     """Owns the GPU block ids: per-sequence allocation and the GPU prefix cache on top of the shared pool mechanics
     (ref counts, LRU free queue, hash index: see BlockPool).
@@ -18,6 +21,11 @@ class BlockManager(BlockPool):
           under a swap-out still reading them: earlier steps already waited for theirs.
     NOTE: `offload_candidate_ids` collects hashed blocks the host tier may want a copy of: blocks that became
           evictable (write-back) or, with write-through, blocks that were just cached. The scheduler drains it.
+    NOTE: states. A gpu block is loading (in `loading`) from the moment a load into it is prepared (a swap-in or a
+          host prefix hit: `begin_loads`) until the copy engine reports that load (`finish_loads`). Meanwhile the load
+          holds it (one reference), so a sequence freed while its blocks load (aborted, preempted) cannot hand them
+          out, and `find_cached_prefix` stops at it; a loading block in the free queue is a broken invariant
+          (RuntimeError naming it).
     NOTE: tails. Prefix caching by full blocks recomputes the partial last block of every conversation turn (the
           next turn's prompt starts with the whole previous turn). So when a sequence finishes, its partial last
           block stays findable by the hash of the full block before it (`tail_by_parent`), with the tokens whose
@@ -37,6 +45,7 @@ class BlockManager(BlockPool):
         self.offload_candidate_ids: list[int] = []
         self.tail_by_parent: dict[int, int] = {}  # hash of the full block before a tail -> gpu_block_id
         self.tail_tokens: dict[int, tuple[int, list[int]]] = {}  # gpu_block_id -> (parent hash, token ids)
+        self.loading: set[int] = set()  # gpu blocks a load is filling (see the class NOTE on states)
 
     def begin_step(self):
         self.new_gpu_block_ids = []
@@ -58,7 +67,7 @@ class BlockManager(BlockPool):
         block_ids = []
         for i in range((seq.num_tokens - 1) // self.block_size):
             block_id = self.hash_to_block_id.get(content_hash(seq, i))
-            if block_id is None:
+            if block_id is None or block_id in self.loading:
                 break
             block_ids.append(block_id)
         return block_ids
@@ -153,9 +162,30 @@ class BlockManager(BlockPool):
 
     def pop_free(self) -> int:
         block_id = super().pop_free()
+        if block_id in self.loading:
+            raise RuntimeError(f"BlockManager.pop_free: gpu block {block_id} is loading but was in the free queue: "
+                               f"its load must hold it until it lands")
         self._drop_tail(block_id)
         self.new_gpu_block_ids.append(block_id)
         return block_id
+
+    # --- loads (the offload manager prepares them and completes them when the copy engine reports them)
+    def begin_loads(self, gpu_block_ids: list[int]):
+        """These blocks (each held by its sequence) are the destinations of a load: loading, and held by it."""
+        for block_id in gpu_block_ids:
+            if block_id in self.loading:
+                raise RuntimeError(f"BlockManager.begin_loads: gpu block {block_id} is already loading")
+            self.loading.add(block_id)
+            self.take(block_id)
+
+    def finish_loads(self, gpu_block_ids: list[int]):
+        """Their load landed: no longer loading, and the load lets go (a block whose sequence was freed meanwhile
+        becomes free now)."""
+        for block_id in gpu_block_ids:
+            if block_id not in self.loading:
+                raise RuntimeError(f"BlockManager.finish_loads: gpu block {block_id} is not loading")
+            self.loading.remove(block_id)
+            self.release(block_id, LOAD_HOLD)
 
     def take_offload_candidates(self) -> list[tuple[int, int]]:
         """(gpu_block_id, hash) of the candidates that still hold their hashed block."""
@@ -207,7 +237,7 @@ class BlockManager(BlockPool):
     def check_invariants(self, seqs: list[Sequence] = ()):
         """For tests: ref counts match the sequences' GPU block tables; see BlockPool.check_invariants. A tail
         entry names a free, unhashed block, and the two tail maps agree."""
-        super().check_invariants([seq.block_table for seq in seqs])
+        super().check_invariants([seq.block_table for seq in seqs] + [[b] for b in self.loading])
         for block_id, (parent, tokens) in self.tail_tokens.items():
             if self.ref_counts[block_id] or self.block_hash[block_id] is not None or not tokens:
                 raise RuntimeError(f"tail gpu block {block_id} is in use, hashed or empty")

@@ -162,7 +162,7 @@ class ModelRunner:
             return SampledTokens(None)
         logits, prompt_logprobs = self.forward(plan)
         if self.copy_engine is not None:
-            self.copy_engine.forward_issued(plan.slot_mapping)
+            self.copy_engine.forward_issued(plan.written_gpu_block_ids)
         if self.rank != 0:
             return SampledTokens(None)
         if logits is None:

@@ -78,6 +78,13 @@ class Scheduler:
         """Waiting sequences that are out of the queue while their prefix is read from disk."""
         return self.offload.num_disk_waiting if self.offload is not None else 0
 
+    @property
+    def num_loads_in_flight(self) -> int:
+        """Host->GPU loads not reported yet. Their GPU blocks stay held (loading) even when their sequence is gone
+        (aborted, preempted), so a step that can schedule nothing may only be waiting for one to land: like a disk
+        load, a reason to wait rather than a lack of progress."""
+        return len(self.offload.transfers.loads) if self.offload is not None else 0
+
     def _take_loaded_from_disk(self):
         """Sequences whose disk loads landed go back to the front of `waiting`, where their blocks are host hits."""
         if self.offload is not None:
@@ -96,14 +103,16 @@ class Scheduler:
             self._resume_swapped(out)
         out.new_gpu_block_ids = self.block_manager.new_gpu_block_ids
         out.one_token_rows_first()
+        out.name_written_blocks(self.block_manager.block_size)
         if self.offload is not None:  # this step's copies, and those of preempt() calls since the last step
-            out.swap_out, out.store_id, out.swap_in, out.load_id = self.offload.end_step(out.seqs, out.num_new_tokens)
+            out.swap_out, out.store_id, out.swap_in, out.load_id = self.offload.end_step(out.written_gpu_block_ids)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
         """One decode token, or the next prompt chunk, per running sequence, oldest first; when blocks run out,
-        preempt from the back (the newest) until this one fits. Returns (token budget left, sequences preempted).
-        This loop runs once per row of every decode step: its hot path reads fields, not properties."""
+        preempt from the back (the newest whose KV is not loading: pop_victim) until this one fits. Returns (token
+        budget left, sequences preempted). This loop runs once per row of every decode step: its hot path reads
+        fields, not properties."""
         num_preempted = 0
         hold_arriving = self.offload.seq_ids_to_hold(self.running) if self.offload is not None else ()
         running, allocate = self.running, self.block_manager.allocate
@@ -119,7 +128,7 @@ class Scheduler:
                 continue
             num_new = min(num_tokens - seq.num_computed_tokens, budget)
             while not allocate(seq, num_new):
-                victim = running.pop()
+                victim = pop_victim(running, hold_arriving)
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is seq:
@@ -156,7 +165,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if host_block_ids:  # it waits out of the batch until they land
-                self.offload.load_prefix_hits(seq, host_block_ids)
+                self.offload.load_prefix_hits(seq, host_block_ids, self.block_manager)
                 self.stats.host_prefix_hit_tokens += len(host_block_ids) * self.block_manager.block_size
                 self.stats.blocks_onloaded += len(host_block_ids)
                 continue
@@ -327,3 +336,14 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.metrics.mark_finished(time.perf_counter())
+
+
+def pop_victim(running: list[Sequence], seq_ids_loading: set[int]) -> Sequence:
+    """Take the newest running sequence whose KV is not loading. Preempting one whose KV is loading frees none of
+    the loading blocks until the copy lands (its load holds them) and wastes the copy, so it is passed over, as
+    vLLM keeps a request whose KV loads out of its running queue. The sequence being scheduled is never loading,
+    so there always is one."""
+    for j in range(len(running) - 1, -1, -1):
+        if running[j].seq_id not in seq_ids_loading:
+            return running.pop(j)
+    raise RuntimeError(f"Scheduler: every running sequence {[seq.seq_id for seq in running]} is loading")

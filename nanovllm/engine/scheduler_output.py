@@ -24,6 +24,11 @@ class SchedulerOutput:
     # gpu blocks handed out this step: of the blocks this step's forward and swap-ins write, the only ones a
     # swap-out still in flight may be reading (the others were handed out in earlier steps, which waited for theirs)
     new_gpu_block_ids: list[int] = field(default_factory=list)
+    # gpu blocks this step's forward writes KV into (`name_written_blocks`), the one place that is computed: a
+    # victim's ones are handed out last by the offload manager, and the copy engine makes the next step's
+    # swap-outs of them wait for this step's forward (its rule 1). One per row, in batch order, in a decode-only
+    # step (make_plan computes the rows' slots from them)
+    written_gpu_block_ids: list[int] = field(default_factory=list)
     num_resumed: int = 0  # swapped sequences made RUNNING (with copies or, all their blocks cached, without)
 
     @property
@@ -40,6 +45,11 @@ class SchedulerOutput:
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.num_new_tokens)
 
+    def name_written_blocks(self, block_size: int):
+        """Fill written_gpu_block_ids, once the batch order is final and before `Scheduler.advance` moves the
+        sequences' computed tokens on."""
+        self.written_gpu_block_ids = written_gpu_block_ids(self.seqs, self.num_new_tokens, block_size)
+
     def one_token_rows_first(self):
         """Batch order of a mixed step: rows computing one token (decodes) first, prompt chunks after, each in
         scheduling order. The runner then sends the leading rows through the decode kernel and only the rest
@@ -51,6 +61,19 @@ class SchedulerOutput:
         self.seqs = [self.seqs[i] for i in order]
         self.num_new_tokens = [self.num_new_tokens[i] for i in order]
         self.samples = [self.samples[i] for i in order]
+
+
+def written_gpu_block_ids(seqs: list[Sequence], num_new_tokens: list[int], block_size: int) -> list[int]:
+    """The gpu blocks that computing num_new_tokens more tokens of each seq writes KV into: one per row when every
+    row computes one token (the common decode step: one comprehension, no per-row slicing), else each row's blocks
+    in order."""
+    if num_new_tokens.count(1) == len(num_new_tokens):
+        return [seq.block_table[seq.num_computed_tokens // block_size] for seq in seqs]
+    written = []
+    for seq, num_new in zip(seqs, num_new_tokens):
+        start = seq.num_computed_tokens
+        written += seq.block_table[start // block_size:(start + num_new + block_size - 1) // block_size]
+    return written
 
 
 @dataclass

@@ -3,7 +3,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nanovllm.engine.scheduler_output import SchedulerOutput
+from nanovllm.engine.scheduler_output import SchedulerOutput, written_gpu_block_ids
 from nanovllm.core.sequence import PLACEHOLDER_TOKEN, Sequence
 from nanovllm.logprobs import position_logprobs
 
@@ -23,6 +23,7 @@ class StepPlan:
     store_id: int = -1  # the transfer ids of swap_out and swap_in, which the copy engine reports when they land
     load_id: int = -1
     new_gpu_block_ids: list[int] = field(default_factory=list)
+    written_gpu_block_ids: list[int] = field(default_factory=list)  # SchedulerOutput.written_gpu_block_ids
     # asynchronous scheduling: input_ids[placeholder_rows[i]] is the token sampled by the previous step at row
     # placeholder_sources[i]; the runner copies it over on the device
     placeholder_rows: list[int] = field(default_factory=list)
@@ -53,7 +54,8 @@ class StepPlan:
 def make_plan(out: SchedulerOutput, block_size: int) -> tuple[StepPlan, list[Sequence]]:
     """Returns the plan and the sequences that sample a token this step (in logits_indices order)."""
     plan = StepPlan(swap_out=out.swap_out, swap_in=out.swap_in, store_id=out.store_id, load_id=out.load_id,
-                    new_gpu_block_ids=out.new_gpu_block_ids, query_lens=list(out.num_new_tokens),
+                    new_gpu_block_ids=out.new_gpu_block_ids, written_gpu_block_ids=out.written_gpu_block_ids,
+                    query_lens=list(out.num_new_tokens),
                     block_tables=[seq.block_table for seq in out.seqs])
     sample_rows = [i for i, samples in enumerate(out.samples) if samples]
     if out.num_new_tokens.count(1) == len(out.num_new_tokens):
@@ -122,7 +124,9 @@ def _fill_decode_rows(plan: StepPlan, seqs: list[Sequence], bs: int):
     starts = [seq.num_computed_tokens for seq in seqs]
     plan.input_ids = [seq.token_ids[p] for seq, p in zip(seqs, starts)]
     plan.positions = starts
-    plan.slot_mapping = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, starts)]
+    if len(plan.written_gpu_block_ids) != len(seqs):  # a SchedulerOutput built by hand (tests)
+        plan.written_gpu_block_ids = written_gpu_block_ids(seqs, [1] * len(seqs), bs)
+    plan.slot_mapping = [b * bs + p % bs for b, p in zip(plan.written_gpu_block_ids, starts)]
     plan.seq_lens = [p + 1 for p in starts]
     plan.placeholder_rows = [i for i, token_id in enumerate(plan.input_ids) if token_id == PLACEHOLDER_TOKEN]
     plan.placeholder_sources = [seqs[i].sample_row for i in plan.placeholder_rows]
