@@ -176,7 +176,8 @@ class EngineCore:
     def _check_progress(self, out: SchedulerOutput):
         """RuntimeError after two steps in a row that could do nothing: a bug, not a shortage."""
         progress = not out.is_empty or out.num_resumed or self._in_flight is not None or self.scheduler.is_finished()
-        if out.is_empty and self.scheduler.num_disk_waiting:  # only disk loads in flight: wait, do not spin
+        # only disk reads or loads (an aborted sequence's blocks come free when they land) in flight: wait, do not spin
+        if out.is_empty and (self.scheduler.num_disk_waiting or self.scheduler.num_loads_in_flight):
             time.sleep(0.001)
             progress = True
         self._num_empty_steps = 0 if progress else self._num_empty_steps + 1
