@@ -39,7 +39,10 @@ def tok_model_dir(tmp_path_factory) -> str:
     from nanovllm.utils.convert import default_model_dir, find_gguf, is_converted
     from nanovllm.utils.gguf_model import load_gguf_tokenizer
     converted = default_model_dir(convert=False)
-    tokenizer = AutoTokenizer.from_pretrained(converted) if is_converted(converted) else load_gguf_tokenizer(find_gguf())
+    if is_converted(converted):
+        tokenizer = AutoTokenizer.from_pretrained(converted)
+    else:
+        tokenizer = load_gguf_tokenizer(find_gguf())
     path = str(tmp_path_factory.mktemp("tiny_smollm2_tokenizer"))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
