@@ -15,7 +15,7 @@ import torch
 from conftest import close_llm
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.engine.structured_outputs import GRAMMAR_ERROR, without_additional_properties
-from nanovllm.layers.sampler import apply_token_bitmask
+from nanovllm.layers.sampler import apply_token_bitmask, unpack_bits
 from structured_schemas import all_schemas
 
 SQL_GRAMMAR = """
@@ -126,6 +126,9 @@ def test_apply_token_bitmask_masks_exactly_the_cleared_bits():
         assert torch.isfinite(out[row]).nonzero().flatten().tolist() == ids
     assert torch.isfinite(out[1]).all()
     assert apply_token_bitmask(logits, None) is logits
+    # the device path's unpacking (numpy's unpackbits on a CPU) agrees
+    bits = unpack_bits(torch.from_numpy(bitmask), 70)
+    assert [bits[i].nonzero().flatten().tolist() for i in range(2)] == list(allowed.values())
 
 
 # ---------------------------------------------------------------- generation
