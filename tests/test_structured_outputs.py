@@ -158,12 +158,16 @@ def test_regex_choice_grammar_and_json_object_match(llm):
     regexes = [r"[a-c]{2,4}-[0-9]{3}", r"(yes|no), [A-Z][a-z]{1,5}\.", r"[0-9]{1,3}(\.[0-9]{2})?", r"x{4}"]
     choices = [["alpha", "beta gamma"], ["Positive", "Negative", "Neutral"], ["a", "ab", "abc"]]
     params = [constrained(regex=r) for r in regexes] + [constrained(choice=c) for c in choices]
+    params += [constrained(json={"type": "array", "items": {"enum": [1, 2]}, "minItems": 2, "maxItems": 3},
+                           whitespace_pattern="  ")]
     params += [constrained(grammar=SQL_GRAMMAR), constrained(json_object=True, max_tokens=20)]
     results = texts(llm, params)
     for regex, (text, reason, _) in zip(regexes, results):
         assert reason == "stop" and re.fullmatch(regex, text), (regex, text)
     for choice, (text, reason, _) in zip(choices, results[len(regexes):]):
         assert reason == "stop" and text in choice, (choice, text)
+    spaced, reason, _ = results[-3]  # whitespace_pattern: spaces only (flexible whitespace has \n, \t, \r too)
+    assert reason == "stop" and set(spaced) <= set("[]12, ") and len(json.loads(spaced)) >= 2, spaced
     sql, _, _ = results[-2]
     assert re.fullmatch(r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ", sql), sql
     text, reason, _ = results[-1]  # any object: a random model's keys run on (SmolLM2 closes one, below)

@@ -32,6 +32,8 @@ def grammar_text(structured: StructuredOutputsParams) -> str:
         if structured.disable_additional_properties:
             schema = without_additional_properties(schema)
         defaults = {"whitespace_flexible": not structured.disable_any_whitespace}
+        if structured.whitespace_pattern is not None:
+            defaults["whitespace_pattern"] = structured.whitespace_pattern
         return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=defaults)
     if kind == "choice":
         return llguidance.grammar_from("choice", json.dumps(structured.choice))
