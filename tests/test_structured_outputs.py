@@ -9,12 +9,13 @@ import re
 
 import jsonschema
 import numpy as np
+from llguidance.numpy import fill_next_token_bitmask
 import pytest
 import torch
 
 from conftest import close_llm
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
-from nanovllm.engine.structured_outputs import GRAMMAR_ERROR, without_additional_properties
+from nanovllm.engine.structured_outputs import GRAMMAR_ERROR, GrammarCompiler, without_additional_properties
 from nanovllm.layers.sampler import apply_token_bitmask, unpack_bits
 from structured_schemas import all_schemas
 
@@ -129,6 +130,21 @@ def test_apply_token_bitmask_masks_exactly_the_cleared_bits():
     # the device path's unpacking (numpy's unpackbits on a CPU) agrees
     bits = unpack_bits(torch.from_numpy(bitmask), 70)
     assert [bits[i].nonzero().flatten().tolist() for i in range(2)] == list(allowed.values())
+
+
+def test_a_borrowed_tokenizer_under_a_wider_vocabulary(tok_model_dir):
+    """The dummy presets' benchmarks pair SmolLM2's tokenizer (49,152 tokens) with Qwen3's logits (151,936) and EOS
+    (151,645, which that tokenizer does not have): the mask spans the logits, the tokens past the tokenizer's are
+    never allowed, and the tokenizer's own EOS stands in."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tok_model_dir)
+    matcher = GrammarCompiler(tokenizer, 151936, {151645}).matcher(StructuredOutputsParams(regex="[0-9]+"))
+    assert matcher.consume_tokens(tokenizer.encode("42"))
+    bitmask = np.zeros((1, 151936 // 32), dtype=np.int32)
+    fill_next_token_bitmask(matcher, bitmask, 0)
+    allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little"))
+    assert tokenizer.eos_token_id in allowed and allowed.max() < len(tokenizer)
+    assert all(tokenizer.decode([t]).isdigit() for t in allowed if t != tokenizer.eos_token_id)
 
 
 # ---------------------------------------------------------------- generation

@@ -73,8 +73,11 @@ class GrammarCompiler:
             if not getattr(self.hf_tokenizer, "is_fast", False):
                 name = type(self.hf_tokenizer).__name__
                 raise ValueError(f"structured_outputs needs a fast (Rust) tokenizer; {name} is not one")
+            # the model's EOS ids that the tokenizer knows (a tokenizer borrowed from another model, as the dummy
+            # presets' benchmarks do, knows none of them: then its own EOS)
+            eos_token_ids = [t for t in self.eos_token_ids if t < len(self.hf_tokenizer)]
             self._ll_tokenizer = from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                                eos_token=self.eos_token_ids or None)
+                                                eos_token=eos_token_ids or None)
         return self._ll_tokenizer
 
     def matcher(self, structured: StructuredOutputsParams):
