@@ -231,6 +231,27 @@ def test_async_and_sync_scheduling_give_the_same_tokens(tok_model_dir):
         jsonschema.validate(json.loads(sample[2]), schemas[1])
 
 
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_preempted_constrained_requests_give_the_unpressured_tokens(tok_model_dir, preemption_mode):
+    """A KV cache too small for the batch preempts constrained requests mid-grammar; their matchers keep what they
+    consumed, and the tokens are those of an engine with room for all."""
+    schemas = all_schemas()[::6]
+    params = [constrained(json=s, disable_any_whitespace=True) for s in schemas]
+    prompts = [f"Request {i}: " + "answer in JSON, " * 6 for i in range(len(schemas))]  # ~5 blocks, unshared
+    results = {}
+    for blocks in (4096, 40):
+        engine = LLM(tok_model_dir, **llm_kwargs(num_kvcache_blocks=blocks, preemption_mode=preemption_mode,
+                                                 swap_space=0.05))
+        try:
+            outs = engine.generate(prompts, params, use_tqdm=False)
+            results[blocks] = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+            stats = engine.stats()
+        finally:
+            close_llm(engine)
+    assert stats["preemptions_" + preemption_mode] > 0
+    assert results[40] == results[4096]
+
+
 def test_logprobs_are_of_the_masked_distribution_and_penalties_apply(llm):
     """vLLM applies the grammar mask before the logprobs: the allowed tokens' probabilities sum to 1, and a
     disallowed token is not among the top ones. Penalties still act within the mask."""
