@@ -136,6 +136,9 @@ def apply_token_bitmask(logits: torch.Tensor, grammar: tuple[list[int], object] 
         return logits
     rows, bitmask = grammar
     vocab = logits.size(1)
+    if bitmask.shape != (len(rows), (vocab + 31) // 32):
+        raise RuntimeError(f"apply_token_bitmask: bitmask {bitmask.shape} for {len(rows)} rows of {vocab} logits; "
+                           f"the grammar's vocabulary must be the logits' width")
     if logits.device.type == "cpu":  # numpy's unpackbits: 5x faster than the shifts on a CPU
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")  # [R, W * 32] of 0 / 1
         allowed = torch.from_numpy(bits.view(np.bool_))[:, :vocab]
