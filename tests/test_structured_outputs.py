@@ -199,6 +199,16 @@ def test_a_finished_grammar_ends_the_sequence_even_with_ignore_eos(llm):
     assert llm.tokenizer.decode(token_ids) == text  # the last token is the choice's own, shown in the text
 
 
+def test_a_stream_joins_to_the_generated_text(llm):
+    params = [constrained(json=schema, disable_any_whitespace=True) for schema in all_schemas()[:40:8]]
+    params.append(constrained(choice=["Positive", "Negative"]))
+    whole = [text for text, _, _ in texts(llm, params)]
+    streamed = [""] * len(params)
+    for chunk in llm.generate_stream(["Answer:"] * len(params), params):
+        streamed[chunk["index"]] += chunk["text"]
+    assert streamed == whole
+
+
 def test_constrained_and_free_rows_in_one_batch(llm):
     """Free rows get exactly the tokens they get alone: the mask reaches only its own rows."""
     free = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) for _ in range(3)]
