@@ -9,6 +9,7 @@ the token before it, so a constrained step cannot sample before its predecessor 
 forward is the read-back and the mask, as in vLLM.
 """
 import json
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -63,6 +64,7 @@ class GrammarCompiler:
         self.eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer = None  # built on the first constraint (about 0.3 s for a 50k vocabulary)
         self._templates: OrderedDict = OrderedDict()  # key -> LLMatcher, least recently used first
+        self._lock = threading.Lock()  # guards _templates
 
     def ll_tokenizer(self):
         if self._ll_tokenizer is None:
@@ -81,15 +83,19 @@ class GrammarCompiler:
         return self._ll_tokenizer
 
     def matcher(self, structured: StructuredOutputsParams):
-        """A fresh matcher for the constraint; ValueError naming the field when it does not compile."""
+        """A fresh matcher for the constraint; ValueError naming the field when it does not compile. Thread-safe:
+        the server compiles in its requests' worker threads while the engine loop takes matchers (the compile
+        itself runs outside the lock)."""
         key = structured.key
-        template = self._templates.get(key)
+        with self._lock:
+            template = self._templates.get(key)
         if template is None:
             template = self._compile(structured)
+        with self._lock:
             self._templates[key] = template
+            self._templates.move_to_end(key)
             if len(self._templates) > MAX_CACHED_GRAMMARS:
                 self._templates.popitem(last=False)
-        self._templates.move_to_end(key)
         return template.deep_copy()
 
     def _compile(self, structured: StructuredOutputsParams):
