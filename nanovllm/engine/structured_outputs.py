@@ -83,9 +83,13 @@ class GrammarCompiler:
         return self._ll_tokenizer
 
     def matcher(self, structured: StructuredOutputsParams):
-        """A fresh matcher for the constraint; ValueError naming the field when it does not compile. Thread-safe:
-        the server compiles in its requests' worker threads while the engine loop takes matchers (the compile
-        itself runs outside the lock)."""
+        """A fresh matcher for the constraint; ValueError naming the field when it does not compile."""
+        return self.template(structured).deep_copy()
+
+    def template(self, structured: StructuredOutputsParams):
+        """The constraint's compiled, never advanced matcher (compiled on first use). Thread-safe: the server
+        compiles in its requests' worker threads while the engine loop takes matchers (the compile itself runs
+        outside the lock)."""
         key = structured.key
         with self._lock:
             template = self._templates.get(key)
@@ -96,7 +100,7 @@ class GrammarCompiler:
             self._templates.move_to_end(key)
             if len(self._templates) > MAX_CACHED_GRAMMARS:
                 self._templates.popitem(last=False)
-        return template.deep_copy()
+        return template
 
     def _compile(self, structured: StructuredOutputsParams):
         import llguidance
@@ -127,7 +131,7 @@ class StructuredOutputs:
     def check(self, structured: StructuredOutputsParams | None):
         """Compile (and cache) a request's constraint before it is queued: ValueError naming the field."""
         if structured is not None:
-            self.compiler.matcher(structured)
+            self.compiler.template(structured)
 
     def add(self, seq: Sequence):
         structured = seq.sampling_params.structured_outputs
