@@ -1,9 +1,9 @@
 """What structured outputs cost per output token: the same prompts at batch 64, free and constrained, side by side in
 one process (one engine, alternating runs, the median of each), so that nothing but the grammar differs.
 
-Both sides generate exactly --output-len tokens a request (ignore_eos and min_tokens; the constrained side's grammars
-never complete: a JSON array of objects that stays open, or a free-text regex), so the two divide the same token
-count.
+Both sides generate exactly --output-len tokens a request (ignore_eos, EOS biased away; the constrained side's
+grammars never complete: a JSON array of objects that stays open, or a free-text regex), so the two divide the same
+token count.
 The constrained side pays for the matchers (llguidance) consuming each token, the bitmask built on the host, its
 copy and unpacking on the device, and, under asynchronous scheduling, reading the previous step back before
 sampling (the mask needs its token).
@@ -65,9 +65,12 @@ def main(argv=None):
     rng = random.Random(0)
     vocab = len(llm.tokenizer)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)]
-    # min_tokens: EOS is masked on both sides (a grammar that accepts EOS where it may end would end there)
-    common = dict(temperature=args.temperature, max_tokens=args.output_len, min_tokens=args.output_len,
-                  ignore_eos=True)
+    # EOS biased away on both sides: a grammar that may end where it accepts EOS, and a sampled EOS completes it
+    # (ignore_eos or not: a complete grammar ends its request)
+    vocab_size = llm.config.hf_config.vocab_size
+    eos_ids = {t for t in (llm.tokenizer.eos_token_id, *llm.scheduler.eos_token_ids) if t < vocab_size}
+    common = dict(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True,
+                  logit_bias={eos: -100.0 for eos in eos_ids})
     sides = {"free": SamplingParams(**common),
              "constrained": SamplingParams(**common, structured_outputs=StructuredOutputsParams(
                  regex=GRAMMARS[args.grammar]))}
