@@ -53,7 +53,7 @@ def test_a_launch_leaves_the_workers_replies_for_wait():
     """A step's host work (reading back the previous step) overlaps the workers' step: their replies come later."""
     executor, log = fake_executor(2)
     executor.launch("plan", ["seq"])
-    assert log == [(1, "run", ("plan",)), (0, "launch", ("plan", ["seq"]))]
+    assert log == [(1, "run", ("plan",)), (0, "launch", ("plan", ["seq"], None))]
     executor.wait()
     executor.release([3])  # rank 0 only: only it samples
     assert log[2:] == [(1, "reply", ()), (0, "release", ([3],))]
@@ -65,7 +65,7 @@ def test_one_rank_needs_no_workers():
     executor.launch("plan", [])
     executor.wait()
     executor.abandon_call(RuntimeError("a step failed"))
-    assert log == [(0, "capture_cuda_graphs", ()), (0, "launch", ("plan", []))]
+    assert log == [(0, "capture_cuda_graphs", ()), (0, "launch", ("plan", [], None))]
 
 
 def test_close_stops_the_workers_before_rank_0_and_twice_is_a_no_op():

@@ -19,6 +19,7 @@ from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.step_inputs import SampledTokens
 from nanovllm.engine.step_plan import LogprobRows, StepPlan, add_logprob_rows, make_plan
+from nanovllm.engine.structured_outputs import GrammarCompiler, StructuredOutputs
 from nanovllm_offload.disk_tier import open_disk_store
 from nanovllm_offload.offload_manager import OffloadManager
 
@@ -47,6 +48,8 @@ class EngineCore:
         self.host_tier = self._allocate_caches()
         self.scheduler = Scheduler.from_config(config, self.num_gpu_blocks, self.host_tier, eos_token_ids)
         self.logit_rules = LogitRules()  # requests with a logit_bias or bad words
+        self.structured = StructuredOutputs(GrammarCompiler(  # structured outputs: constrained requests' matchers
+            output_processor.tokenizer, config.hf_config.vocab_size, self.scheduler.eos_token_ids))
         self._logprob_seq_ids: set[int] = set()  # requests that asked for logprobs: steps without any skip them
         self._in_flight: InFlightStep | None = None
         self._num_empty_steps = 0
@@ -80,6 +83,7 @@ class EngineCore:
     def add(self, seq: Sequence, bad_words_token_ids: list[list[int]]):
         self.scheduler.add(seq)
         self.logit_rules.add(seq, bad_words_token_ids)
+        self.structured.add(seq)
         if seq.logprobs is not None or seq.prompt_logprobs is not None:
             self._logprob_seq_ids.add(seq.seq_id)
 
@@ -88,6 +92,7 @@ class EngineCore:
         and its sampling state is released also when it finished in a step whose caller was interrupted."""
         self._logprob_seq_ids.discard(seq_id)
         self.logit_rules.discard(seq_id)
+        self.structured.discard(seq_id)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
         if seq is not None:
@@ -133,8 +138,10 @@ class EngineCore:
         plan, sample_seqs = self._plan(out)
         logprob_rows = add_logprob_rows(plan, out, sample_seqs) if self._logprob_seq_ids else None
         # execute: launch this step, then read the previous one back while this one runs
-        sampled = self.executor.launch(plan, sample_seqs)
-        finished = self._update_from_output()
+        finished = []  # structured outputs: a constrained step reads back the previous one before it samples
+        sampled = self.executor.launch(plan, sample_seqs,
+                                       self.structured.grammar_mask(sample_seqs, self._update_from_output, finished))
+        finished += self._update_from_output()
         self._count_unsynced(out)
         rows = self.scheduler.advance(out)
         self._in_flight = InFlightStep(rows, sampled, logprob_rows) if rows or logprob_rows else None
@@ -163,7 +170,9 @@ class EngineCore:
         self._after_read_back()
         if step.logprob_rows is not None:
             step.logprob_rows.attach(*step.sampled.logprob_lists(), self.output_processor.token_text)
+        self.structured.consume(step.rows, token_ids)
         updated, finished = self.scheduler.resolve(step.rows, token_ids, step.sampled.ready_time)
+        finished += self.structured.finish_grammars(updated, self.scheduler.finish, self.output_processor.text)
         return finished + self.output_processor.apply_stop_strings(updated + finished, self.scheduler.finish)
 
     def _forget(self, finished: list[Sequence]):
@@ -172,6 +181,7 @@ class EngineCore:
         self._logprob_seq_ids.difference_update(seq.seq_id for seq in finished)
         for seq in finished:
             self.logit_rules.discard(seq.seq_id)
+            self.structured.discard(seq.seq_id)
 
     def _check_progress(self, out: SchedulerOutput):
         """RuntimeError after two steps in a row that could do nothing: a bug, not a shortage."""

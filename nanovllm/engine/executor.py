@@ -57,12 +57,12 @@ class Executor:
         self.wait()
         return result
 
-    def launch(self, plan: StepPlan, sample_seqs: list[Sequence]):
+    def launch(self, plan: StepPlan, sample_seqs: list[Sequence], grammar_mask=None):
         """Start one step on every rank without waiting for it: returns rank 0's SampledTokens (read back later).
         The workers' replies are collected by `wait`, after the host's work for the step."""
         if self.workers is not None:
             self.workers.send("run", plan)
-        return self.runner.launch(plan, sample_seqs)
+        return self.runner.launch(plan, sample_seqs, grammar_mask)
 
     def wait(self):
         """Collect the workers' replies to the call out (nothing to do with one rank); raises a worker's failure."""

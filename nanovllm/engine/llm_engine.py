@@ -51,7 +51,7 @@ class LLMEngine:
         self.memory_breakdown: dict | None = self.executor.log_memory()
         self.scheduler, self.host_tier = self.core.scheduler, self.core.host_tier
         self.num_gpu_blocks, self.block_bytes = self.core.num_gpu_blocks, self.core.block_bytes
-        self.intake = RequestIntake(config, self.tokenizer, self.num_gpu_blocks)
+        self.intake = RequestIntake(config, self.tokenizer, self.num_gpu_blocks, self.core.structured.check)
         self.requests: dict[int, Sequence] = {}
         # requests queued with add_request that finished during generate(): the next step() returns them
         self._unclaimed: list[Sequence] = []

@@ -35,10 +35,13 @@ class CheckedRequest:
 
 
 class RequestIntake:
-    def __init__(self, config: Config, tokenizer, num_gpu_blocks: int):
+    def __init__(self, config: Config, tokenizer, num_gpu_blocks: int, check_constraint=None):
         self.config = config
         self.tokenizer = tokenizer
         self.num_gpu_blocks = num_gpu_blocks
+        # StructuredOutputs.check: compiles a request's grammar (cached), a ValueError naming the field; the server
+        # calls `checked` in its handlers' threads, so the compiling happens off the loop thread
+        self.check_constraint = check_constraint
 
     def room_left(self, num_prompt_tokens: int) -> int:
         """max_tokens=None: up to max_model_len, and no more than the whole GPU KV cache holds."""
@@ -55,6 +58,8 @@ class RequestIntake:
         if sampling_params.max_tokens is None:
             sampling_params.max_tokens = self.room_left(len(token_ids))
         bad_words = bad_words_token_ids(self.tokenizer, sampling_params.bad_words) if sampling_params.bad_words else []
+        if self.check_constraint is not None:
+            self.check_constraint(sampling_params.structured_outputs)
         return CheckedRequest(token_ids, sampling_params, bad_words, text if isinstance(text, str) else None)
 
     def _prompt_token_ids(self, token_ids: str | list[int], sampling_params: SamplingParams) -> list[int]:
