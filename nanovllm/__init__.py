@@ -4,9 +4,9 @@
 torch.
 """
 from nanovllm.outputs import CompletionOutput, RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name):

@@ -1,5 +1,6 @@
 """Per-request sampling options, validated at construction and again when a request is added (vLLM's names
 and defaults)."""
+import json
 import math
 import numbers
 from dataclasses import dataclass, replace
@@ -9,6 +10,70 @@ FLOAT32_MAX = 3.4028234663852886e38  # a temperature above it is infinite on the
 FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal: a repetition penalty below it is 0 or subnormal
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs (LLM(max_logprobs=...)): the most alternatives a request may ask for
 MAX_LOGIT_BIAS = 100.0  # OpenAI's and vLLM's bound on a logit_bias value
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # StructuredOutputsParams' constraints
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's names): exactly one of json (a JSON schema, as a dict or its
+    JSON text), regex, choice (the output is one of these strings), grammar (EBNF / GBNF or Lark) or json_object
+    (any JSON object). Checked here for shape only; the engine compiles it when the request is added and raises
+    ValueError naming the field where the schema, regex or grammar does not compile."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None  # False counts as unset
+    disable_any_whitespace: bool = False  # JSON: no whitespace between tokens (compact output)
+    disable_additional_properties: bool = False  # JSON: an object schema without additionalProperties gets False
+
+    def __post_init__(self):
+        if hasattr(self.json, "model_json_schema"):  # a pydantic model class, as vLLM accepts
+            self.json = self.json.model_json_schema()
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if self.json_object is False:
+            self.json_object = None
+        kinds = self.kinds_set()
+        if len(kinds) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}; "
+                             f"got {', '.join(kinds) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError(f"structured_outputs.json={self.json!r} must be a JSON schema (a dict or its JSON text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name}={value!r} must be a non-empty string")
+        if self.choice is not None:
+            choice = _as_list(self.choice)
+            if not choice or isinstance(self.choice, str) or not all(isinstance(c, str) for c in choice):
+                raise ValueError(f"structured_outputs.choice={self.choice!r} must be a non-empty list of strings")
+            self.choice = choice
+        if self.json_object not in (None, True):
+            raise ValueError(f"structured_outputs.json_object={self.json_object!r} must be True, False or None")
+
+    def kinds_set(self) -> list[str]:
+        return [name for name in STRUCTURED_KINDS if getattr(self, name) is not None]
+
+    @property
+    def kind(self) -> str:
+        """The constraint's field name: "json", "regex", "choice", "grammar" or "json_object"."""
+        return self.kinds_set()[0]
+
+    @property
+    def key(self) -> tuple:
+        """Hashable and equal for equal constraints: the compiled-grammar cache's key."""
+        value = getattr(self, self.kind)
+        if self.kind == "json":
+            value = json.dumps(value, sort_keys=True)
+        elif self.kind == "choice":
+            value = tuple(value)
+        return self.kind, value, self.disable_any_whitespace, self.disable_additional_properties
 
 
 @dataclass(slots=True)
@@ -46,6 +111,8 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
     detokenize: bool = True  # False: token ids only, the text stays ""
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: the last max_model_len)
+    # constrain the output to a JSON schema, regex, choice or grammar; a finished grammar ends the sequence ("stop")
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         # numpy / torch-free integers become Python ints
@@ -87,6 +154,9 @@ class SamplingParams:
                                  f"default {MAX_LOGPROBS}; 0 gives the chosen token's log-probability only)")
         self._check_parallel_sampling()
         self._check_token_options()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs={self.structured_outputs!r} must be None or a "
+                             f"StructuredOutputsParams")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             value = getattr(self, name)
             if isinstance(value, (str, float)) or value not in (True, False):  # 0 / 1 and numpy bools pass
@@ -138,7 +208,8 @@ class SamplingParams:
         """A checked, independent copy (vLLM's name): the engine takes one per request, so a field changed after
         construction is checked again (ValueError naming it) and a change after add_request cannot reach the
         request."""
-        return replace(self)
+        structured = self.structured_outputs
+        return replace(self, structured_outputs=structured and replace(structured))
 
     @property
     def is_greedy(self) -> bool:
