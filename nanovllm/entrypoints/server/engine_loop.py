@@ -36,6 +36,7 @@ class Delta:
     # final_logprobs are all the completion's
     logprobs: list | None = None
     final_logprobs: list | None = None
+    stop_reason: int | str | None = None  # the last Delta's: the stop token id or stop string that ended it (vLLM's)
 
 
 class EngineError(RuntimeError):
@@ -253,7 +254,7 @@ class EngineLoop:
         active.num_tokens_sent += len(new_ids)
         active.text_sent = text
         if seq.is_finished:
-            delta.finish_reason = seq.finish_reason
+            delta.finish_reason, delta.stop_reason = seq.finish_reason, seq.stop_reason
             output = self.llm.output(self.llm.requests.pop(seq_id))
             delta.final_text, delta.final_logprobs = output["text"], output["logprobs"]
             self._latency.observe(output["metrics"])

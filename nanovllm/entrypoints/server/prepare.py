@@ -25,10 +25,11 @@ class GenerateRequest:
 
 
 def prepare(llm: LLM, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-            sampling: dict | None = None) -> GenerateRequest:
+            sampling: dict | None = None, chat_template_kwargs: dict | None = None) -> GenerateRequest:
     """Tokenize (or render the chat template for) one request and build its SamplingParams; exactly one of
-    `prompt` / `messages` is set. Raises ValueError naming the problem."""
-    token_ids = prompt_token_ids(llm, prompt, messages)
+    `prompt` / `messages` is set (`chat_template_kwargs`: the template's extra variables, `tools` among them). Raises
+    ValueError naming the problem."""
+    token_ids = prompt_token_ids(llm, prompt, messages, chat_template_kwargs)
     max_len = llm.config.max_model_len
     if len(token_ids) > max_len:  # checked here so the loop thread never scans an overlong list
         raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_len}; shorten it")
@@ -42,7 +43,8 @@ def prepare(llm: LLM, prompt: str | list[int] | None = None, messages: list[dict
     return GenerateRequest(token_ids, SamplingParams(**{**llm.default_sampling_options, **options}))
 
 
-def prompt_token_ids(llm: LLM, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
+def prompt_token_ids(llm: LLM, prompt: str | list[int] | None, messages: list[dict] | None,
+                     chat_template_kwargs: dict | None = None) -> list[int]:
     if isinstance(prompt, list):
         return prompt
     tokenizer = llm.tokenizer
@@ -51,7 +53,7 @@ def prompt_token_ids(llm: LLM, prompt: str | list[int] | None, messages: list[di
                          f"to /v1/completions")
     if messages is None:
         return tokenizer.encode(prompt)
-    return chat_token_ids(tokenizer, messages, llm.config.model)
+    return chat_token_ids(tokenizer, messages, llm.config.model, chat_template_kwargs=chat_template_kwargs)
 
 
 def room_left(llm: LLM, token_ids: list[int]) -> int:
