@@ -7,7 +7,8 @@ import json
 import pytest
 
 from nanovllm.entrypoints.server.reasoning import ChatOutputParser, Qwen3ReasoningParser
-from nanovllm.entrypoints.server.tool_parsers import (NamedCallParser, NoToolParser, ParsedDelta, hermes_parser,
+from nanovllm.entrypoints.server.parsed_output import ParsedDelta
+from nanovllm.entrypoints.server.tool_parsers import (NamedCallParser, NoToolParser, hermes_parser,
                                                       llama3_json_parser, mistral_parser, required_calls_parser)
 
 # Outputs written in each family's format as its models write them (spacing, newlines and all).

@@ -27,7 +27,7 @@ from nanovllm.entrypoints.server.engine_loop import Delta, EngineError, EngineLo
 from nanovllm.entrypoints.server.prepare import prompt_token_ids
 from nanovllm.entrypoints.server.protocol import APIError
 from nanovllm.entrypoints.server.reasoning import ChatOutputParser
-from nanovllm.entrypoints.server.tool_parsers import ParsedDelta
+from nanovllm.entrypoints.server.parsed_output import ParsedDelta
 from nanovllm.entrypoints.server.tools import ChatFeatures, ChatPlan, plan_chat
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ streams them; the pieces join to the non-streamed `arguments` exactly.
 from __future__ import annotations
 
 from nanovllm.entrypoints.server.reasoning import ChatOutputParser
-from nanovllm.entrypoints.server.tool_parsers import ToolCallDelta
+from nanovllm.entrypoints.server.parsed_output import ToolCallDelta
 
 
 def chat_message(parser: ChatOutputParser, text: str) -> dict:

@@ -9,7 +9,8 @@ returns never depends on how the text was cut into deltas.
 """
 from __future__ import annotations
 
-from nanovllm.entrypoints.server.tool_parsers import ParsedDelta, ToolParser, split_held
+from nanovllm.entrypoints.server.parsed_output import ParsedDelta, split_held
+from nanovllm.entrypoints.server.tool_parsers import ToolParser
 
 THINK_START, THINK_END = "<think>", "</think>"
 
