@@ -96,8 +96,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the matched stop string (or stop token's text) in the text
     seed: int | None = None  # per-request generator: the same seed gives the same tokens
     # per generated token: its log-probability and those of the `logprobs` most likely tokens (0: its own only);
-    # of the model's raw distribution (before penalties, temperature, top-k/p, min_p, min_tokens), as vLLM returns by
-    # default
+    # of the model's raw distribution (before penalties, temperature, top-k/p, min_p, min_tokens; after the
+    # structured_outputs mask), as vLLM returns by default
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for each prompt token but the first; no prefix-cache hits then
     # (new fields go last: the order above is the positional one callers may rely on)

@@ -16,6 +16,7 @@ from nanovllm.engine.parallel_sampling import PromptRequest, sample_params
 from nanovllm.engine.progress import update_bar
 from nanovllm.engine.request_intake import RequestIntake
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
+from nanovllm.engine.structured_outputs import GrammarCompiler, StructuredOutputs
 from nanovllm.core.sequence import Sequence
 from nanovllm.engine.step_plan import add_logprob_rows, make_plan
 from nanovllm.engine.generation_config import default_sampling_options
@@ -48,6 +49,8 @@ class LLMEngine:
         self.intake = RequestIntake(config, self.tokenizer, self.num_gpu_blocks)
         self.scheduler = Scheduler.from_config(config, self.num_gpu_blocks, self.host_tier,
                                                eos_token_ids(model, config.hf_config, self.tokenizer))
+        self.structured = StructuredOutputs(GrammarCompiler(  # structured outputs: constrained requests' matchers
+            self.tokenizer, config.hf_config.vocab_size, self.scheduler.eos_token_ids))
         copy_engine = self.runner.copy_engine
         if copy_engine is not None:
             self.scheduler.kv_ready = lambda seq: copy_engine.blocks_ready(seq.block_table)
@@ -132,18 +135,22 @@ class LLMEngine:
         self.scheduler.add(seq)
         self.requests[seq.seq_id] = seq
         self.logit_rules.add(seq, bad_words)
+        self.structured.add(seq)
         if seq.logprobs is not None or seq.prompt_logprobs is not None:
             self._logprob_seq_ids.add(seq.seq_id)
         return seq.seq_id
 
     def _prompt_token_ids(self, prompt, sampling_params: SamplingParams) -> list[int]:
         """Validate a request without touching engine state (RequestIntake); raises ValueError naming the problem."""
-        return self.intake.prompt_token_ids(prompt, sampling_params)
+        token_ids = self.intake.prompt_token_ids(prompt, sampling_params)
+        self.structured.check(sampling_params.structured_outputs)  # compiles (cached): ValueError naming the field
+        return token_ids
 
     def abort_request(self, seq_id: int):
         seq = self.requests.pop(seq_id, None)
         self._logprob_seq_ids.discard(seq_id)
         self.logit_rules.discard(seq_id)
+        self.structured.discard(seq_id)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
         if seq is not None:  # also a request that finished in a step whose caller was interrupted
@@ -187,10 +194,12 @@ class LLMEngine:
         logprob_rows = add_logprob_rows(plan, out, sample_seqs) if self._logprob_seq_ids else None
         if self.workers is not None:
             self.workers.send("run", plan)
-        sampled = self.runner.launch(plan, sample_seqs)
+        finished = []  # structured outputs: a constrained step reads back the previous one before it samples
+        sampled = self.runner.launch(plan, sample_seqs,
+                                     self.structured.grammar_mask(sample_seqs, self._read_back, finished))
         if self.host_tier is not None:  # after the step's copies: the disk's threads wait for the ones they touch
             self.host_tier.submit_disk_transfers(self.runner.copy_engine)
-        finished = self._read_back()  # the previous step, while this one runs
+        finished += self._read_back()  # the previous step, while this one runs
         self._unsynced_prefill_tokens += sum(n for n in out.num_new_tokens if n > 1)
         self._unsynced_rows += len(out.seqs)
         rows = self.scheduler.advance(out)
@@ -203,6 +212,7 @@ class LLMEngine:
         self._logprob_seq_ids.difference_update(seq.seq_id for seq in finished)
         for seq in finished:
             self.logit_rules.discard(seq.seq_id)
+            self.structured.discard(seq.seq_id)
         finished, self._unclaimed = self._unclaimed + finished, []
         return finished
 
@@ -222,7 +232,9 @@ class LLMEngine:
         self._observe_prefill()
         if logprob_rows is not None:
             logprob_rows.attach(*sampled.logprob_lists(), self.text_output.token_text)
+        self.structured.consume(rows, token_ids)
         updated, finished = self.scheduler.resolve(rows, token_ids, sampled.ready_time)
+        finished += self.structured.finish_grammars(updated, self.scheduler.finish, self.text_output.text)
         return finished + self.text_output.apply_stop_strings(updated + finished, self.scheduler.finish)
 
     def _check_progress(self, out: SchedulerOutput):

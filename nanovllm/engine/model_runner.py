@@ -20,7 +20,7 @@ from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.kv_layout import KVLayout, check_fp8_support, hadamard
 from nanovllm.layers.logprobs import chosen_and_top, raw_logprobs
-from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.layers.sampler import Sampler, SamplingTensors, apply_token_bitmask
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.weights import load_model_weights
 from nanovllm.utils.compile import set_compile
@@ -188,9 +188,11 @@ class ModelRunner:
         return self.launch(plan, sample_seqs).tolist()
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None) -> "SampledTokens":
+    def launch(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None,
+               grammar_mask=None) -> "SampledTokens":
         """Like run, without waiting: the sampled tokens come back through the returned handle, so the host can
-        schedule the next step while this one runs on the GPU."""
+        schedule the next step while this one runs on the GPU. grammar_mask (rank 0, structured outputs): called
+        once the forward is launched, returns (sample rows, host bitmask) or None; the host builds it meanwhile."""
         if self.copy_engine is not None:
             self.copy_engine.issue_step_copies(plan.swap_out, plan.swap_in, plan.new_gpu_block_ids, plan.block_tables)
         if not plan.num_tokens:
@@ -202,8 +204,10 @@ class ModelRunner:
             return SampledTokens(None)
         if logits is None:
             return SampledTokens(None, prompt_logprobs)
+        if grammar_mask is not None:  # structured outputs: the host builds the mask while the forward runs
+            logits = apply_token_bitmask(logits, grammar_mask())
         rows = self._to_device(plan.sample_logprob_rows, torch.int64) if plan.sample_logprob_rows else None
-        logprobs = raw_logprobs(logits[rows]) if rows is not None else None  # before the masks and penalties
+        logprobs = raw_logprobs(logits[rows]) if rows is not None else None  # before bans and penalties (vLLM)
         st = self.sampling_tensors(sample_seqs)
         penalties = step_penalties(sample_seqs, st.penalized_rows, st.penalty_batch is None)  # None: no penalty
         self._last_sampled = self.sampler(logits, st, plan.banned_token_ids, penalties, self._last_sampled,

@@ -125,6 +125,26 @@ def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
 
 
+def apply_token_bitmask(logits: torch.Tensor, grammar: tuple[list[int], object] | None) -> torch.Tensor:
+    """Structured outputs' mask, in place: grammar is (sample rows, bitmask) or None (no constrained row left), and
+    those rows' logits become -inf where their bitmask's bit is 0. bitmask: a host int32 numpy array [len(rows),
+    ceil(V / 32)] (llguidance's layout: bit t % 32 of word t // 32 allows token t); it travels packed (V / 8 bytes
+    a row) and is unpacked on the device. Applied before the logprobs, penalties and every filter, greedy too, as
+    vLLM applies its grammar bitmask."""
+    if grammar is None:
+        return logits
+    rows, bitmask = grammar
+    vocab = logits.size(1)
+    packed = _on_device(torch.from_numpy(bitmask), logits.device)  # [R, W] int32
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]  # [R, W * 32] -> [R, V]
+    if len(rows) == logits.size(0):  # every row constrained: no gather
+        return logits.masked_fill_(~allowed, float("-inf"))
+    index = _on_device(torch.tensor(rows, dtype=torch.long, device="cpu"), logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
 def add_logit_bias(logits: torch.Tensor, logit_bias) -> torch.Tensor:
     """logits [B, V] -> float32 logits with each (row, token ids, biases) entry's biases added."""
     rows = [row for row, ids, _ in logit_bias for _ in ids]
