@@ -29,6 +29,11 @@ on_api_error
 on_validation_error
 on_http_error
 on_engine_error
+count_tokens
+# request fields pydantic reads from a body and this server accepts without using (Anthropic's and OpenAI's)
+_.signature
+_.budget_tokens
+_.strict
 # a pydantic validator, called by pydantic
 _._utf8_only
 # signal.signal's handler signature

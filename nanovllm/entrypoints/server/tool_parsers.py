@@ -132,8 +132,10 @@ class JsonCallsParser(ToolParser):
         out = ParsedDelta()
         text = self.held + text
         self.held = ""
+        readers = {"start": self._in_start, "content": self._in_content, "open": self._in_open,
+                   "calls": self._in_calls, "between": self._in_between, "rest": self._in_rest}
         while text:
-            text = getattr(self, f"_in_{self.state}")(text, out)
+            text = readers[self.state](text, out)
         return out
 
     def _in_start(self, text: str, out: ParsedDelta) -> str:
