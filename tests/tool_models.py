@@ -5,42 +5,7 @@ need a call force one with tool_choice (a grammar); the parsers' own tests use o
 import os
 import shutil
 
-QWEN3_STYLE_TEMPLATE = r"""
-{%- if tools %}
-{{- '<|im_start|>system\n' }}
-{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
-{{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n" }}
-{{- "You are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-{%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
-{{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within " }}
-{{- "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}" }}
-{{- "\n</tool_call><|im_end|>\n" }}
-{%- elif messages[0].role == 'system' %}
-{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-{%- if message.role == 'user' %}
-{{- '<|im_start|>user\n' + message.content + '<|im_end|>\n' }}
-{%- elif message.role == 'assistant' %}
-{{- '<|im_start|>assistant\n' }}
-{%- if message.reasoning_content %}{{- '<think>\n' + message.reasoning_content + '\n</think>\n\n' }}{%- endif %}
-{{- message.content }}
-{%- for tool_call in message.tool_calls or [] %}
-{%- set fc = tool_call.function %}
-{{- '\n<tool_call>\n{"name": "' + fc.name + '", "arguments": ' }}
-{%- if fc.arguments is string %}{{- fc.arguments }}{%- else %}{{- fc.arguments | tojson }}{%- endif %}
-{{- '}\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\n' }}
-{%- elif message.role == 'tool' %}
-{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-{{- '<|im_start|>assistant\n' }}
-{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
-{%- endif %}
-""".strip()
+from benchmarks.agent_session import QWEN3_STYLE_TEMPLATE  # the agent replay benchmark's template
 
 
 def smollm2_with_tool_template(smollm2_dir: str, out_dir: str) -> str:
