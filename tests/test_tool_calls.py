@@ -99,19 +99,31 @@ def test_tool_choice_none_keeps_the_tools_in_the_prompt_and_reads_text():
     assert plan.make_parser().parse_all('<tool_call>{"name": "x"}</tool_call>').content.startswith("<tool_call>")
 
 
-def test_required_and_named_tool_choice_are_forced_by_a_json_schema_without_thinking():
-    required = plan_chat(features(), NoTokenizer(), [WEATHER, ADD], "required", None, parallel_tool_calls=False)
-    assert required.sampling["structured_outputs"].json == required_calls_schema([WEATHER, ADD], False)
-    assert required.template_kwargs["enable_thinking"] is False and not required.has_reasoning
+def test_required_and_named_tool_choice_are_forced_by_a_json_schema():
+    no_reasoning = features(reasoning_parser="none")
+    required = plan_chat(no_reasoning, NoTokenizer(), [WEATHER, ADD], "required", None, parallel_tool_calls=False)
     schema = required.sampling["structured_outputs"].json
-    assert schema["maxItems"] == 1 and [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [
-        {"const": "get_weather"}, {"const": "add"}]
-    named = plan_chat(features(), NoTokenizer(), [WEATHER, ADD], {"type": "function", "function": {"name": "add"}},
-                      {"enable_thinking": True})
+    assert schema == required_calls_schema([WEATHER, ADD], False) and schema["maxItems"] == 1
+    assert [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [{"const": "get_weather"}, {"const": "add"}]
+    named = plan_chat(no_reasoning, NoTokenizer(), [WEATHER, ADD], {"type": "function", "function": {"name": "add"}},
+                      None)
     assert named.sampling["structured_outputs"].json == ADD["function"]["parameters"]
-    assert named.template_kwargs["enable_thinking"] is True  # the request's own choice stands
     call = named.make_parser().parse_all('{"a": 1, "b": 2}').tool_calls[0]
     assert (call.name, call.arguments) == ("add", '{"a": 1, "b": 2}')
+
+
+def test_with_a_reasoning_parser_the_forced_call_comes_after_the_reasoning():
+    named = plan_chat(features(), NoTokenizer(), [ADD], {"type": "function", "function": {"name": "add"}}, None)
+    grammar = named.sampling["structured_outputs"].grammar
+    assert grammar.splitlines() == [
+        "%llguidance {}", 'start: ("<think>" reasoning)? /[ \\t\\r\\n]*/ answer',
+        'reasoning[lazy]: /(.|\\n)*/ "</think>"', "answer: %json " + json.dumps(ADD["function"]["parameters"])]
+    parsed = named.make_parser().parse_all('<think>\nadd them\n</think>\n\n{"a": 1, "b": 2}')
+    assert parsed.reasoning == "\nadd them\n" and parsed.tool_calls[0].arguments == '{"a": 1, "b": 2}'
+    assert named.template_kwargs == {"tools": [ADD]}  # thinking stays as the template has it
+    # thinking turned off: the prompt closed the block, so the grammar is the schema alone
+    off = plan_chat(features(), NoTokenizer(), [ADD], "required", {"enable_thinking": False})
+    assert off.sampling["structured_outputs"].json == required_calls_schema([ADD])
 
 
 def test_a_template_that_opens_think_in_the_prompt_starts_the_answer_in_reasoning():

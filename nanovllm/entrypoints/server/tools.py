@@ -10,8 +10,8 @@ Per request (ChatPlan), by tool_choice (OpenAI's, as vLLM serves it):
 - "auto" (the default with tools): the model chooses; the family's parser finds the calls;
 - "required": a grammar forces a JSON array of one or more `{"name", "parameters"}` objects;
 - a named function: a grammar forces its arguments object.
-A forced call starts at the answer's first token, so the template is told `enable_thinking=False` for it (unless the
-request says otherwise) and the answer is read without a reasoning block.
+With a reasoning parser, a forced call's grammar lets the model reason first: it applies once `</think>` ends the
+reasoning (forced_call_grammar).
 """
 from __future__ import annotations
 
@@ -117,22 +117,36 @@ def plan_chat(features: ChatFeatures, tokenizer, tools: list[dict] | None, tool_
         kwargs["tools"] = tools
         if features.tool_call_parser in KEEPS_SPECIAL_TOKENS:
             sampling["skip_special_tokens"] = False
+    forced_schema = None
     if choice == "auto":
         make_tool_parser = TOOL_PARSERS[features.tool_call_parser]
     elif choice == "required":
-        sampling["structured_outputs"] = StructuredOutputsParams(json=required_calls_schema(tools,
-                                                                                            parallel_tool_calls))
+        forced_schema = required_calls_schema(tools, parallel_tool_calls)
         make_tool_parser = required_calls_parser
     elif isinstance(choice, dict):  # a named function: its tool
-        sampling["structured_outputs"] = StructuredOutputsParams(json=arguments_schema(choice))
+        forced_schema = arguments_schema(choice)
         make_tool_parser = partial(NamedCallParser, choice["function"]["name"])
-    is_forced = "structured_outputs" in sampling
-    if is_forced and features.reasoning_parser is not None:
-        kwargs.setdefault("enable_thinking", False)
-    has_reasoning = features.reasoning_parser is not None and not is_forced
+    has_reasoning = features.reasoning_parser is not None
     plan = ChatPlan(kwargs, sampling, make_tool_parser, has_reasoning)
     plan.starts_in_reasoning = has_reasoning and features.opens_reasoning(tokenizer, kwargs)
+    if forced_schema is not None:
+        may_think = has_reasoning and kwargs.get("enable_thinking") is not False  # False: the prompt closed it
+        sampling["structured_outputs"] = forced_call_grammar(forced_schema, may_think, plan.starts_in_reasoning)
     return plan
+
+
+def forced_call_grammar(schema: dict, may_think: bool, starts_in_reasoning: bool) -> StructuredOutputsParams:
+    """The schema alone; where the model may think, the schema after its reasoning (the grammar applies once the
+    reasoning ends, as vLLM applies it): an optional `<think>...</think>` block, or the rest of one the prompt opened,
+    then the JSON. `[lazy]` ends the reasoning at the first `</think>` (llguidance's Lark)."""
+    if not may_think:
+        return StructuredOutputsParams(json=schema)
+    reasoning = "reasoning" if starts_in_reasoning else f"({json.dumps(THINK_START)} reasoning)?"
+    return StructuredOutputsParams(grammar="\n".join([
+        "%llguidance {}",
+        f"start: {reasoning} /[ \\t\\r\\n]*/ answer",
+        f"reasoning[lazy]: /(.|\\n)*/ {json.dumps(THINK_END)}",
+        f"answer: %json {json.dumps(schema)}"]))
 
 
 def check_tool_choice(tools: list[dict] | None, tool_choice: str | dict | None) -> str | dict:
