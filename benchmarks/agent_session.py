@@ -10,8 +10,8 @@ import os
 import random
 
 NUM_TOOLS = 24
-SYSTEM_WORDS = 10_000  # the instructions; the tools' definitions bring the rendered system prompt to about 20k tokens
-TOOL_RESULT_WORDS = (300, 1500)
+SYSTEM_WORDS = 9_000  # the instructions; the tools' definitions bring the rendered system prompt to about 20k tokens
+TOOL_RESULT_WORDS = (200, 1000)  # the longest history (about 26k tokens) fits the KV of an 8 GiB card alone
 NUM_WORDS = 30_000  # the session's words are drawn from w0 .. w29999
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>"]
 TAG_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]

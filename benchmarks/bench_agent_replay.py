@@ -5,7 +5,7 @@ token. The issue's target: after turn 1, at most 25% of the prompt tokens comput
 
 The session (random.Random(4), scaled by --token-scale): a system prompt of about 20k tokens (instructions and 24
 tool definitions, as a coding agent sends them), a task, then per turn the recorded assistant turn (a line of text
-and a tool_use) and its tool_result (300-1,500 tokens). Request t sends the history through turn t-1 and asks for
+and a tool_use) and its tool_result (200-1,000 tokens). Request t sends the history through turn t-1 and asks for
 --max-tokens more; the replay sends the recorded turns, not the model's answers (dummy weights answer noise), as a
 harness replaying a log does. --num-sessions sessions share the system prompt and take turns, one request at a time,
 so their histories together outgrow the GPU's KV: what the host tier keeps, the next turn does not compute again.

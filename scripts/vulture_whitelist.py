@@ -30,6 +30,8 @@ on_validation_error
 on_http_error
 on_engine_error
 count_tokens
+# tokenizers.Tokenizer's setting, read by the tokenizer (benchmarks/agent_session.py)
+_.pre_tokenizer
 # request fields pydantic reads from a body and this server accepts without using (Anthropic's and OpenAI's)
 _.signature
 _.budget_tokens
