@@ -28,6 +28,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None  # False counts as unset
     disable_any_whitespace: bool = False  # JSON: no whitespace between tokens (compact output)
     disable_additional_properties: bool = False  # JSON: an object schema without additionalProperties gets False
+    whitespace_pattern: str | None = None  # JSON: a regex for the whitespace allowed between tokens
 
     def __post_init__(self):
         if hasattr(self.json, "model_json_schema"):  # a pydantic model class, as vLLM accepts
@@ -45,7 +46,7 @@ class StructuredOutputsParams:
                              f"got {', '.join(kinds) or 'none'}")
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ValueError(f"structured_outputs.json={self.json!r} must be a JSON schema (a dict or its JSON text)")
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "whitespace_pattern"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{name}={value!r} must be a non-empty string")
@@ -73,7 +74,8 @@ class StructuredOutputsParams:
             value = json.dumps(value, sort_keys=True)
         elif self.kind == "choice":
             value = tuple(value)
-        return self.kind, value, self.disable_any_whitespace, self.disable_additional_properties
+        return (self.kind, value, self.disable_any_whitespace, self.disable_additional_properties,
+                self.whitespace_pattern)
 
 
 @dataclass(slots=True)

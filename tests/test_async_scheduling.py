@@ -149,8 +149,8 @@ def test_prefill_speed_is_timed_between_read_backs(qwen3_dir, monkeypatch, async
     with LLM(qwen3_dir, **tiny_llm_kwargs(async_scheduling=asynchronous)) as llm:
         launch = llm.runner.launch
 
-        def launch_with_device_time(plan, sample_seqs=None):
-            handle = launch(plan, sample_seqs)
+        def launch_with_device_time(plan, sample_seqs=None, grammar_mask=None):
+            handle = launch(plan, sample_seqs, grammar_mask)
             device_s = 2.0 if plan.num_tokens > len(plan.query_lens) else 0.1
             tolist = handle.tolist
             handle.tolist = lambda: clock.__setitem__(0, clock[0] + device_s) or tolist()

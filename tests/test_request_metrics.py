@@ -91,10 +91,10 @@ def test_every_inter_token_gap_is_a_step_in_both_scheduling_modes(qwen3_dir, mon
     step_s = 0.03
     launch = ModelRunner.launch
 
-    def slow_launch(self, plan, sample_seqs=None):
+    def slow_launch(self, plan, sample_seqs=None, grammar_mask=None):
         if plan.num_tokens:
             time.sleep(step_s)
-        return launch(self, plan, sample_seqs)
+        return launch(self, plan, sample_seqs, grammar_mask)
 
     monkeypatch.setattr(ModelRunner, "launch", slow_launch)
     for asynchronous in (False, True):

@@ -112,6 +112,13 @@ def test_required_and_named_tool_choice_are_forced_by_a_json_schema():
     assert (call.name, call.arguments) == ("add", '{"a": 1, "b": 2}')
 
 
+def test_a_forced_call_and_response_format_together_are_refused():
+    plan = plan_chat(features(), NoTokenizer(), [ADD], "required", None)
+    assert plan.sampling_with({"temperature": 0.5})["temperature"] == 0.5
+    with pytest.raises(APIError, match="cannot be combined with response_format"):
+        plan.sampling_with({"structured_outputs": object()})
+
+
 def test_with_a_reasoning_parser_the_forced_call_comes_after_the_reasoning():
     named = plan_chat(features(), NoTokenizer(), [ADD], {"type": "function", "function": {"name": "add"}}, None)
     grammar = named.sampling["structured_outputs"].grammar

@@ -9,6 +9,7 @@ the token before it, so a constrained step cannot sample before its predecessor 
 forward is the read-back and the mask, as in vLLM.
 """
 import json
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -32,6 +33,8 @@ def grammar_text(structured: StructuredOutputsParams) -> str:
         if structured.disable_additional_properties:
             schema = without_additional_properties(schema)
         defaults = {"whitespace_flexible": not structured.disable_any_whitespace}
+        if structured.whitespace_pattern is not None:
+            defaults["whitespace_pattern"] = structured.whitespace_pattern
         return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=defaults)
     if kind == "choice":
         return llguidance.grammar_from("choice", json.dumps(structured.choice))
@@ -61,6 +64,7 @@ class GrammarCompiler:
         self.eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer = None  # built on the first constraint (about 0.3 s for a 50k vocabulary)
         self._templates: OrderedDict = OrderedDict()  # key -> LLMatcher, least recently used first
+        self._lock = threading.Lock()  # guards _templates
 
     def ll_tokenizer(self):
         if self._ll_tokenizer is None:
@@ -71,21 +75,32 @@ class GrammarCompiler:
             if not getattr(self.hf_tokenizer, "is_fast", False):
                 name = type(self.hf_tokenizer).__name__
                 raise ValueError(f"structured_outputs needs a fast (Rust) tokenizer; {name} is not one")
+            # the model's EOS ids that the tokenizer knows (a tokenizer borrowed from another model, as the dummy
+            # presets' benchmarks do, knows none of them: then its own EOS)
+            eos_token_ids = [t for t in self.eos_token_ids if t < len(self.hf_tokenizer)]
             self._ll_tokenizer = from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                                eos_token=self.eos_token_ids or None)
+                                                eos_token=eos_token_ids or None)
         return self._ll_tokenizer
 
     def matcher(self, structured: StructuredOutputsParams):
         """A fresh matcher for the constraint; ValueError naming the field when it does not compile."""
+        return self.template(structured).deep_copy()
+
+    def template(self, structured: StructuredOutputsParams):
+        """The constraint's compiled, never advanced matcher (compiled on first use). Thread-safe: the server
+        compiles in its requests' worker threads while the engine loop takes matchers (the compile itself runs
+        outside the lock)."""
         key = structured.key
-        template = self._templates.get(key)
+        with self._lock:
+            template = self._templates.get(key)
         if template is None:
             template = self._compile(structured)
+        with self._lock:
             self._templates[key] = template
+            self._templates.move_to_end(key)
             if len(self._templates) > MAX_CACHED_GRAMMARS:
                 self._templates.popitem(last=False)
-        self._templates.move_to_end(key)
-        return template.deep_copy()
+        return template
 
     def _compile(self, structured: StructuredOutputsParams):
         import llguidance
@@ -116,7 +131,7 @@ class StructuredOutputs:
     def check(self, structured: StructuredOutputsParams | None):
         """Compile (and cache) a request's constraint before it is queued: ValueError naming the field."""
         if structured is not None:
-            self.compiler.matcher(structured)
+            self.compiler.template(structured)
 
     def add(self, seq: Sequence):
         structured = seq.sampling_params.structured_outputs

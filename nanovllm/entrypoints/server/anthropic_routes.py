@@ -52,7 +52,7 @@ def add_anthropic_routes(app: FastAPI, engine: EngineLoop, llm: LLM, served_mode
         body.check(served_model_name)
         chat_plan = await plan(body)
         inputs = [{"messages": body.chat_messages(), "chat_template_kwargs": chat_plan.template_kwargs}]
-        streams = await submit_choices(engine, preparers, llm, inputs, {**body.sampling(), **chat_plan.sampling})
+        streams = await submit_choices(engine, preparers, llm, inputs, chat_plan.sampling_with(body.sampling()))
         parser = chat_plan.make_parser(make_id=new_tool_use_id)
         message_id = f"msg_{uuid.uuid4().hex}"
         watch = streaming.ClientWatch(engine, streams, request)

@@ -153,7 +153,7 @@ def _add_routes(app: FastAPI, engine: EngineLoop, llm: LLM, served_model_name: s
             features, llm.tokenizer, body.tool_dicts(), body.tool_choice_value(), body.chat_template_kwargs,
             body.parallel_tool_calls))
         inputs = [{"messages": body.template_messages(), "chat_template_kwargs": plan.template_kwargs}]
-        streams = await submit_choices(engine, preparers, llm, inputs, {**body.sampling(max_tokens), **plan.sampling})
+        streams = await submit_choices(engine, preparers, llm, inputs, plan.sampling_with(body.sampling(max_tokens)))
         parsers = [plan.make_parser() for _ in streams]
         reply = streaming.Reply(f"chatcmpl-{uuid.uuid4().hex}", served_model_name, body.n)
         watch = streaming.ClientWatch(engine, streams, request)

@@ -40,7 +40,9 @@ def prepare(llm: LLM, prompt: str | list[int] | None = None, messages: list[dict
         raise ValueError(f"the prompt's {len(token_ids)} tokens and max_tokens={options['max_tokens']} make "
                          f"{len(token_ids) + options['max_tokens']}, more than max_model_len={max_len}; lower "
                          f"max_tokens or shorten the prompt")
-    return GenerateRequest(token_ids, SamplingParams(**{**llm.default_sampling_options, **options}))
+    sampling_params = SamplingParams(**{**llm.default_sampling_options, **options})
+    llm.structured.check(sampling_params.structured_outputs)  # compiled here, off the loop thread (then cached)
+    return GenerateRequest(token_ids, sampling_params)
 
 
 def prompt_token_ids(llm: LLM, prompt: str | list[int] | None, messages: list[dict] | None,

