@@ -183,6 +183,15 @@ def test_text_streams_as_one_text_block_and_matches_the_non_streamed_answer(clie
     assert streamed.usage.output_tokens == message.usage.output_tokens
 
 
+def test_max_tokens_past_the_context_is_a_cap_not_an_error(client):
+    """Harnesses send their model's output limit (32,000 and more) whatever the prompt: the answer stops where the
+    context ends (max_model_len 1,024 here) instead of being refused, as OpenAI's routes refuse it."""
+    message = client.messages.create(model="m", max_tokens=32000, extra_body={"temperature": 0, "top_k": 1},
+                                     messages=QUESTION, thinking={"type": "disabled"}, stop_sequences=["."])
+    assert message.stop_reason in ("end_turn", "stop_sequence", "max_tokens")
+    assert message.usage.input_tokens + message.usage.output_tokens <= 1024
+
+
 def test_stop_sequences_end_the_answer_and_are_named(client):
     first = client.messages.create(model="m", max_tokens=8, extra_body={"temperature": 0}, messages=QUESTION,
                                    thinking={"type": "disabled"}).content[0].text

@@ -51,7 +51,8 @@ def add_anthropic_routes(app: FastAPI, engine: EngineLoop, llm: LLM, served_mode
     async def messages(body: MessagesBody, request: Request):
         body.check(served_model_name)
         chat_plan = await plan(body)
-        inputs = [{"messages": body.chat_messages(), "chat_template_kwargs": chat_plan.template_kwargs}]
+        inputs = [{"messages": body.chat_messages(), "chat_template_kwargs": chat_plan.template_kwargs,
+                   "max_tokens_is_a_cap": True}]
         streams = await submit_choices(engine, preparers, llm, inputs, chat_plan.sampling_with(body.sampling()))
         parser = chat_plan.make_parser(make_id=new_tool_use_id)
         message_id = f"msg_{uuid.uuid4().hex}"

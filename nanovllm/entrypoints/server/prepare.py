@@ -25,10 +25,12 @@ class GenerateRequest:
 
 
 def prepare(llm: LLM, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-            sampling: dict | None = None, chat_template_kwargs: dict | None = None) -> GenerateRequest:
+            sampling: dict | None = None, chat_template_kwargs: dict | None = None,
+            max_tokens_is_a_cap: bool = False) -> GenerateRequest:
     """Tokenize (or render the chat template for) one request and build its SamplingParams; exactly one of
-    `prompt` / `messages` is set (`chat_template_kwargs`: the template's extra variables, `tools` among them). Raises
-    ValueError naming the problem."""
+    `prompt` / `messages` is set (`chat_template_kwargs`: the template's extra variables, `tools` among them).
+    `max_tokens_is_a_cap`: a max_tokens past max_model_len is lowered to what fits instead of refused (Anthropic's
+    clients send their model's limit, e.g. 32,000, whatever the prompt). Raises ValueError naming the problem."""
     token_ids = prompt_token_ids(llm, prompt, messages, chat_template_kwargs)
     max_len = llm.config.max_model_len
     if len(token_ids) > max_len:  # checked here so the loop thread never scans an overlong list
@@ -36,6 +38,8 @@ def prepare(llm: LLM, prompt: str | list[int] | None = None, messages: list[dict
     options = dict(sampling or {})
     if options.get("max_tokens") is None:
         options["max_tokens"] = room_left(llm, token_ids)
+    elif max_tokens_is_a_cap:
+        options["max_tokens"] = min(options["max_tokens"], room_left(llm, token_ids))
     elif len(token_ids) + options["max_tokens"] > max_len:  # OpenAI and vLLM refuse it rather than cut it short
         raise ValueError(f"the prompt's {len(token_ids)} tokens and max_tokens={options['max_tokens']} make "
                          f"{len(token_ids) + options['max_tokens']}, more than max_model_len={max_len}; lower "

@@ -42,7 +42,7 @@ class ChatFeatures:
     tool_call_parser: str | None
     reasoning_parser: str | None
     chat_template: str | None = None
-    _opens_reasoning: dict = field(default_factory=dict)  # template kwargs (as JSON) -> does the prompt open <think>
+    _opens_reasoning: dict = field(default_factory=dict, init=False, repr=False)  # kwargs (JSON) -> opens <think>?
 
     @classmethod
     def resolve(cls, chat_template: str | None, tool_call_parser: str = "auto",
