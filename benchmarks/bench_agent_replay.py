@@ -146,7 +146,7 @@ def parse_args(argv=None):
     p.add_argument("--token-scale", type=float, default=1.0, help="multiplies every length of the session")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
     p.add_argument("--max-model-len", type=int, default=32768)
-    p.add_argument("--cpu-kv-blocks", type=int, default=400,
+    p.add_argument("--cpu-kv-blocks", type=int, default=380,
                    help="KV blocks of 16 tokens on the CPU (--device cpu): fewer than the sessions' histories need")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--modes", default=",".join(MODES))
