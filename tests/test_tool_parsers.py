@@ -93,6 +93,9 @@ CASES = {
         "calls": [call("add", '{"a": 1, "b": [true, null]}', 0), call("noop", "{}", 1)]}),
     "named_function": (lambda: ChatOutputParser(NamedCallParser("add", make_ids())), '{"a": 1, "b": 2}', {
         "reasoning": "", "content": "", "calls": [call("add", '{"a": 1, "b": 2}', 0)]}),
+    "hermes_malformed_call_is_text": (chat_parser(hermes_parser, with_reasoning=False),
+                                      "A<tool_call>\nnot json</tool_call>", {
+        "reasoning": "", "content": "A\nnot json</tool_call>", "calls": []}),
     "no_tools": (lambda: ChatOutputParser(NoToolParser(), Qwen3ReasoningParser()), "<think>x</think>y", {
         "reasoning": "x", "content": "y", "calls": []}),
 }
