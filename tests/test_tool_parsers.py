@@ -25,6 +25,7 @@ LLAMA3_TWO_CALLS = ('<|python_tag|>{"name": "search", "parameters": {"query": "n
 LLAMA3_TEXT = "I can't call a tool for that: {braces} appear later."
 MISTRAL_CALLS = ('Sure.[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2.5}}, '
                  '{"name": "noop", "arguments": {}}]')
+MISTRAL_V11_CALLS = ('Sure.[TOOL_CALLS]add[ARGS]{"a": 1, "b": {"c": "[ARGS]"}} and [TOOL_CALLS]noop[ARGS]{}')
 REQUIRED_CALLS = '[{"name": "add", "parameters": {"a": 1, "b": [true, null]}}, {"name": "noop", "parameters": {}}]'
 
 
@@ -88,6 +89,9 @@ CASES = {
     "mistral_text_then_calls": (chat_parser(mistral_parser, with_reasoning=False), MISTRAL_CALLS, {
         "reasoning": "", "content": "Sure.",
         "calls": [call("add", '{"a": 1, "b": 2.5}', 0), call("noop", "{}", 1)]}),
+    "mistral_v11_calls": (chat_parser(mistral_parser, with_reasoning=False), MISTRAL_V11_CALLS, {
+        "reasoning": "", "content": "Sure. and ",
+        "calls": [call("add", '{"a": 1, "b": {"c": "[ARGS]"}}', 0), call("noop", "{}", 1)]}),
     "required_array": (chat_parser(required_calls_parser, with_reasoning=False), REQUIRED_CALLS, {
         "reasoning": "", "content": "",
         "calls": [call("add", '{"a": 1, "b": [true, null]}', 0), call("noop", "{}", 1)]}),

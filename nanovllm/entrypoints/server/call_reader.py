@@ -36,6 +36,7 @@ class CallReader:
         self.has_sent_header = False
         self.is_done = False
         self.is_broken = False
+        self.ends_with_arguments = False  # the call is done when its arguments' value ends (mistral's v11 form)
 
     def feed(self, text: str) -> tuple[list[ToolCallDelta], str]:
         """(the deltas of this call, the text after the object's end: not this reader's)."""
@@ -126,6 +127,7 @@ class CallReader:
             self.is_broken = self.name is None
         elif self.key in ARGUMENT_KEYS and self.arguments_start is not None and self.arguments_end is None:
             self.arguments_end = end
+            self.is_done = self.ends_with_arguments
 
     def _deltas(self) -> list[ToolCallDelta]:
         if self.name is None:

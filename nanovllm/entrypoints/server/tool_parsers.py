@@ -5,7 +5,8 @@ Each model family writes its calls its own way (vLLM's `--tool-call-parser` name
   ordinary text;
 - llama3_json (Llama 3.1-3.3): the whole answer is `{"name": ..., "parameters": {...}}` (after an optional
   `<|python_tag|>`), several joined by `;`;
-- mistral: text, then `[TOOL_CALLS]` and a JSON array of `{"name": ..., "arguments": {...}}`.
+- mistral: text, then `[TOOL_CALLS]` and a JSON array of `{"name": ..., "arguments": {...}}`, or (Mistral's
+  tokenizers from v11) `[TOOL_CALLS]name[ARGS]{...}` per call.
 And two shapes the server forces with a grammar (tools.py): a named function's arguments object alone, and
 `tool_choice="required"`'s JSON array of `{"name": ..., "parameters": {...}}` (as vLLM forces them).
 
@@ -16,6 +17,7 @@ is the same parser fed the whole text at once.
 """
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Callable
 
@@ -132,11 +134,15 @@ class JsonCallsParser(ToolParser):
         out = ParsedDelta()
         text = self.held + text
         self.held = ""
-        readers = {"start": self._in_start, "content": self._in_content, "open": self._in_open,
-                   "calls": self._in_calls, "between": self._in_between, "rest": self._in_rest}
+        readers = self._readers()
         while text:
             text = readers[self.state](text, out)
         return out
+
+    def _readers(self) -> dict:
+        """state -> the method that reads text in it (each returns the text it leaves for the next state)."""
+        return {"start": self._in_start, "content": self._in_content, "open": self._in_open, "calls": self._in_calls,
+                "between": self._in_between, "rest": self._in_rest}
 
     def _in_start(self, text: str, out: ParsedDelta) -> str:
         stripped = text.lstrip()
@@ -214,6 +220,51 @@ class JsonCallsParser(ToolParser):
         return out
 
 
+class MistralParser(JsonCallsParser):
+    """mistral: text, then `[TOOL_CALLS]` and a JSON array of calls (Mistral's tokenizers before v11), or each call
+    as `[TOOL_CALLS]name[ARGS]{arguments}` (v11 and later), with text allowed between."""
+
+    args_tag = "[ARGS]"
+
+    def __init__(self, make_id: Callable[[], str] = new_call_id):
+        super().__init__(make_id, prefix="[TOOL_CALLS]", is_array=True, content_before=True)
+        self.name_text = ""  # the v11 form: the name read so far, up to [ARGS]
+
+    def _readers(self) -> dict:
+        return {**super()._readers(), "name": self._in_name, "arguments": self._in_arguments}
+
+    def _in_open(self, text: str, out: ParsedDelta) -> str:
+        stripped = text.lstrip()
+        if not stripped or stripped[0] == "[":
+            return super()._in_open(text, out)
+        self.state = "name"
+        return stripped
+
+    def _in_name(self, text: str, out: ParsedDelta) -> str:
+        name, tag, after = (self.name_text + text).partition(self.args_tag)
+        if not tag:
+            self.name_text = name
+            return ""
+        self.name_text, self.state = "", "arguments"
+        self.reader = self._new_reader()
+        self.reader.ends_with_arguments = True  # no object around the arguments: they end the call
+        deltas, _ = self.reader.feed(f'{{"name": {json.dumps(name.strip())}, "arguments": ')
+        out.tool_calls.extend(deltas)
+        return after
+
+    def _in_arguments(self, text: str, out: ParsedDelta) -> str:
+        deltas, text = self.reader.feed(text)
+        out.tool_calls.extend(deltas)
+        if self.reader.is_done or self.reader.is_broken:
+            self.reader, self.state = None, "content"  # text, or the next [TOOL_CALLS]
+        return text
+
+    def finish(self) -> ParsedDelta:
+        out = super().finish()
+        out.content += self.name_text  # a name never followed by [ARGS]: it was text
+        return out
+
+
 class NamedCallParser(ToolParser):
     """tool_choice names a function: the grammar makes the whole answer its arguments object, so every piece of text
     is more of the arguments of call 0."""
@@ -238,7 +289,7 @@ def llama3_json_parser(make_id: Callable[[], str] = new_call_id) -> ToolParser:
 
 
 def mistral_parser(make_id: Callable[[], str] = new_call_id) -> ToolParser:
-    return JsonCallsParser(make_id, prefix="[TOOL_CALLS]", is_array=True, content_before=True)
+    return MistralParser(make_id)
 
 
 def required_calls_parser(make_id: Callable[[], str] = new_call_id) -> ToolParser:
