@@ -85,6 +85,11 @@ def test_bad_tool_requests_are_refused_naming_the_field(template, tools, tool_ch
     assert error.value.status_code == 400 and error.value.body["error"]["param"] == param
 
 
+def test_auto_without_tools_is_plain_text():
+    plan = plan_chat(features(), NoTokenizer(), None, "auto", None)
+    assert "tools" not in plan.template_kwargs and plan.make_parser().parse_all("<tool_call>").content == "<tool_call>"
+
+
 def test_tools_go_to_the_template_and_auto_reads_calls_with_the_family_parser():
     plan = plan_chat(features(), NoTokenizer(), [WEATHER], None, {"enable_thinking": True})
     assert plan.template_kwargs == {"enable_thinking": True, "tools": [WEATHER]} and plan.sampling == {}

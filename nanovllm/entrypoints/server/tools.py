@@ -160,7 +160,7 @@ def forced_call_grammar(schema: dict, may_think: bool, starts_in_reasoning: bool
 def check_tool_choice(tools: list[dict] | None, tool_choice: str | dict | None) -> str | dict:
     """tool_choice resolved: "none", "auto", "required", or the named function's tool. OpenAI's default is "auto"
     with tools and "none" without."""
-    if tool_choice is None:
+    if tool_choice is None or tool_choice == "auto":  # "auto" without tools (clients send it by default): none
         return "auto" if tools else "none"
     if tool_choice == "none":
         return "none"
