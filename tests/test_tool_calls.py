@@ -186,3 +186,26 @@ def test_a_plain_answer_is_content_as_before():
     chunks = collect_chunks(FakeStream(["Hel", "lo <tool_call> x"]), plan.make_parser())
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "Hello <tool_call> x"
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_the_think_then_call_grammar_accepts_reasoning_then_the_call_and_nothing_after(smollm2_dir):
+    """llguidance compiles the grammar of a forced call with reasoning (SmolLM2's tokenizer) and takes a reasoning
+    block that mentions the end tag's pieces and JSON, then the call; or the call alone; but no text after the call,
+    and no JSON that breaks the schema."""
+    import llguidance.hf  # binds llguidance too
+    from transformers import AutoTokenizer
+
+    from nanovllm.entrypoints.server.tools import forced_call_grammar
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer)
+    grammar = llguidance.grammar_from("lark", forced_call_grammar(ADD["function"]["parameters"], True, False).grammar)
+    assert llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer) == ""
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+    assert accepts('<think>\nadd {"a": 2} </thin then </think>\n\n{"a": 1, "b": 2}')
+    assert accepts('{"a": 1, "b": 2}')
+    assert not accepts('<think>x</think>{"a": 1, "b": 2} and more')
+    assert not accepts('<think>x</think>{"a": "one", "b": 2}')
