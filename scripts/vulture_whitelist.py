@@ -31,6 +31,13 @@ on_api_error
 on_validation_error
 on_http_error
 on_engine_error
+count_tokens
+# tokenizers.Tokenizer's setting, read by the tokenizer (benchmarks/agent_session.py)
+_.pre_tokenizer
+# request fields pydantic reads from a body and this server accepts without using (Anthropic's and OpenAI's)
+_.signature
+_.budget_tokens
+_.strict
 # a pydantic validator, called by pydantic
 _._utf8_only
 # signal.signal's handler signature

@@ -250,7 +250,8 @@ def add_chat_parser(sub):
 
 
 def add_serve_parser(sub):
-    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (completions, chat, models, metrics)",
+    srv = sub.add_parser("serve", help="serve an OpenAI- and Anthropic-compatible HTTP API (completions, chat, "
+                                       "messages, models, metrics)",
                          formatter_class=HelpFormatter)
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                      help="checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct's GGUF from the "
@@ -259,14 +260,21 @@ def add_serve_parser(sub):
                      help="address to bind (a loopback address answers this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     srv.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY") or None,
-                     help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
-                          "(default: $NANOVLLM_API_KEY)")
+                     help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health "
+                          "and /metrics (default: $NANOVLLM_API_KEY)")
     srv.add_argument("--served-model-name", default=None,
                      help="the model name clients send (default: the MODEL directory's name)")
     srv.add_argument("--max-request-bytes", type=int, default=None,
                      help="larger request bodies get 413 (default: 8 MiB, room for a prompt of any max_model_len)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                      help="uvicorn's log level")
+    srv.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral", "none"],
+                     help="how the model writes tool calls (auto: from its chat template; none: refuse tools)")
+    srv.add_argument("--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
+                     help="return <think>...</think> apart as `reasoning` (auto: qwen3 where the template thinks)")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="accepted for vLLM's command lines: tool_choice='auto' works whenever a tool-call parser "
+                          "is known")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve, parser=srv)
 

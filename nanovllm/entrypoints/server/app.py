@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.entrypoints.server import streaming
+from nanovllm.entrypoints.server.anthropic_routes import add_anthropic_routes
 from nanovllm.entrypoints.server.body import MAX_JSON_MEMBERS, ChatBody, CompletionBody
 from nanovllm.entrypoints.server.choices import submit_choices
 from nanovllm.entrypoints.server.engine_loop import EngineError, EngineLoop
@@ -26,6 +27,7 @@ from nanovllm.entrypoints.server.guards import APIKeyCheck, BodySizeLimit, Inter
 from nanovllm.entrypoints.server.info_routes import add_info_routes
 from nanovllm.entrypoints.server.metrics import METRICS_CONTENT_TYPE, format_metrics
 from nanovllm.entrypoints.server.protocol import APIError
+from nanovllm.entrypoints.server.tools import ChatFeatures, plan_chat
 
 if TYPE_CHECKING:
     from nanovllm.llm import LLM
@@ -41,13 +43,17 @@ NUM_PREPARE_THREADS = 4  # requests tokenized at once; more wait their turn with
 
 
 def build_app(llm: LLM, served_model_name: str, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_call_parser: str = "auto",
+              reasoning_parser: str = "auto") -> FastAPI:
     """The FastAPI app. Its lifespan starts the engine loop thread and stops it (aborting what is in flight);
-    closing `llm` stays with the caller. No /docs or /redoc pages: they load their scripts from a CDN."""
+    closing `llm` stays with the caller. No /docs or /redoc pages: they load their scripts from a CDN.
+    `tool_call_parser` / `reasoning_parser`: `--tool-call-parser` / `--reasoning-parser` (tools.py)."""
     if api_key is not None and not api_key:
         raise ValueError("api_key='' is empty: pass a key, or None to serve without one")
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes={max_request_bytes} must be >= 1")
+    features = ChatFeatures.resolve(getattr(llm.tokenizer, "chat_template", None), tool_call_parser,
+                                    reasoning_parser)
     engine = EngineLoop(llm)
     preparers = ThreadPoolExecutor(NUM_PREPARE_THREADS, "nanovllm-prepare")
 
@@ -66,8 +72,9 @@ def build_app(llm: LLM, served_model_name: str, api_key: str | None = None,
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     if api_key is not None:
         app.add_middleware(APIKeyCheck, api_key=api_key)  # the outermost: nothing is read before the key is checked
-    _add_routes(app, engine, llm, served_model_name, preparers)
+    _add_routes(app, engine, llm, served_model_name, preparers, features)
     add_info_routes(app, llm, served_model_name, preparers)
+    add_anthropic_routes(app, engine, llm, served_model_name, preparers, features)
     return app
 
 
@@ -92,23 +99,24 @@ def _is_type_tag(part) -> bool:
 def _install_error_handlers(app: FastAPI):
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
-        return error_response(exc)
+        return error_response(exc, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
-        return error_response(_validation_error(exc))
+        return error_response(_validation_error(exc), path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(exc.status_code, str(exc.detail), type=kind), headers=exc.headers)
+        return error_response(APIError(exc.status_code, str(exc.detail), type=kind), exc.headers, request.url.path)
 
     @app.exception_handler(EngineError)
     async def on_engine_error(request: Request, exc: EngineError):
-        return error_response(APIError(500, str(exc), type="server_error"))
+        return error_response(APIError(500, str(exc), type="server_error"), path=request.url.path)
 
 
-def _add_routes(app: FastAPI, engine: EngineLoop, llm: LLM, served_model_name: str, preparers: ThreadPoolExecutor):
+def _add_routes(app: FastAPI, engine: EngineLoop, llm: LLM, served_model_name: str, preparers: ThreadPoolExecutor,
+                features: ChatFeatures):
     @app.get("/health")
     async def health():
         if not engine.is_alive:
@@ -141,14 +149,19 @@ def _add_routes(app: FastAPI, engine: EngineLoop, llm: LLM, served_model_name: s
     async def chat_completions(body: ChatBody, request: Request):
         body.check(served_model_name, llm.config.max_logprobs)
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
-        streams = await submit_choices(engine, preparers, llm, [{"messages": body.template_messages()}],
-                                       body.sampling(max_tokens))
+        plan = await asyncio.get_running_loop().run_in_executor(preparers, lambda: plan_chat(
+            features, llm.tokenizer, body.tool_dicts(), body.tool_choice_value(), body.chat_template_kwargs,
+            body.parallel_tool_calls))
+        inputs = [{"messages": body.template_messages(), "chat_template_kwargs": plan.template_kwargs}]
+        streams = await submit_choices(engine, preparers, llm, inputs, plan.sampling_with(body.sampling(max_tokens)))
+        parsers = [plan.make_parser() for _ in streams]
         reply = streaming.Reply(f"chatcmpl-{uuid.uuid4().hex}", served_model_name, body.n)
         watch = streaming.ClientWatch(engine, streams, request)
         if body.stream:
             return streaming.sse_response(
-                streaming.chat_chunks(reply, streams, body.include_usage, body.top_logprobs or 0), watch)
-        return streaming.chat_response(reply, streams, await streaming.collect(streams, watch), body.top_logprobs or 0)
+                streaming.chat_chunks(reply, streams, body.include_usage, body.top_logprobs or 0, parsers), watch)
+        return streaming.chat_response(reply, streams, await streaming.collect(streams, watch),
+                                       body.top_logprobs or 0, parsers)
 
 
 # ------------------------------------------------------------------------------------------------ entry point
@@ -195,7 +208,8 @@ def serve(args: argparse.Namespace, model: str, served_model_name: str, engine_k
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         with LLM(model, **engine_kwargs) as llm:
-            app = build_app(llm, served_model_name, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+            app = build_app(llm, served_model_name, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
             engine = app.state.engine
             server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level), engine)
             print(f"nanovllm: serving {served_model_name!r} on http://{args.host}:{args.port}/v1", flush=True)

@@ -33,6 +33,7 @@ class Delta:
     stream: StreamDelta
     final_text: str | None = None  # the last Delta's: the whole text
     final_logprobs: list | None = None  # the last Delta's: all the completion's logprobs (when asked for)
+    stop_reason: int | str | None = None  # the last Delta's: the stop token id or stop string that ended it (vLLM's)
 
     @property
     def text(self) -> str:
@@ -261,6 +262,7 @@ class EngineLoop:
             return
         delta = Delta(stream_delta)
         if seq.is_finished:
+            delta.stop_reason = seq.stop_reason
             output = self.llm.output(self.llm.requests.pop(seq_id))
             delta.final_text, delta.final_logprobs = output["text"], output["logprobs"]
             self._latency.observe(output["metrics"])

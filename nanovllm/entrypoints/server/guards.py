@@ -18,13 +18,27 @@ logger = logging.getLogger("nanovllm.server")
 OPEN_PATHS = ("/health", "/metrics", "/version")
 
 
-def error_response(error: APIError, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error.body, status_code=error.status_code, headers=headers)
+# Anthropic's error types for OpenAI's (the routes under ANTHROPIC_PATH answer with Anthropic's error body)
+ANTHROPIC_PATH = "/v1/messages"
+_ANTHROPIC_ERROR_TYPES = {"server_error": "api_error"}
+
+
+def error_response(error: APIError, headers: dict | None = None, path: str = "") -> JSONResponse:
+    """OpenAI's error body; Anthropic's ({"type": "error", "error": {"type", "message"}}) on its routes."""
+    body = error.body
+    if path.startswith(ANTHROPIC_PATH):
+        kind = body["error"]["type"]
+        if error.status_code == 413:
+            kind = "request_too_large"
+        body = {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(kind, kind),
+                                           "message": body["error"]["message"]}}
+    return JSONResponse(body, status_code=error.status_code, headers=headers)
 
 
 class APIKeyCheck:
-    """Every route but OPEN_PATHS needs `Authorization: Bearer <api_key>` (the OpenAPI schema included). It answers
-    before the body is read, so an unauthorized request gets 401 whatever it carries."""
+    """Every route but OPEN_PATHS needs `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (Anthropic's
+    clients send that one), the OpenAPI schema included. It answers before the body is read, so an unauthorized
+    request gets 401 whatever it carries."""
 
     def __init__(self, app, api_key: str):
         self.app = app
@@ -32,11 +46,14 @@ class APIKeyCheck:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.expected):
-                error = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                 type="authentication_error", code="invalid_api_key")
-                return await error_response(error)(scope, receive, send)
+            headers = Headers(scope=scope)
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            is_bearer = scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.expected)
+            is_x_api_key = secrets.compare_digest(headers.get("x-api-key", "").strip().encode(), self.expected)
+            if not (is_bearer or is_x_api_key):
+                error = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' or "
+                                      "'x-api-key: <key>'", type="authentication_error", code="invalid_api_key")
+                return await error_response(error, path=scope["path"])(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -99,7 +116,7 @@ class BodySizeLimit:
             if headers.get("expect", "").lower() != "100-continue":
                 await drain_body(receive)
             error = APIError(413, _too_large_message(self.max_bytes), code="request_too_large")
-            return await error_response(error, headers={"Connection": "close"})(scope, receive, send)
+            return await error_response(error, {"Connection": "close"}, scope["path"])(scope, receive, send)
         num_bytes = 0
 
         async def receive_capped():
@@ -138,4 +155,4 @@ class InternalErrors:
                 raise
             logger.exception("internal error answering %s %s", scope.get("method"), scope.get("path"))
             error = APIError(500, f"internal error: {e!r}", type="server_error")
-            await error_response(error)(scope, receive, send)
+            await error_response(error, path=scope["path"])(scope, receive, send)

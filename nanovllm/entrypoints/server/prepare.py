@@ -19,16 +19,22 @@ if TYPE_CHECKING:
 
 
 def prepare(llm: LLM, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-            sampling: dict | None = None) -> CheckedRequest:
+            sampling: dict | None = None, chat_template_kwargs: dict | None = None,
+            max_tokens_is_a_cap: bool = False) -> CheckedRequest:
     """Tokenize (or render the chat template for) one request, build its SamplingParams and check it against the
-    engine; exactly one of `prompt` / `messages` is set. Raises ValueError naming the problem."""
-    token_ids = prompt_token_ids(llm, prompt, messages)
+    engine; exactly one of `prompt` / `messages` is set (`chat_template_kwargs`: the template's extra variables,
+    `tools` among them).
+    `max_tokens_is_a_cap`: a max_tokens past max_model_len is lowered to what fits instead of refused (Anthropic's
+    clients send their model's limit, e.g. 32,000, whatever the prompt). Raises ValueError naming the problem."""
+    token_ids = prompt_token_ids(llm, prompt, messages, chat_template_kwargs)
     max_len = llm.config.max_model_len
     if len(token_ids) > max_len:  # checked here so the loop thread never scans an overlong list
         raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_len}; shorten it")
     options = dict(sampling or {})
     if options.get("max_tokens") is None:
         options["max_tokens"] = room_left(llm, token_ids)
+    elif max_tokens_is_a_cap:
+        options["max_tokens"] = min(options["max_tokens"], room_left(llm, token_ids))
     elif len(token_ids) + options["max_tokens"] > max_len:  # OpenAI and vLLM refuse it rather than cut it short
         raise ValueError(f"the prompt's {len(token_ids)} tokens and max_tokens={options['max_tokens']} make "
                          f"{len(token_ids) + options['max_tokens']}, more than max_model_len={max_len}; lower "
@@ -36,7 +42,8 @@ def prepare(llm: LLM, prompt: str | list[int] | None = None, messages: list[dict
     return llm.intake.checked(token_ids, SamplingParams(**{**llm.default_sampling_options, **options}))
 
 
-def prompt_token_ids(llm: LLM, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
+def prompt_token_ids(llm: LLM, prompt: str | list[int] | None, messages: list[dict] | None,
+                     chat_template_kwargs: dict | None = None) -> list[int]:
     if isinstance(prompt, list):
         return prompt
     tokenizer = llm.tokenizer
@@ -45,7 +52,7 @@ def prompt_token_ids(llm: LLM, prompt: str | list[int] | None, messages: list[di
                          f"to /v1/completions")
     if messages is None:
         return tokenizer.encode(prompt)
-    return chat_token_ids(tokenizer, messages, llm.config.model)
+    return chat_token_ids(tokenizer, messages, llm.config.model, chat_template_kwargs=chat_template_kwargs)
 
 
 def room_left(llm: LLM, token_ids: list[int]) -> int:

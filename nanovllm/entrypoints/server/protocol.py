@@ -7,6 +7,8 @@ UTF-8: JSON can carry a lone surrogate ("\\ud800") that no tokenizer can encode.
 """
 from __future__ import annotations
 
+import json
+
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, model_validator
@@ -24,6 +26,7 @@ MAX_CHOICES = 256
 # logit_bias entries and bad words are applied to every step of the request's rows
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_BAD_WORDS = 64
+MAX_TOOLS = 512  # each tool's schema is written into every prompt of the request
 
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_CHARS)]
 
@@ -44,12 +47,10 @@ UNSUPPORTED_OPTIONS = {
     "best_of": lambda v: v == 1,
     "echo": lambda v: not v,
     "suffix": lambda v: v == "",
-    "tools": lambda v: v == [],
-    "functions": lambda v: v == [],
+    "functions": lambda v: v == [],  # the legacy form of `tools`
     # vLLM's extensions
     "add_generation_prompt": lambda v: v is True,
     "continue_final_message": lambda v: v is False,
-    "chat_template_kwargs": lambda v: v == {},
     "prompt_logprobs": lambda v: False,
     "guided_json": lambda v: False,
     "guided_regex": lambda v: False,
@@ -221,18 +222,77 @@ class ContentPart(_Strict):
     text: str | None = None
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made (sent back in a later turn's history)."""
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     model_config = ConfigDict(strict=True, extra="allow")  # name, tool_call_id, ...: passed to the chat template
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    # an earlier answer's reasoning (vLLM's name, and its older one): templates that replay it read reasoning_content
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def as_template_message(self) -> dict:
         """The message as plain data; its parts are joined where every caller's are (engine/tokenizer.py)."""
         content = self.content
         if isinstance(content, list):
             content = [part.model_dump(exclude_none=True) for part in content]
-        return {**(self.model_extra or {}), "role": self.role, "content": content}
+        message = {**(self.model_extra or {}), "role": self.role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = template_tool_calls([call.model_dump() for call in self.tool_calls])
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        return message
+
+
+def template_tool_calls(tool_calls: list[dict]) -> list[dict]:
+    """An assistant message's tool_calls as chat templates read them: OpenAI sends each call's arguments as JSON
+    text, templates (Llama's, Qwen's) write them with `| tojson`, so they get the parsed object (as vLLM does)."""
+    rendered = []
+    for call in tool_calls:
+        function = dict(call.get("function") or {})
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                function["arguments"] = json.loads(arguments)
+            except ValueError:
+                pass  # not JSON: the template gets the text as the model wrote it
+        rendered.append({**call, "function": function})
+    return rendered
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")]  # OpenAI's rule for the name
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -240,6 +300,11 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     logprobs: bool | None = None  # each generated token's logprob ...
     top_logprobs: int | None = None  # ... and those of this many most likely tokens (needs logprobs)
+    # tools (see tools.py); tool_choice None: "auto" with tools, "none" without (OpenAI's defaults)
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template (enable_thinking)
 
     def check(self, served_model_name: str, max_logprobs: int = MAX_LOGPROBS):
         super().check(served_model_name, max_logprobs)
@@ -255,3 +320,9 @@ class ChatCompletionRequest(_SamplingRequest):
         if not self.messages:
             raise APIError(400, "messages is empty: a chat needs at least one message", param="messages")
         return [m.as_template_message() for m in self.messages]
+
+    def tool_dicts(self) -> list[dict] | None:
+        return None if self.tools is None else [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def tool_choice_value(self) -> str | dict | None:
+        return self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice

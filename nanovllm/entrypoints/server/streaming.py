@@ -11,10 +11,13 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from nanovllm.entrypoints.server.chat_output import chat_delta, chat_message
 from nanovllm.entrypoints.server.choices import merged_events, usage
 from nanovllm.entrypoints.server.engine_loop import Delta, EngineError, EngineLoop, RequestStream
 from nanovllm.entrypoints.server.openai_logprobs import chat_logprobs, completion_logprobs
 from nanovllm.entrypoints.server.protocol import APIError
+from nanovllm.entrypoints.server.reasoning import ChatOutputParser
+from nanovllm.entrypoints.server.tool_parsers import NoToolParser
 
 
 @dataclass
@@ -48,11 +51,14 @@ def completion_response(reply: Reply, streams: list[RequestStream], lasts: list[
     return reply.body(choices, usage=usage(streams, sum(last.num_completion_tokens for last in lasts), reply.n))
 
 
-def chat_response(reply: Reply, streams: list[RequestStream], lasts: list[Delta], num_top_logprobs: int = 0) -> dict:
-    choices = [{"index": i, "message": {"role": "assistant", "content": last.final_text},
+def chat_response(reply: Reply, streams: list[RequestStream], lasts: list[Delta], num_top_logprobs: int = 0,
+                  parsers: list[ChatOutputParser] | None = None) -> dict:
+    """`parsers`: each choice's reader of tool calls and reasoning (chat_output.py); None: all text is content."""
+    parsers = parsers or [ChatOutputParser(NoToolParser()) for _ in lasts]
+    choices = [{"index": i, "message": chat_message(parsers[i], last.final_text),
                 "logprobs": None if last.final_logprobs is None else chat_logprobs(last.final_logprobs,
                                                                                     num_top_logprobs),
-                "finish_reason": last.finish_reason} for i, last in enumerate(lasts)]
+                "finish_reason": parsers[i].finish_reason(last.finish_reason)} for i, last in enumerate(lasts)]
     return reply.body(choices, object="chat.completion",
                       usage=usage(streams, sum(last.num_completion_tokens for last in lasts), reply.n))
 
@@ -75,8 +81,9 @@ async def completion_chunks(reply: Reply, streams: list[RequestStream], include_
 
 
 async def chat_chunks(reply: Reply, streams: list[RequestStream], include_usage: bool,
-                      num_top_logprobs: int = 0) -> AsyncIterator[dict]:
+                      num_top_logprobs: int = 0, parsers: list[ChatOutputParser] | None = None) -> AsyncIterator[dict]:
     chunk = "chat.completion.chunk"
+    parsers = parsers or [ChatOutputParser(NoToolParser()) for _ in streams]
     for i in range(len(streams)):  # each choice opens with its role, as vLLM sends it
         yield reply.body([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                            "finish_reason": None}], object=chunk)
@@ -86,8 +93,9 @@ async def chat_chunks(reply: Reply, streams: list[RequestStream], include_usage:
             return
         num_tokens[i] = delta.num_completion_tokens
         logprobs = None if delta.logprobs is None else chat_logprobs(delta.logprobs, num_top_logprobs)
-        yield reply.body([{"index": i, "delta": {"content": delta.text} if delta.text else {},
-                           "logprobs": logprobs, "finish_reason": delta.finish_reason}], object=chunk)
+        yield reply.body([{"index": i, "delta": chat_delta(parsers[i], delta.text, delta.finish_reason is not None),
+                           "logprobs": logprobs, "finish_reason": parsers[i].finish_reason(delta.finish_reason)}],
+                         object=chunk)
     if include_usage:
         yield reply.body([], object=chunk, usage=usage(streams, sum(num_tokens), reply.n))
 
