@@ -124,7 +124,11 @@ def profile_memory(runner) -> dict:
     graph_pools = 0
     graph_tokens = runner.graph_runner.largest_graph_tokens()  # 0: no graphs
     if graph_tokens:
-        graph_pools = _peak_bytes(runner, graph_tokens, min(graph_tokens, config.max_model_len), 1, sample=False)
+        seq_len = min(graph_tokens, config.max_model_len)
+        # whole sequences for the profile's attention (a max_model_len that does not divide the bucket): rounded
+        # up, by less than one sequence, so the reserve errs high
+        num_tokens = -(-graph_tokens // seq_len) * seq_len
+        graph_pools = _peak_bytes(runner, num_tokens, seq_len, 1, sample=False)
     torch.cuda.empty_cache()
     apply_budget(config, device)
     return dict(card_bytes=card_bytes(config, device), weights_bytes=weights_bytes,
