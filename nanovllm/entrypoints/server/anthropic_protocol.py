@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from nanovllm.entrypoints.server.protocol import MAX_STOP_STRINGS, MAX_TOOLS, APIError, StopString, find_unencodable
+from nanovllm.entrypoints.server.protocol import MAX_STOP_STRINGS, MAX_TOOLS, APIError, StopString, refuse_unencodable
 
 
 class _Lenient(BaseModel):
@@ -107,11 +107,7 @@ class MessagesRequest(_Lenient):
     @model_validator(mode="before")
     @classmethod
     def _utf8_only(cls, data: Any) -> Any:
-        where = find_unencodable(data)
-        if where is not None:
-            raise ValueError(f"{where} has a lone surrogate (a \\ud800-\\udfff escape that is not part of a pair); "
-                             f"send text that is valid UTF-8")
-        return data
+        return refuse_unencodable(data)
 
     def check(self, served_model_name: str, needs_max_tokens: bool = True):
         """APIError naming the field for what the API refuses. A request for another model name is served by this

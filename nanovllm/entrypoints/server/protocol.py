@@ -85,6 +85,15 @@ def find_unencodable(value: Any, where: str = "") -> str | None:
     return None
 
 
+def refuse_unencodable(data: Any) -> Any:
+    """A request model's before-validator: ValueError naming the first lone surrogate's path, else the data."""
+    where = find_unencodable(data)
+    if where is not None:
+        raise ValueError(f"{where} has a lone surrogate (a \\ud800-\\udfff escape that is not part of a pair); "
+                         f"send text that is valid UTF-8")
+    return data
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True)
 
@@ -130,11 +139,7 @@ class _SamplingRequest(_Strict):
     def _utf8_only(cls, data: Any, info: ValidationInfo) -> Any:
         if not (info.context or {}).get("may_hold_surrogates", True):  # body.py found no surrogate escape
             return data
-        where = find_unencodable(data)
-        if where is not None:
-            raise ValueError(f"{where} has a lone surrogate (a \\ud800-\\udfff escape that is not part of a pair); "
-                             f"send text that is valid UTF-8")
-        return data
+        return refuse_unencodable(data)
 
     def check(self, served_model_name: str, max_logprobs: int = MAX_LOGPROBS):
         """max_logprobs: the engine's (LLM(max_logprobs=...)), the most logprobs a request may ask for."""
