@@ -56,6 +56,7 @@ def test_a_planted_async_lag_fails_the_comparison(qwen3_dir):
     assert got != sync
 
 
+@pytest.mark.slow  # 2-6 CPU-seconds: out of `make test-fast`
 @pytest.mark.parametrize("pressure", PRESSURES)
 def test_async_equals_sync(tiny_dirs, pressure):
     for family in ("qwen3", "llama"):
@@ -65,6 +66,7 @@ def test_async_equals_sync(tiny_dirs, pressure):
             assert stats["preemptions_swap"] > 0 and stats["recomputed_tokens"] == 0
 
 
+@pytest.mark.slow  # 2-6 CPU-seconds: out of `make test-fast`
 def test_async_stops_on_tokens_and_mixed_lengths_like_sync(qwen3_dir):
     sync_params = [greedy(20), greedy(3), greedy(12), greedy(1), greedy(20), greedy(7)]
     first, _ = generate(qwen3_dir, PROMPTS, sync_params, **tiny_llm_kwargs(async_scheduling=False))
@@ -182,6 +184,7 @@ def test_an_idle_spell_is_not_timed_as_prefill(qwen3_dir, monkeypatch):
         assert llm.host_tier.policy.prefill_tokens_per_s == prior  # a 0 s sample is skipped; a 3 s one would lower it
 
 
+@pytest.mark.slow  # 2-6 CPU-seconds: out of `make test-fast`
 @pytest.mark.parametrize("pressure", PRESSURES)
 def test_async_penalties_equal_sync(qwen3_dir, pressure):
     """Penalties count every completion token, and the last one of a sequence is still on the device when the next

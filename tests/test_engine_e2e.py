@@ -62,6 +62,7 @@ class TestSampling:
     def llm(self, sampling_llm):
         return sampling_llm
 
+    @pytest.mark.slow  # 2-6 CPU-seconds: out of `make test-fast`
     def test_seeded_sampling_repeats_within_engine(self, llm, greedy_ids):
         sp = SamplingParams(temperature=0.8, seed=1234, max_tokens=N, ignore_eos=True)
         a = ids(llm.generate(PROMPTS, sp, use_tqdm=False))

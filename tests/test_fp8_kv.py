@@ -70,6 +70,7 @@ def test_bad_kv_cache_dtype_is_a_value_error(qwen3_dir):
         LLM(qwen3_dir, **tiny_llm_kwargs(kv_cache_dtype="fp8", attention_backend="flash"))
 
 
+@pytest.mark.slow  # 2-6 CPU-seconds: out of `make test-fast`
 def test_fp8_engine_gets_the_blocks_its_bytes_buy(qwen3_dir):
     """Same kv_cache_memory_bytes, fp32 compute on the CPU: an FP8 block of the tiny Qwen3 (head_dim 32) is
     2 x 2 x 4 x 2 x (32 + 2) = 1,088 bytes against 4,096, so 3.76x the blocks."""

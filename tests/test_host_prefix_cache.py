@@ -179,6 +179,7 @@ def host_cache_runs(qwen3_dir):
     return results
 
 
+@pytest.mark.slow  # 2-6 CPU-seconds: out of `make test-fast`
 @pytest.mark.parametrize("name", ["host cache", "write-through"])
 def test_engine_host_hits_give_the_same_tokens(host_cache_runs, name):
     outs, stats = host_cache_runs[name]

@@ -99,6 +99,7 @@ def test_quantized_checkpoint_matches_its_dequantized_weights(quant_root, bases,
             assert max(abs(a - b) for a, b in zip(top, expected)) < TOLERANCE, (case, j, top, expected)
 
 
+@pytest.mark.slow  # 2-6 CPU-seconds: out of `make test-fast`
 @pytest.mark.parametrize("case,head", [("awq-g32", "int8"), ("gptq8-asym-g64", None), ("fp8-block32", "int8")])
 def test_tp2_shards_packed_weights_like_tp1(quant_root, bases, case, head):
     """Column-parallel layers split N, row-parallel ones K in whole groups (4 x 32-groups of o_proj's 128 inputs

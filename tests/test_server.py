@@ -550,6 +550,7 @@ def test_the_client_snippet_in_docs_server_md_runs_as_written(base_url, capsys):
 
 # ------------------------------------------------------------------------------------------------ engine failures
 
+@pytest.mark.slow  # 2-6 CPU-seconds: out of `make test-fast`
 def test_a_failed_tensor_parallel_step_marks_the_engine_broken(qwen3_dir, monkeypatch):
     """At TP 1 a failed step fails the requests in flight and the loop goes on. With tensor parallelism the ranks
     are out of step after one: the loop stops taking requests and /health stops saying ok."""

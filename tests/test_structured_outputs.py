@@ -220,6 +220,7 @@ def test_constrained_and_free_rows_in_one_batch(llm):
     assert alone[0][0] != got[1][0]
 
 
+@pytest.mark.slow  # 2-6 CPU-seconds: out of `make test-fast`
 def test_async_and_sync_scheduling_give_the_same_tokens(tok_model_dir):
     """Both modes pinned; greedy and seeded rows, constrained and free, n=2 samples of one schema."""
     schemas = all_schemas()[::10]
@@ -241,6 +242,7 @@ def test_async_and_sync_scheduling_give_the_same_tokens(tok_model_dir):
         jsonschema.validate(json.loads(sample[2]), schemas[1])
 
 
+@pytest.mark.slow  # 2-6 CPU-seconds: out of `make test-fast`
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_preempted_constrained_requests_give_the_unpressured_tokens(tok_model_dir, preemption_mode):
     """A KV cache too small for the batch preempts constrained requests mid-grammar; their matchers keep what they
