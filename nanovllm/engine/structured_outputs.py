@@ -12,6 +12,7 @@ what overlaps the forward is the read-back and the mask, as in vLLM.
 """
 import json
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -136,6 +137,9 @@ class StructuredOutputs:
         self._filling: Future | None = None  # the fill on the mask thread, until the runner has waited for it
         self._executor = None  # llguidance's thread pool for the masks of several rows
         self._mask_thread = None  # one thread that runs the fill, so that the host's other work goes on meanwhile
+        # where a constrained step's host time goes (bench_structured reports them): the fills' seconds on the mask
+        # thread, and the seconds the runner waited for one before it could sample
+        self.num_fills, self.fill_seconds, self.fill_wait_seconds = 0, 0.0, 0.0
 
     def check(self, structured: StructuredOutputsParams | None):
         """Compile (and cache) a request's constraint before it is queued: ValueError naming the field."""
@@ -176,19 +180,24 @@ class StructuredOutputs:
     def _fill(self, matchers: list, masks: np.ndarray):
         """llguidance writes the masks in place (it releases the GIL meanwhile)."""
         import llguidance.numpy as llg_numpy
+        start = time.perf_counter()
         if len(matchers) == 1:
             llg_numpy.fill_next_token_bitmask(matchers[0], masks, 0)
-            return
-        if self._executor is None:
-            import llguidance
-            self._executor = llguidance.LLExecutor()
-        llg_numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], masks)
+        else:
+            if self._executor is None:
+                import llguidance
+                self._executor = llguidance.LLExecutor()
+            llg_numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], masks)
+        self.num_fills += 1
+        self.fill_seconds += time.perf_counter() - start
 
     def wait_for_fill(self):
         """Wait for the masks that are filling, if any (raises the fill's error)."""
         filling, self._filling = self._filling, None
         if filling is not None:
+            start = time.perf_counter()
             filling.result()
+            self.fill_wait_seconds += time.perf_counter() - start
 
     def consume(self, rows: list[tuple[Sequence, int] | None], token_ids: list[int]):
         """Advance the matchers by a read-back step's tokens (Scheduler.advance's rows; before resolve, which may
