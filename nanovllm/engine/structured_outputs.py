@@ -199,6 +199,13 @@ class StructuredOutputs:
             filling.result()
             self.fill_wait_seconds += time.perf_counter() - start
 
+    def close(self):
+        """Stop the mask thread (a later constrained step starts another)."""
+        self.wait_for_fill()
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown()
+            self._mask_thread = None
+
     def consume(self, rows: list[tuple[Sequence, int] | None], token_ids: list[int]):
         """Advance the matchers by a read-back step's tokens (Scheduler.advance's rows; before resolve, which may
         finish their sequences: a finished sequence's matcher goes away with it), record the grammars they end, and
