@@ -16,7 +16,7 @@ import torch
 from conftest import close_llm
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.engine.structured_outputs import GRAMMAR_ERROR, GrammarCompiler, without_additional_properties
-from nanovllm.layers.sampler import apply_token_bitmask, unpack_bits
+from nanovllm.layers.token_bitmask import TokenBitmask, unpack_bits
 from structured_schemas import all_schemas
 
 SQL_GRAMMAR = """
@@ -114,22 +114,33 @@ def test_without_additional_properties_closes_only_objects_that_do_not_say():
     assert "additionalProperties" not in schema  # the caller's schema is left alone
 
 
-def test_apply_token_bitmask_masks_exactly_the_cleared_bits():
-    """Bit t % 32 of word t // 32 allows token t; a vocabulary of 70 is not a multiple of 32, bit 31 is the sign."""
-    logits = torch.zeros(3, 70)
-    allowed = {0: [0, 31, 69], 2: [5, 32, 63]}  # sample row -> allowed token ids; row 1 is free
-    bitmask = np.zeros((2, 3), dtype=np.int32)
-    for i, ids in enumerate(allowed.values()):
+def allowed_bitmask(allowed: list[list[int]], vocab: int) -> np.ndarray:
+    """The masks [len(allowed), ceil(vocab / 32)] int32 that allow exactly those token ids."""
+    bitmask = np.zeros((len(allowed), (vocab + 31) // 32), dtype=np.int32)
+    for i, ids in enumerate(allowed):
         for t in ids:
             bitmask.view(np.uint32)[i, t // 32] |= np.uint32(1 << (t % 32))
-    out = apply_token_bitmask(logits, ([0, 2], bitmask))
-    for row, ids in allowed.items():
-        assert torch.isfinite(out[row]).nonzero().flatten().tolist() == ids
-    assert torch.isfinite(out[1]).all()
-    assert apply_token_bitmask(logits, None) is logits
-    # the device path's unpacking (numpy's unpackbits on a CPU) agrees
+    return bitmask
+
+
+def test_token_bitmask_masks_exactly_the_cleared_bits():
+    """Bit t % 32 of word t // 32 allows token t; a vocabulary of 70 is not a multiple of 32, bit 31 is the sign.
+    The masks are written into the buffer's host view, as the matchers write them, and reused the next step."""
+    buffer = TokenBitmask(max_rows=4, vocab_size=70, device=torch.device("cpu"))
+    for allowed in ({0: [0, 31, 69], 2: [5, 32, 63]},  # sample row -> allowed token ids; row 1 is free
+                    {0: [1], 1: [2], 2: [68, 69]}):  # every row constrained, the buffer refilled
+        logits = torch.zeros(3, 70)
+        buffer.host_masks()[:len(allowed)] = allowed_bitmask(list(allowed.values()), 70)
+        out = buffer.apply(logits, list(allowed))
+        assert out is logits
+        for row in range(3):
+            assert torch.isfinite(out[row]).nonzero().flatten().tolist() == allowed.get(row, list(range(70)))
+    with pytest.raises(RuntimeError, match="grammar's vocabulary must be the logits' width"):
+        buffer.apply(torch.zeros(1, 96), [0])
+    # the device path's unpacking without Triton agrees
+    bitmask = allowed_bitmask([[0, 31, 69], [5, 32, 63]], 70)
     bits = unpack_bits(torch.from_numpy(bitmask), 70)
-    assert [bits[i].nonzero().flatten().tolist() for i in range(2)] == list(allowed.values())
+    assert [bits[i].nonzero().flatten().tolist() for i in range(2)] == [[0, 31, 69], [5, 32, 63]]
 
 
 def test_a_borrowed_tokenizer_under_a_wider_vocabulary(tok_model_dir):
@@ -280,17 +291,17 @@ def test_logprobs_are_of_the_masked_distribution_and_penalties_apply(llm):
 
 
 def test_a_rejected_token_ends_only_its_request_with_grammar_error(llm):
-    """A matcher that rejects a token (planted: fed a token its mask forbids) can reach no further token: its
-    request ends with finish_reason "grammar_error" at once, while the others in the batch run on."""
+    """A matcher that rejects a token (planted: fed a token its mask forbids in place of the sampled one) can reach
+    no further token: its request ends with finish_reason "grammar_error" at once, while the others in the batch
+    run on."""
     structured, consume = llm.core.structured, llm.core.structured.consume
     victim = []
+    not_a_digit = llm.tokenizer.encode("zzz")[0]
 
-    def consume_then_plant(rows, token_ids):
-        consume(rows, token_ids)
-        for row in rows:
-            if row is not None and row[0].seq_id == victim[0] and not row[0].is_finished:
-                structured.matchers[victim[0]].consume_token(llm.tokenizer.encode("zzz")[0])  # not a digit
-    structured.consume = consume_then_plant
+    def consume_planted(rows, token_ids):
+        consume(rows, [not_a_digit if row is not None and row[0].seq_id == victim[0] else token_id
+                       for row, token_id in zip(rows, token_ids)])
+    structured.consume = consume_planted
     try:
         params = [constrained(regex="[0-9]{6}", max_tokens=40), constrained(regex="[0-9]{6}", max_tokens=40)]
         victim.append(llm.add_request("Number:", params[0]))

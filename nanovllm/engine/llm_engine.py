@@ -193,6 +193,7 @@ class LLMEngine:
         """Release the KV caches, the host pool and the worker processes; safe to call twice."""
         try:
             if self.core is not None:
+                self.core.structured.close()  # structured outputs' mask thread
                 self.core.close_disk_tier()
         finally:
             if self.executor is not None:

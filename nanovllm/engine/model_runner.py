@@ -25,7 +25,8 @@ from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.kv_layout import KVLayout, check_fp8_support, hadamard
 from nanovllm.layers.logprobs import chosen_and_top, raw_logprobs
-from nanovllm.layers.sampler import Sampler, SamplingTensors, apply_token_bitmask
+from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.layers.token_bitmask import TokenBitmask
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.weights import load_model_weights
 from nanovllm.utils.compile import set_compile
@@ -72,6 +73,7 @@ class ModelRunner:
         check_fp8_support(config.kv_cache_dtype, self.device)
         self.model = self._build_model()
         self.sampler = Sampler()
+        self.token_bitmask: TokenBitmask | None = None  # structured outputs' mask buffers, from the first one
         self.sampling = SamplingState(hf.vocab_size, self.device)  # rank 0's: generators, batch tensors, last ids
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
         # mixed steps: one-token rows through the decode kernel, the rest through prefill (a 256-decode + 256-token
@@ -155,13 +157,15 @@ class ModelRunner:
     def launch(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None,
                grammar_mask=None) -> "SampledTokens":
         """Like run, without waiting: the sampled tokens come back through the returned handle, so the host can
-        schedule the next step while this one runs on the GPU. grammar_mask (rank 0, structured outputs): called
-        once the forward is launched, returns (sample rows, host bitmask) or None; the host builds it meanwhile."""
+        schedule the next step while this one runs on the GPU. grammar_mask (rank 0, structured outputs): the
+        step's StepMask (nanovllm/engine/structured_outputs.py), whose masks the host fills while the forward runs."""
         if self.copy_engine is not None:
             self.copy_engine.issue_step_copies(plan.swap_out, plan.swap_in, plan.new_gpu_block_ids, plan.block_tables,
                                                plan.store_id, plan.load_id)
         if not plan.num_tokens:
             return SampledTokens(None)
+        if grammar_mask is not None and self.device.type == "cpu":  # the forward runs here: the masks fill beside it
+            grammar_mask.begin(self._token_bitmask().host_masks())
         logits, prompt_logprobs = self.forward(plan)
         if self.copy_engine is not None:
             self.copy_engine.forward_issued(plan.written_gpu_block_ids)
@@ -169,8 +173,8 @@ class ModelRunner:
             return SampledTokens(None)
         if logits is None:
             return SampledTokens(None, prompt_logprobs)
-        if grammar_mask is not None:  # structured outputs: the host builds the mask while the forward runs
-            logits = apply_token_bitmask(logits, grammar_mask())
+        if grammar_mask is not None:  # structured outputs: the host builds the masks while the forward runs
+            logits = self._apply_grammar(logits, grammar_mask)
         rows = to_device(plan.sample_logprob_rows, torch.int64, self.device) if plan.sample_logprob_rows else None
         logprobs = raw_logprobs(logits[rows]) if rows is not None else None  # before bans and penalties (vLLM)
         sampling = self.sampling
@@ -182,6 +186,19 @@ class ModelRunner:
             sample_logprobs = chosen_and_top(logprobs, sampling.last_sampled[rows], plan.num_top_logprobs)
             prompt_logprobs = _cat_rows(sample_logprobs, prompt_logprobs)
         return SampledTokens(sampling.last_sampled, prompt_logprobs)
+
+    def _token_bitmask(self) -> TokenBitmask:
+        if self.token_bitmask is None:
+            self.token_bitmask = TokenBitmask(self.config.max_num_seqs, self.config.hf_config.vocab_size, self.device)
+        return self.token_bitmask
+
+    def _apply_grammar(self, logits: torch.Tensor, step_mask) -> torch.Tensor:
+        """The step's masks (StepMask: begun here once the forward is launched, unless before it on a CPU) applied
+        to their rows' logits in place."""
+        if not step_mask.is_begun:
+            step_mask.begin(self._token_bitmask().host_masks())
+        rows = step_mask.rows()
+        return logits if rows is None else self.token_bitmask.apply(logits, rows)
 
     # rows per full-vocabulary slice of prompt logits: a long prompt chunk's float32 log-softmax stays within the
     # size of what the profiling run sized (max_num_seqs rows of logits; 256 x a 152k vocabulary is 156 MB)

@@ -1,16 +1,20 @@
 """Structured outputs (SamplingParams.structured_outputs), the host half: each constrained request's grammar matcher
 (llguidance), the step's token bitmask built from them, and the matchers advanced by the tokens read back. The
-sampler's file applies the bitmask on the device (nanovllm/layers/sampler.py: apply_token_bitmask). No torch.
+runner's TokenBitmask (nanovllm/layers/token_bitmask.py) holds the buffer the masks are written into and applies
+them on the device. No torch.
 
 The life of a constrained step, under asynchronous scheduling too: the engine launches the forward, then reads back
-the previous step's tokens (which the matchers consume) while the forward runs, builds this step's bitmask from the
-matchers, and only then lets the runner sample (ModelRunner.launch's `grammar_mask`). The next token's mask needs
-the token before it, so a constrained step cannot sample before its predecessor is read back; what overlaps the
-forward is the read-back and the mask, as in vLLM.
+the previous step's tokens (which the matchers consume) while the forward runs; as soon as the matchers have
+consumed them, llguidance fills this step's masks on a thread of their own while the read-back goes on (the
+sequences' updates, stop strings), and the runner waits for the masks only when it samples (StepMask). The next
+token's mask needs the token before it, so a constrained step cannot sample before its predecessor is read back;
+what overlaps the forward is the read-back and the mask, as in vLLM.
 """
 import json
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -121,12 +125,21 @@ class GrammarCompiler:
 class StructuredOutputs:
     """The running constrained requests' matchers, by seq id, so a step without any spends one dict check on them.
     NOTE: a matcher has consumed exactly its sequence's resolved completion tokens; an entry lives from add_request
-    until the request finishes or is aborted (`discard`)."""
+    until the request finishes or is aborted (`discard`). While a step's masks fill (on the mask thread), only the
+    fill touches the matchers: consume waits for it, and finish_grammars reads the states consume recorded."""
 
     def __init__(self, compiler: GrammarCompiler):
         self.compiler = compiler
         self.matchers: dict[int, object] = {}  # seq id -> llguidance.LLMatcher
+        # seq id -> GRAMMAR_ERROR or "stop": the grammars that the last read-back's tokens ended (consume's record)
+        self._ended: dict[int, str] = {}
+        self._beginning: StepMask | None = None  # the step whose read-back is under way: consume starts its fill
+        self._filling: Future | None = None  # the fill on the mask thread, until the runner has waited for it
         self._executor = None  # llguidance's thread pool for the masks of several rows
+        self._mask_thread = None  # one thread that runs the fill, so that the host's other work goes on meanwhile
+        # where a constrained step's host time goes (bench_structured reports them): the fills' seconds on the mask
+        # thread, and the seconds the runner waited for one before it could sample
+        self.num_fills, self.fill_seconds, self.fill_wait_seconds = 0, 0.0, 0.0
 
     def check(self, structured: StructuredOutputsParams | None):
         """Compile (and cache) a request's constraint before it is queued: ValueError naming the field."""
@@ -141,65 +154,124 @@ class StructuredOutputs:
     def discard(self, seq_id: int):
         self.matchers.pop(seq_id, None)
 
-    def grammar_mask(self, sample_seqs: list[Sequence], read_back, finished: list[Sequence]):
-        """For a step with constrained rows, what the runner calls once the forward is launched (ModelRunner.launch's
-        grammar_mask): read back the step before with `read_back` (the engine's; the sequences it finishes go to
-        `finished`), which advances the matchers, then build this step's bitmask, both while the forward runs.
-        None for a step without any."""
+    def grammar_mask(self, sample_seqs: list[Sequence], read_back, finished: list[Sequence]) -> "StepMask | None":
+        """For a step with constrained rows, the StepMask that the runner builds the masks with once the forward is
+        launched (ModelRunner.launch's `grammar_mask`): `read_back` is the engine's, and the sequences it finishes go
+        to `finished`. None for a step without any."""
         if not (self.matchers and any(seq.seq_id in self.matchers for seq in sample_seqs)):
             return None
+        return StepMask(self, sample_seqs, read_back, finished)
 
-        def read_back_then_mask():
-            finished.extend(read_back())
-            return self.step_mask(sample_seqs)
-        return read_back_then_mask
-
-    def step_mask(self, sample_seqs: list[Sequence]) -> tuple[list[int], np.ndarray] | None:
-        """(sample rows, their bitmask [rows, ceil(vocab / 32)] int32, bit t of a row: token t allowed) for the
-        constrained rows of this step; None when it has none. Call once the step before is read back. A row whose
-        sequence finished meanwhile is left out (its token will be dropped)."""
+    def start_fill(self, sample_seqs: list[Sequence], masks: np.ndarray) -> list[int]:
+        """Start filling masks[i] for the i-th constrained row of this step on the mask thread (wait_for_fill
+        joins it); returns the sample rows, in mask order. Call once the step before is read back into the matchers.
+        A row whose sequence finished, or whose grammar ended, is left out (its token will be dropped)."""
         pairs = [(row, self.matchers[seq.seq_id]) for row, seq in enumerate(sample_seqs)
-                 if seq.seq_id in self.matchers and not seq.is_finished]
-        if not pairs:
-            return None
+                 if seq.seq_id in self.matchers and not seq.is_finished and seq.seq_id not in self._ended]
+        if len(pairs) > masks.shape[0]:
+            raise RuntimeError(f"StructuredOutputs.start_fill: {len(pairs)} constrained rows, masks for "
+                               f"{masks.shape[0]}")
+        if pairs:
+            if self._mask_thread is None:
+                self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-grammar-mask")
+            self._filling = self._mask_thread.submit(self._fill, [matcher for _, matcher in pairs], masks)
+        return [row for row, _ in pairs]
+
+    def _fill(self, matchers: list, masks: np.ndarray):
+        """llguidance writes the masks in place (it releases the GIL meanwhile)."""
         import llguidance.numpy as llg_numpy
-        bitmask = llg_numpy.allocate_token_bitmask(len(pairs), self.compiler.vocab_size)
-        if len(pairs) == 1:
-            llg_numpy.fill_next_token_bitmask(pairs[0][1], bitmask, 0)
+        start = time.perf_counter()
+        if len(matchers) == 1:
+            llg_numpy.fill_next_token_bitmask(matchers[0], masks, 0)
         else:
             if self._executor is None:
                 import llguidance
                 self._executor = llguidance.LLExecutor()
-            llg_numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, (_, m) in enumerate(pairs)], bitmask)
-        return [row for row, _ in pairs], bitmask
+            llg_numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], masks)
+        self.num_fills += 1
+        self.fill_seconds += time.perf_counter() - start
+
+    def wait_for_fill(self):
+        """Wait for the masks that are filling, if any (raises the fill's error)."""
+        filling, self._filling = self._filling, None
+        if filling is not None:
+            start = time.perf_counter()
+            filling.result()
+            self.fill_wait_seconds += time.perf_counter() - start
+
+    def close(self):
+        """Stop the mask thread (a later constrained step starts another)."""
+        self.wait_for_fill()
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown()
+            self._mask_thread = None
 
     def consume(self, rows: list[tuple[Sequence, int] | None], token_ids: list[int]):
         """Advance the matchers by a read-back step's tokens (Scheduler.advance's rows; before resolve, which may
-        finish their sequences: a finished sequence's matcher goes away with it)."""
+        finish their sequences: a finished sequence's matcher goes away with it), record the grammars they end, and
+        start the fill of the step being launched (StepMask.begin), if any."""
+        self._ended = {}
         if not self.matchers:
             return
+        self.wait_for_fill()  # a fill that nobody waited for (a step that raised) must not race the tokens
         for row, token_id in zip(rows, token_ids):
             if row is not None and not row[0].is_finished:
                 matcher = self.matchers.get(row[0].seq_id)
                 if matcher is not None:
                     matcher.consume_token(token_id)  # False leaves it in its error state: finish_grammars ends it
+                    if matcher.is_error():
+                        self._ended[row[0].seq_id] = GRAMMAR_ERROR
+                    elif matcher.is_stopped():
+                        self._ended[row[0].seq_id] = "stop"
+        if self._beginning is not None:
+            self._beginning.start()
 
     def finish_grammars(self, updated: list[Sequence], finish, text) -> list[Sequence]:
-        """End the sequences whose grammar is complete ("stop") or rejected their token (GRAMMAR_ERROR) with
-        `finish(seq, reason)`; returns them. Their text is fixed first with `text(seq)` (TextOutput.text): the last
-        token is the output's own, not a stop token whose text a "stop" leaves out."""
-        if not self.matchers:
+        """End the sequences whose grammar is complete ("stop") or rejected their token (GRAMMAR_ERROR), as
+        consume recorded, with `finish(seq, reason)`; returns them. Their text is fixed first with `text(seq)`
+        (TextOutput.text): the last token is the output's own, not a stop token whose text a "stop" leaves out."""
+        if not self._ended:
             return []
-        done = []
-        for seq in updated:
-            matcher = self.matchers.get(seq.seq_id)
-            if matcher is None:
-                continue
-            if matcher.is_error():
-                done.append((seq, GRAMMAR_ERROR))
-            elif matcher.is_stopped():
-                done.append((seq, "stop"))
+        done = [(seq, self._ended[seq.seq_id]) for seq in updated if seq.seq_id in self._ended]
         for seq, reason in done:
             seq.output_text = text(seq)
             finish(seq, reason)
         return [seq for seq, _ in done]
+
+
+class StepMask:
+    """One constrained step's masks, built while the host does the rest of its work. `begin(masks)` reads the step
+    before back (the engine's `read_back`); as soon as the matchers have consumed its tokens, the mask thread fills
+    `masks` while the read-back goes on (the sequences' updates, stop strings). `rows()` waits for the fill and
+    returns the sample rows whose masks are masks[:len(rows)], or None when no constrained row is left.
+    The runner calls begin once the forward is launched (on a CPU, where launch runs the forward itself, before it,
+    so that the fill runs beside the forward) and rows before it samples.
+    NOTE: the fill starts only after the read-back's consume (or, with nothing in flight, at the end of begin)."""
+
+    def __init__(self, structured: StructuredOutputs, sample_seqs: list[Sequence], read_back,
+                 finished: list[Sequence]):
+        self.structured, self.sample_seqs = structured, sample_seqs
+        self.read_back, self.finished = read_back, finished
+        self.masks: np.ndarray | None = None  # [max rows, words] int32 (the runner's host buffer), from begin
+        self._rows: list[int] | None = None  # the sample rows being filled, from start
+
+    @property
+    def is_begun(self) -> bool:
+        return self.masks is not None
+
+    def begin(self, masks: np.ndarray):
+        self.masks = masks
+        self.structured._beginning = self
+        try:
+            self.finished.extend(self.read_back())
+        finally:
+            self.structured._beginning = None
+        if self._rows is None:  # nothing was in flight to read back: the matchers are up to date already
+            self.start()
+
+    def start(self):
+        self._rows = self.structured.start_fill(self.sample_seqs, self.masks)
+
+    def rows(self) -> list[int] | None:
+        self.structured.wait_for_fill()
+        return self._rows or None

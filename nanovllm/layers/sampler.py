@@ -2,7 +2,6 @@
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -124,37 +123,6 @@ def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor (built on the CPU whatever the default device) on the device; pinned first on CUDA, so
     the copy does not wait for the forward (asynchronous scheduling)."""
     return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
-
-
-def apply_token_bitmask(logits: torch.Tensor, grammar: tuple[list[int], object] | None) -> torch.Tensor:
-    """Structured outputs' mask, in place: grammar is (sample rows, bitmask) or None (no constrained row left), and
-    those rows' logits become -inf where their bitmask's bit is 0. bitmask: a host int32 numpy array [len(rows),
-    ceil(V / 32)] (llguidance's layout: bit t % 32 of word t // 32 allows token t); it travels packed (V / 8 bytes
-    a row) and is unpacked on the device. Applied before the logprobs, penalties and every filter, greedy too, as
-    vLLM applies its grammar bitmask."""
-    if grammar is None:
-        return logits
-    rows, bitmask = grammar
-    vocab = logits.size(1)
-    if bitmask.shape != (len(rows), (vocab + 31) // 32):
-        raise RuntimeError(f"apply_token_bitmask: bitmask {bitmask.shape} for {len(rows)} rows of {vocab} logits; "
-                           f"the grammar's vocabulary must be the logits' width")
-    if logits.device.type == "cpu":  # numpy's unpackbits: 5x faster than the shifts on a CPU
-        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")  # [R, W * 32] of 0 / 1
-        allowed = torch.from_numpy(bits.view(np.bool_))[:, :vocab]
-    else:
-        allowed = unpack_bits(_on_device(torch.from_numpy(bitmask), logits.device), vocab)
-    if len(rows) == logits.size(0):  # every row constrained: no gather
-        return logits.masked_fill_(~allowed, float("-inf"))
-    index = _on_device(torch.tensor(rows, dtype=torch.long, device="cpu"), logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-    return logits
-
-
-def unpack_bits(packed: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[R, W] int32 words -> [R, vocab] bool, bit t % 32 of word t // 32 at column t (on the tensor's device)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=packed.device)
-    return ((packed.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]  # [R, W, 32] -> [R, W * 32]
 
 
 def add_logit_bias(logits: torch.Tensor, logit_bias) -> torch.Tensor:
