@@ -12,6 +12,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.subprocess]  # each engine runs in it
 
 PROMPT_LENS = (5, 40, 130, 300, 17, 77)
 MAX_TOKENS = 48
+GPU_BUDGET_GIB = 6  # each engine's budget, so that pytest-xdist's workers can share one GPU
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +61,8 @@ else:
 def run(model: str, reference: bool = False, env: dict | None = None, script: str = RUN, **kwargs) -> dict:
     # max_num_seqs 8 (the runs have 6 prompts): 4 decode graphs to capture at start-up instead of ~25; batches of
     # 5-6 rows still replay a padded graph
-    kwargs = {**dict(device="cuda", dtype="float32", kvcache_block_size=16, max_model_len=1024, max_num_seqs=8),
-              **kwargs}
+    kwargs = {**dict(device="cuda", dtype="float32", kvcache_block_size=16, max_model_len=1024, max_num_seqs=8,
+                     gpu_memory_budget_gib=GPU_BUDGET_GIB), **kwargs}
     proc = subprocess.run([sys.executable, "-c", script, model, json.dumps(kwargs), "hf" if reference else "engine"],
                           capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -174,14 +175,14 @@ class Recompiles(logging.Handler):
         compiles.append("torch.compile: " + record.getMessage().splitlines()[0])
 rng = random.Random(0)
 with LLM(sys.argv[1], device="cuda", dtype="bfloat16", kvcache_block_size=16, max_model_len=1024,
-         max_num_batched_tokens=512) as llm:
+         max_num_batched_tokens=512, gpu_memory_budget_gib=%d) as llm:
     torch._logging.set_logs(recompiles=True)
     logging.getLogger("torch._dynamo").addHandler(Recompiles())
     triton.knobs.runtime.jit_cache_hook = lambda *a, **kw: compiles.append("triton: " + kw["repr"][:200]) and False
     prompts = [[rng.randrange(3, 1024) for _ in range(rng.randint(5, 400))] for _ in range(40)]
     llm.generate(prompts, SamplingParams(temperature=0.6, max_tokens=32, ignore_eos=True), use_tqdm=False)
 print(json.dumps(compiles))
-"""
+""" % GPU_BUDGET_GIB
 
 
 def test_no_compile_after_warmup(gpu_models):
@@ -243,11 +244,12 @@ import json, sys
 import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.memory_profile import stack_limit_bytes
-with LLM(sys.argv[1], device="cuda", dtype="bfloat16", max_model_len=1024, max_num_seqs=8) as llm:
+with LLM(sys.argv[1], device="cuda", dtype="bfloat16", max_model_len=1024, max_num_seqs=8,
+         gpu_memory_budget_gib=%d) as llm:
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     print(json.dumps({"token_ids": out[0]["token_ids"], "non_torch": llm.memory_breakdown["non_torch"],
                       "stack_limit": stack_limit_bytes(llm.runner.device)}))
-"""
+""" % GPU_BUDGET_GIB
 
 
 def test_released_stack_reservation_goes_to_the_kv_cache(gpu_models):
@@ -278,10 +280,10 @@ penalized = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, repeti
                            frequency_penalty=0.5, presence_penalty=0.3)
 plain = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 with LLM(sys.argv[1], device="cuda", dtype="float32", max_model_len=1024, max_num_seqs=8,
-         async_scheduling=sys.argv[2] == "1") as llm:
+         gpu_memory_budget_gib=%d, async_scheduling=sys.argv[2] == "1") as llm:
     outs = llm.generate(prompts + prompts, [penalized] * 3 + [plain] * 3, use_tqdm=False)
     print(json.dumps([o["token_ids"] for o in outs]))
-"""
+""" % GPU_BUDGET_GIB
 
 
 def test_penalties_on_cuda_with_and_without_async_scheduling(gpu_models):

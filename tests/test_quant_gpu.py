@@ -29,7 +29,8 @@ with LLM(model, **kwargs) as llm:
 
 
 def run(model: str, **kwargs) -> dict:
-    kwargs = {**dict(device="cuda", kvcache_block_size=16, max_model_len=256, max_num_seqs=4), **kwargs}
+    kwargs = {**dict(device="cuda", kvcache_block_size=16, max_model_len=256, max_num_seqs=4,
+                     gpu_memory_budget_gib=6), **kwargs}  # a budget: xdist's workers may share the GPU
     proc = subprocess.run([sys.executable, "-c", RUN, model, json.dumps(PROMPTS), json.dumps(kwargs)],
                           capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-3000:]
