@@ -287,7 +287,8 @@ def main():
         sweep_splits(args.shapes, copy_bw)
         return
     if args.sweep_w4:
-        import sweep_w4  # benchmarks/ is sys.path[0] when this file runs as a script
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or as benchmarks.<module>
+        import sweep_w4
         sweep_w4.sweep_w4(args.shapes, copy_bw, args.budget_s, args.json)
         return
     rows, errors = [], []

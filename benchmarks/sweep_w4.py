@@ -4,9 +4,10 @@
 
 Each kernel the table can name is timed over a grid of DecodeTiles on every shape and at the row counts it may
 serve: "gemv" (quant_gemm._int4_gemv_kernel) at 1-2 rows, "rows" (quant_gemv_rows, ROWS = M) at 2-16, "dot"
-(quant_gemm._wo_gemm_kernel, 16-row tiles) at 4-16. The grid: block_n, block_k (64 or 128, dividing G = 128),
-num_warps 2/4/8, programs per SM 2/4/8 (the K split, quant_plans.split_k) and the dot's stages 2/4, less the tiles
-whose per-thread values would spill (_fits_registers). The plan's current choice is timed first in every cell.
+(quant_gemm._wo_gemm_kernel, 16-row tiles) and "dot_swapped" (quant_gemm_swapped, the weights the dot's first
+operand) at 4-16. The grid: block_n, block_k (64 or 128, dividing G = 128), num_warps 2/4/8, programs per SM 2/4/8
+(the K split, quant_plans.split_k) and the dots' stages 2/4, less the tiles whose per-thread values would spill
+(_fits_registers). The plan's current choice is timed first in every cell.
 
 Timing is bench_quant_kernels.py's: a CUDA graph cycling through weight copies of >= 256 MB (the weights come from
 memory, not L2), median of 5 replays; % is the weights + scales + mins read per second as a share of copy bandwidth.
@@ -25,9 +26,10 @@ import dataclasses
 import functools
 import json
 import math
+import itertools
 import multiprocessing
 import os
-import itertools
+import random
 import time
 
 import torch
@@ -38,17 +40,18 @@ from nanovllm.kernels import quant_matmul as qm
 from nanovllm.kernels import quant_plans as qp
 from nanovllm.kernels.quant_plans import DecodeTiles
 
-KERNEL_MS = {"gemv": (1, 2), "rows": (2, 4, 8, 16), "dot": (4, 8, 16)}
-BLOCK_N = {"gemv": (32, 64, 128, 256), "rows": (16, 32, 64, 128), "dot": (32, 64, 128, 256)}
+KERNEL_MS = {"gemv": (1, 2), "rows": (2, 4, 8, 16), "dot": (4, 8, 16), "dot_swapped": (4, 8, 16)}
+BLOCK_N = {"gemv": (32, 64, 128, 256), "rows": (16, 32, 64, 128), "dot": (32, 64, 128, 256),
+           "dot_swapped": (64, 128, 256)}
 BLOCK_K = (64, 128)
-NUM_WARPS = (2, 4, 8)
+NUM_WARPS = {"gemv": (2, 4, 8), "rows": (2, 4, 8), "dot": (2, 4, 8), "dot_swapped": (4, 8)}
 PROGRAMS_PER_SM = (2, 4, 8)
 DOT_STAGES = (2, 4)
 MAX_REL_ERR = 2 ** -6  # a bf16 output is off by ~2^-8 of the largest; a wrong tile by O(1)
 
 
 def _rows_per_program(kernel: str, M: int) -> int:
-    return {"gemv": min(M, 2), "rows": max(2, 1 << (M - 1).bit_length()), "dot": 16}[kernel]
+    return {"gemv": min(M, 2), "rows": max(2, 1 << (M - 1).bit_length()), "dot": 16, "dot_swapped": 16}[kernel]
 
 
 def _fits_registers(kernel: str, M: int, block_n: int, block_k: int, num_warps: int) -> bool:
@@ -58,20 +61,22 @@ def _fits_registers(kernel: str, M: int, block_n: int, block_k: int, num_warps: 
     words = block_n * block_k // 8 / threads
     if kernel == "dot":
         return block_n * block_k // 8 >= threads  # no thread without a word of the tile
+    if kernel == "dot_swapped":  # a wgmma takes 64 rows a warp group; <= 128 unpacked 16-bit values a thread
+        return block_n >= 16 * num_warps and block_n * block_k <= 128 * threads
     if kernel == "gemv":
         return 2 <= words <= 32
     return 1 <= words and _rows_per_program(kernel, M) * words <= 64
 
 
 def candidates(kernel: str, M: int) -> list[DecodeTiles]:
-    stages = DOT_STAGES if kernel == "dot" else (1,)
-    return [DecodeTiles(M, kernel, bn, bk, w, p, s)
-            for bn in BLOCK_N[kernel] for bk in BLOCK_K for w in NUM_WARPS for s in stages for p in PROGRAMS_PER_SM
+    stages = DOT_STAGES if kernel.startswith("dot") else (1,)
+    return [DecodeTiles(M, kernel, bn, bk, w, p, s) for bn in BLOCK_N[kernel] for bk in BLOCK_K
+            for w in NUM_WARPS[kernel] for s in stages for p in PROGRAMS_PER_SM
             if _fits_registers(kernel, M, bn, bk, w)]
 
 
 def label(t: DecodeTiles) -> str:
-    stages = f" s{t.num_stages}" if t.kernel == "dot" else ""
+    stages = f" s{t.num_stages}" if t.kernel.startswith("dot") else ""
     return f"{t.kernel} n{t.block_n} k{t.block_k} w{t.num_warps} p{t.programs_per_sm}{stages}"
 
 
@@ -92,11 +97,12 @@ def _compile_some(jobs: list) -> list[str]:
     failed = []
     for M, tiles in jobs:
         try:
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(M, K, device=bqk.DEVICE, dtype=torch.bfloat16)
             _call(0, x, [t], _plan(x, N, tiles))
         except Exception as e:  # noqa: BLE001 -- the timing pass reports it in its cell
             failed.append(f"{label(tiles)} M={M}: {type(e).__name__}")
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return failed
 
 
@@ -155,8 +161,11 @@ def time_cell(shape: Shape, M: int, x: torch.Tensor, ref: torch.Tensor, tiles: D
 
 def sweep_w4(shape_names: list, copy_bw: float, budget_s: float, json_path=None):
     started = time.monotonic()
-    # round robin over (kernel, M), so that a sweep cut short by its budget has tried every kernel at every M
+    # round robin over (kernel, M), each group in a fixed shuffled order: a sweep cut short by its budget has tried
+    # every kernel at every M, on a sample spread over the grid
     groups = [[(M, t) for t in candidates(kernel, M)] for kernel, ms in KERNEL_MS.items() for M in ms]
+    for group in groups:
+        random.Random(0).shuffle(group)
     jobs = [job for batch in itertools.zip_longest(*groups) for job in batch if job is not None]
     print(f"W4 decode sweep: {len(jobs)} configs x {len(shape_names)} shapes, budget {budget_s:.0f} s; copy "
           f"bandwidth {copy_bw:.0f} GB/s", flush=True)
@@ -165,7 +174,7 @@ def sweep_w4(shape_names: list, copy_bw: float, budget_s: float, json_path=None)
     cells = {}  # (shape, M) -> (x, ref)
     for shape in shapes:
         for M in sorted({M for ms in KERNEL_MS.values() for M in ms}):
-            x = torch.randn(M, shape.K, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(M, shape.K, device=bqk.DEVICE, dtype=torch.bfloat16)
             cells[shape.name, M] = (x, x.float() @ shape.w_ref.T)
     rows, skipped = [], 0
     current = {M: qp.w4_decode_tiles(M) for M in {M for _, M in cells}}
@@ -206,11 +215,12 @@ def report(rows: list, shape_names: list, current: dict):
     print("\nper M, the config with the least total time over the shapes (all shapes timed):")
     winners = {}
     for M in sorted(current):
-        totals = {}
+        totals = {}  # label -> shape -> the faster of its timings (the plan's config is timed twice when in the grid)
         for r in rows:
-            if r["M"] == M and "us" in r and not r.get("current"):
-                totals.setdefault(r["label"], []).append(r)
-        complete = {k: v for k, v in totals.items() if len(v) == len(shape_names)}
+            if r["M"] == M and "us" in r:
+                by_shape = totals.setdefault(r["label"], {})
+                by_shape[r["shape"]] = min(by_shape.get(r["shape"], r), r, key=lambda row: row["us"])
+        complete = {k: list(v.values()) for k, v in totals.items() if len(v) == len(shape_names)}
         plan_total = sum(r["us"] for r in rows if r["M"] == M and r.get("current") and "us" in r)
         if not complete:
             print(f"  M={M:<3} no config timed on every shape")
@@ -240,7 +250,7 @@ def print_table(winners: dict):
             entries.append(tiles)
     print("\nW4_DECODE_TILES = (  # paste into nanovllm/kernels/quant_plans.py")
     for t in entries:
-        stages = f", num_stages={t.num_stages}" if t.kernel == "dot" else ""
+        stages = f", num_stages={t.num_stages}" if t.kernel.startswith("dot") else ""
         print(f"    DecodeTiles(max_rows={t.max_rows}, kernel={t.kernel!r}, block_n={t.block_n}, "
               f"block_k={t.block_k}, num_warps={t.num_warps}, programs_per_sm={t.programs_per_sm}{stages}),")
     print(")")

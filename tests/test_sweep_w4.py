@@ -19,8 +19,9 @@ from nanovllm.kernels import quant_plans as qp
 bqk.DEVICE = "cpu"
 bqk.SHAPES = {"a": (40, 256), "b": (24, 512)}
 bqk.L2_DEFEAT_BYTES = 1  # two copies
-# a stub clock: wider column tiles are faster, so the winners are known
-bqk.graph_us = lambda fn, num_calls: (fn(0), fn(1), 1000.0 / fn.keywords["plan"].block_n)[-1]
+# a stub clock: wider column tiles are faster and the swapped dot a little faster still, so the winners are known
+bqk.graph_us = lambda fn, num_calls: (fn(0), fn(1), 1000.0 / fn.keywords["plan"].block_n
+                                      - 0.5 * fn.keywords["plan"].swap_ab)[-1]
 shapes = [sweep_w4.Shape.make(name) for name in bqk.SHAPES]
 rows = []
 current = {M: qp.w4_decode_tiles(M) for M in (1, 2, 4, 16)}
@@ -33,7 +34,7 @@ for shape in shapes:
             if M not in ms:
                 continue
             tiles = [t for t in sweep_w4.candidates(kernel, M) if t.num_warps == 4 and t.programs_per_sm == 4
-                     and t.block_k == 128 and t.num_stages <= 2]
+                     and t.num_stages <= 2 and t.block_k == (64 if kernel == "dot_swapped" else 128)]
             for t in (tiles[0], tiles[-1]):
                 rows.append(sweep_w4.time_cell(shape, M, x, ref, t, 3000.0))
 out = io.StringIO()
@@ -56,8 +57,10 @@ def test_the_sweep_times_every_kernel_and_prints_a_valid_table():
     assert not [r for r in rows if "error" in r], [r for r in rows if "error" in r]
     assert all(r["rel_err"] <= 2 ** -6 and r["us"] > 0 for r in rows)
     assert {(r["kernel"], r["M"]) for r in rows} == {("gemv", 1), ("gemv", 2), ("rows", 2), ("rows", 4),
-                                                      ("rows", 16), ("dot", 4), ("dot", 16)}
+                                                      ("rows", 16), ("dot", 4), ("dot", 16), ("dot_swapped", 4),
+                                                      ("dot_swapped", 16)}
     # the stub makes the widest tile win: gemv 256 columns at 1 row, at 2 rows gemv 256 (over rows' 128), and at
-    # 4 and 16 rows the dot kernel's 256 (over rows' 128); one entry per range, equal neighbours merged
-    assert [(t["max_rows"], t["kernel"], t["block_n"]) for t in res["table"]] == [(2, "gemv", 256), (16, "dot", 256)]
-    assert "M=16  dot n256 k128 w4 p4 s2" in res["text"]
+    # 4 and 16 rows the swapped dot's 256 (over the dot's 256 and rows' 128); equal neighbours merge into one range
+    assert [(t["max_rows"], t["kernel"], t["block_n"]) for t in res["table"]] == [(2, "gemv", 256),
+                                                                                  (16, "dot_swapped", 256)]
+    assert "M=16  dot_swapped n256 k64 w4 p4 s2" in res["text"]

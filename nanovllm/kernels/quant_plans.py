@@ -32,6 +32,7 @@ class TilePlan:
     scale_after_dot: bool  # the raw weights go into the dot, the scales multiply its result (quant_gemm.py)
     cuda_cores: bool = False  # quant_gemm's _int4_gemv_kernel / _fp8_gemv_kernel, fmas, no dot
     multi_row: bool = False  # with cuda_cores: quant_gemv_rows' kernel, block_m (a power of two >= M) rows a program
+    swap_ab: bool = False  # 4-bit, the scales after the dot: quant_gemm_swapped's kernel (the weights first)
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,8 @@ class DecodeTiles:
     the shape on the host (CUDA graphs replay it; no timing run at serve time)."""
     max_rows: int
     kernel: str  # "gemv": quant_gemm._int4_gemv_kernel (1-2 rows); "rows": quant_gemv_rows (ROWS = M rounded up
-    # to a power of two, at least 2); "dot": quant_gemm._wo_gemm_kernel, max(16, M rounded up) rows a tile
+    # to a power of two, at least 2); "dot": quant_gemm._wo_gemm_kernel, max(16, M rounded up) rows a tile;
+    # "dot_swapped": quant_gemm_swapped (the weights the dot's first operand), tiles as "dot"
     block_n: int
     block_k: int  # the largest K step: the plan takes the largest power of two <= it that divides the group
     num_warps: int
@@ -59,7 +61,8 @@ W4_DECODE_TILES = (
     DecodeTiles(max_rows=16, kernel="dot", block_n=64, block_k=128, num_warps=4,
                 programs_per_sm=_DECODE_PROGRAMS_PER_SM, num_stages=4),
 )
-_KERNEL_MAX_ROWS = {"gemv": 2, "rows": 16, "dot": 32}  # gemv: TWO_ROWS; rows: registers; dot: SCALE_AFTER_DOT_MAX_ROWS
+# gemv: TWO_ROWS; rows: registers; the dots: SCALE_AFTER_DOT_MAX_ROWS
+_KERNEL_MAX_ROWS = {"gemv": 2, "rows": 16, "dot": 32, "dot_swapped": 32}
 
 
 def check_decode_tiles(tiles: tuple[DecodeTiles, ...]):
@@ -89,7 +92,7 @@ def w4_cuda_core_max_rows() -> int:
     """The most rows at which every smaller row count runs 4-bit weights on the CUDA cores (0 if 1 row does not)."""
     rows = 0
     for t in W4_DECODE_TILES:
-        if t.kernel == "dot":
+        if t.kernel in ("dot", "dot_swapped"):
             break
         rows = t.max_rows
     return rows
@@ -170,7 +173,7 @@ def plan_w4_decode(M: int, N: int, K: int, group_k: int, tiles: DecodeTiles,
                    limits: DeviceLimits = H100_LIMITS) -> TilePlan:
     """The plan of one W4_DECODE_TILES entry at M rows (group_k aligned: a K step of 16 or more divides it)."""
     block_k = aligned_block_k(group_k, tiles.block_k)
-    if tiles.kernel == "dot":
+    if tiles.kernel in ("dot", "dot_swapped"):
         block_m = max(16, triton.next_power_of_2(M))
         if limits.shared_memory_bytes < 160 * 1024:  # sm_89: the stages of 128-column K steps do not fit
             block_k = aligned_block_k(group_k, min(64, tiles.block_k))
@@ -178,7 +181,8 @@ def plan_w4_decode(M: int, N: int, K: int, group_k: int, tiles: DecodeTiles,
         block_m = 1 if tiles.kernel == "gemv" else max(2, triton.next_power_of_2(M))
     num_splits, num_k_steps = split_k(M, N, K, block_m, tiles.block_n, block_k, limits, tiles.programs_per_sm)
     return TilePlan(block_m, tiles.block_n, block_k, num_splits, num_k_steps, tiles.num_warps, tiles.num_stages,
-                    False, True, cuda_cores=tiles.kernel != "dot", multi_row=tiles.kernel == "rows")
+                    False, True, cuda_cores=tiles.kernel in ("gemv", "rows"), multi_row=tiles.kernel == "rows",
+                    swap_ab=tiles.kernel == "dot_swapped")
 
 
 def _fits_cuda_core_kernel(K: int, group_n: int, group_k: int) -> bool:

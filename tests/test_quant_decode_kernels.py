@@ -1,9 +1,11 @@
-"""The 4-bit multi-row CUDA-core kernel (nanovllm/kernels/quant_gemv_rows.py) against the contract's dequantization
-under Triton's interpreter, and the 4-bit decode plan table (quant_plans.W4_DECODE_TILES) on the host.
+"""The 4-bit decode kernels that the plan table (quant_plans.W4_DECODE_TILES) can name besides the shipped ones:
+the multi-row CUDA-core kernel (nanovllm/kernels/quant_gemv_rows.py) and the swapped-operand dot kernel
+(quant_gemm_swapped.py), against the contract's dequantization under Triton's interpreter; and the table itself
+on the host.
 
-The kernel runs on inputs that are views into buffers padded with NaN (x, scales, mins) or nonzero nibbles (the
-words), so a load past a row, a group or a split's last K step shows as NaN or a wrong value. Its bound is the
-CUDA-core kernels' (tests/test_quant_kernels.py's docstring): one output rounding, eps of the largest output.
+The kernels run on inputs that are views into buffers padded with NaN (x, scales, mins) or nonzero nibbles (the
+words), so a load past a row, a group or a split's last K step shows as NaN or a wrong value. Their bound is the
+scale-after-dot kernels' (tests/test_quant_kernels.py's docstring): one output rounding, eps of the largest output.
 """
 import pytest
 
@@ -14,17 +16,21 @@ from test_quant_kernels import interpret  # noqa: E402
 from nanovllm.kernels import quant_gemm  # noqa: E402
 from nanovllm.kernels import quant_plans as qp  # noqa: E402
 
-ROWS_CASES = [  # M, ROWS, N, K, group, BLOCK_N, BLOCK_K, splits wanted, x dtype, scale dtype, min dtype
-    (2, 2, 40, 256, 64, 32, 64, 1, "bfloat16", "float16", "float32"),  # two rows, N ragged, one split
-    (3, 4, 72, 512, 128, 32, 128, 2, "bfloat16", "float16", "float32"),  # AWQ-like, rows and N ragged, split
-    (4, 4, 24, 128, 32, 16, 32, 4, "float16", "bfloat16", None),  # symmetric, fp16 offset, 4 splits of 1 step
-    (5, 8, 48, 352, 32, 16, 32, 2, "bfloat16", "float32", "bfloat16"),  # 11 steps: splits of 6 and 5
-    (8, 8, 33, 192, 64, 64, 64, 3, "float16", "float16", "float16"),  # BLOCK_N past N: one ragged program
-    (16, 16, 20, 256, 128, 16, 64, 2, "bfloat16", "float16", None),  # 16 rows, BLOCK_K half the group
-    (11, 16, 40, 384, 384, 32, 128, 3, "float16", "float16", "float32"),  # group = K, not a power of two
+DECODE_CASES = [  # kernel, M, rows a program, N, K, group, BLOCK_N, BLOCK_K, splits wanted, x, scale, min dtypes
+    ("rows", 2, 2, 40, 256, 64, 32, 64, 1, "bfloat16", "float16", "float32"),  # two rows, N ragged, one split
+    ("rows", 3, 4, 72, 512, 128, 32, 128, 2, "bfloat16", "float16", "float32"),  # AWQ-like, rows, N ragged, split
+    ("rows", 4, 4, 24, 128, 32, 16, 32, 4, "float16", "bfloat16", None),  # symmetric, fp16 offset, 4 splits
+    ("rows", 5, 8, 48, 352, 32, 16, 32, 2, "bfloat16", "float32", "bfloat16"),  # 11 steps: splits of 6 and 5
+    ("rows", 8, 8, 33, 192, 64, 64, 64, 3, "float16", "float16", "float16"),  # BLOCK_N past N: one ragged program
+    ("rows", 16, 16, 20, 256, 128, 16, 64, 2, "bfloat16", "float16", None),  # 16 rows, BLOCK_K half the group
+    ("rows", 11, 16, 40, 384, 384, 32, 128, 3, "float16", "float16", "float32"),  # group = K, not a power of two
+    ("swapped", 3, 16, 72, 512, 128, 64, 128, 2, "bfloat16", "float16", "float32"),  # AWQ-like, N ragged, split
+    ("swapped", 16, 16, 40, 256, 64, 32, 32, 4, "float16", "bfloat16", None),  # symmetric fp16, 8 steps in 4
+    ("swapped", 20, 16, 48, 352, 32, 16, 32, 2, "bfloat16", "float32", "bfloat16"),  # two row tiles, 6 + 5 steps
+    ("swapped", 9, 32, 24, 384, 384, 16, 128, 1, "float16", "float16", "float32"),  # a 32-row tile, group = K
 ]
 
-ROWS_SCRIPT = """
+DECODE_SCRIPT = """
 import json
 import torch
 from test_quant_kernels import dequant_int, errors, make_int_weight
@@ -37,7 +43,7 @@ def padded(t, pad_value, extra=4):
     return buf[:, :t.shape[1]]
 
 res = []
-for M, rows, N, K, G, bn, bk, splits, x_dtype, s_dtype, m_dtype in CASES:
+for kernel, M, rows, N, K, G, bn, bk, splits, x_dtype, s_dtype, m_dtype in CASES:
     qweight, q, scales, mins = make_int_weight(N, K, G, 4, getattr(torch, s_dtype),
                                                m_dtype and getattr(torch, m_dtype))
     w = dequant_int(q, scales, mins, G)
@@ -46,7 +52,7 @@ for M, rows, N, K, G, bn, bk, splits, x_dtype, s_dtype, m_dtype in CASES:
     steps = K // bk
     num_k_steps = -(-steps // splits)
     plan = quant_plans.TilePlan(rows, bn, bk, -(-steps // num_k_steps), num_k_steps, 4, 1, False, True,
-                                cuda_cores=True, multi_row=True)
+                                cuda_cores=kernel == "rows", multi_row=kernel == "rows", swap_ab=kernel != "rows")
     args = (padded(qweight, 0x77777777), padded(scales, float("nan")),
             mins if mins is None else padded(mins, float("nan")))
     outs = {}
@@ -69,14 +75,14 @@ print(json.dumps(res))
 """
 
 
-def test_multi_row_kernel_matches_the_contract_dequantization():
-    results = interpret(ROWS_SCRIPT.replace("CASES", repr(ROWS_CASES)))
-    for case, res in zip(ROWS_CASES + [(6, 8, 40)], results, strict=True):
+def test_decode_kernels_match_the_contract_dequantization():
+    results = interpret(DECODE_SCRIPT.replace("CASES", repr(DECODE_CASES)))
+    for case, res in zip(DECODE_CASES + [("rows", 6, 8, 40)], results, strict=True):
         eps = 2 ** -7 if res["dtype"] == "torch.bfloat16" else 2 ** -10
-        assert res["shape"] == [case[0], case[2]], (case, res)
+        assert res["shape"] == [case[1], case[3]], (case, res)
         assert res["err"] <= 1.01 * eps * res["max_ref"], (case, res)  # NaN fails too
         assert res["same_bits"], (case, res)
-    assert [r["splits"] for r in results[:-1]] == [1, 2, 4, 2, 3, 2, 3]
+    assert [r["splits"] for r in results[:-1]] == [1, 2, 4, 2, 3, 2, 3, 2, 4, 2, 1]
     assert {k: results[-1][k] for k in ("multi_row", "block_m", "block_n", "block_k")} == {
         "multi_row": True, "block_m": 8, "block_n": 32, "block_k": 64}
 
