@@ -1,7 +1,7 @@
 """The 4-bit decode kernels that the plan table (quant_plans.W4_DECODE_TILES) can name besides the shipped ones:
 the multi-row CUDA-core kernel (nanovllm/kernels/quant_gemv_rows.py) and the swapped-operand dot kernel
-(quant_gemm_swapped.py), against the contract's dequantization under Triton's interpreter; and the table itself
-on the host.
+(quant_gemm_swapped.py), against the contract's dequantization under Triton's interpreter and compiled for sm_90
+and sm_89; and the table itself on the host.
 
 The kernels run on inputs that are views into buffers padded with NaN (x, scales, mins) or nonzero nibbles (the
 words), so a load past a row, a group or a split's last K step shows as NaN or a wrong value. Their bound is the
@@ -11,7 +11,9 @@ import pytest
 
 pytest.importorskip("triton")
 
+import torch  # noqa: E402
 from test_quant_kernels import interpret  # noqa: E402
+from triton_standin import run_compile_script  # noqa: E402
 
 from nanovllm.kernels import quant_gemm  # noqa: E402
 from nanovllm.kernels import quant_plans as qp  # noqa: E402
@@ -129,3 +131,38 @@ def test_multi_row_plans_round_rows_up_to_a_power_of_two(monkeypatch):
 def test_a_bad_table_entry_is_named(tiles, message):
     with pytest.raises(ValueError, match=message):
         qp.check_decode_tiles(tiles)
+
+
+COMPILE_SCRIPT = r"""
+import sys
+
+import torch
+from triton_standin import compile_instead_of_launching
+
+TARGET_CC, SHARED_LIMIT_BYTES = int(sys.argv[1]), int(sys.argv[2])
+compiled = compile_instead_of_launching(TARGET_CC, SHARED_LIMIT_BYTES)
+
+from nanovllm.kernels import quant_plans
+from nanovllm.kernels import quant_matmul as qm
+
+N, K = 4096, 4096
+qweight = torch.zeros(N, K // 8, dtype=torch.int32)
+scales, mins = torch.ones(N, K // 128, dtype=torch.float16), torch.zeros(N, K // 128)
+for M, tiles, dtype in [(4, quant_plans.DecodeTiles(4, "rows", 64, 64, 4, 4), torch.bfloat16),
+                        (16, quant_plans.DecodeTiles(16, "rows", 16, 64, 4, 4), torch.float16),
+                        (16, quant_plans.DecodeTiles(16, "dot_swapped", 64, 128, 4, 4, 2), torch.bfloat16),
+                        (8, quant_plans.DecodeTiles(8, "dot_swapped", 128, 64, 8, 4, 4), torch.float16)]:
+    plan = quant_plans.plan_w4_decode(M, N, K, 128, tiles)
+    qm.weight_only_linear(torch.zeros(M, K, dtype=dtype), qweight, scales, mins, 0, 1, 128, plan)
+print(" ".join(sorted(compiled)))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs them (benchmarks/sweep_w4.py)")
+@pytest.mark.parametrize("cc, shared_limit_bytes", [(90, 232448), (89, 101376)], ids=["sm90", "sm89"])
+def test_decode_kernels_compile_for_the_gpus(cc, shared_limit_bytes):
+    """The interpreter does not type-check: both kernels compile for an H100 and an RTX 40-series GPU, within their
+    shared memory (tests/test_quant_kernels_compile.py's stand-in driver)."""
+    proc = run_compile_script(COMPILE_SCRIPT, [cc, shared_limit_bytes], timeout_s=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["_int4_gemv_rows_kernel", "_w4_swapped_gemm_kernel"]
