@@ -7,7 +7,9 @@ back (~7.5 instructions per value in its loop, ~20% of copy bandwidth at 16 rows
 operand may sit in registers: with the weights first, the values unpacked in registers can feed the tensor cores
 directly, and only x's small [BLOCK_K, 16] tile goes through shared memory. The weight tile is the words' natural
 [BLOCK_N, BLOCK_K] layout (quant_gemm._int4_nibbles), with no transpose. BLOCK_N of 64 or more fills a wgmma's 64
-rows per warp group; whether Triton keeps the operand in registers is for the sweep (benchmarks/sweep_w4.py) to show.
+rows per warp group. For sm_90a Triton 3.9 emits wgmma m64n16k16 with the weights in registers and x by descriptor
+(the PTX of a 64 x 128 tile), where _wo_gemm_kernel's 16-row tiles compile to mma.sync; which runs faster at which
+row count is the sweep's to say (benchmarks/sweep_w4.py).
 """
 import triton
 import triton.language as tl
