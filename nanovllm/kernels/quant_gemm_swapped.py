@@ -7,9 +7,12 @@ back (~7.5 instructions per value in its loop, ~20% of copy bandwidth at 16 rows
 operand may sit in registers: with the weights first, the values unpacked in registers can feed the tensor cores
 directly, and only x's small [BLOCK_K, 16] tile goes through shared memory. The weight tile is the words' natural
 [BLOCK_N, BLOCK_K] layout (quant_gemm._int4_nibbles), with no transpose. BLOCK_N of 64 or more fills a wgmma's 64
-rows per warp group. For sm_90a Triton 3.9 emits wgmma m64n16k16 with the weights in registers and x by descriptor
-(the PTX of a 64 x 128 tile), where _wo_gemm_kernel's 16-row tiles compile to mma.sync; which runs faster at which
-row count is the sweep's to say (benchmarks/sweep_w4.py).
+rows per warp group. What Triton 3.9 makes of it for sm_90a (the TTGIR and PTX of a 64 x 128 tile): wgmma
+m64n16k16 with the weights as the register operand and x by descriptor, where _wo_gemm_kernel's 16-row tiles
+compile to mma.sync; but the unpacked tile still goes through shared memory on its way into the operand layout
+(16-byte stores, then ldmatrix), and so it did when each value gathered its own word instead (a 32 KB int32 tile
+staged by the pipeliner, worse). Whether the async wgmma and the untransposed tile pay at 4-16 rows is the sweep's
+to say (benchmarks/sweep_w4.py).
 """
 import triton
 import triton.language as tl
