@@ -5,16 +5,17 @@
 Each kernel the table can name is timed over a grid of DecodeTiles on every shape and at the row counts it may
 serve: "gemv" (quant_gemm._int4_gemv_kernel) at 1-2 rows, "rows" (quant_gemv_rows, ROWS = M) at 2-16, "dot"
 (quant_gemm._wo_gemm_kernel, 16-row tiles) and "dot_swapped" (quant_gemm_swapped, the weights the dot's first
-operand) at 4-16. The grid: block_n, block_k (64 or 128, dividing G = 128), num_warps 2/4/8, programs per SM 2/4/8
-(the K split, quant_plans.split_k) and the dots' stages 2/4, less the tiles whose per-thread values would spill
-(_fits_registers). The plan's current choice is timed first in every cell.
+operand) at 4-16. The grid: block_n, block_k (64 or 128, dividing G = 128), num_warps 2/4/8 (the dots 4/8),
+programs per SM 2/4/8 (the K split, quant_plans.split_k) and the dots' stages 2/4, less the tiles whose per-thread
+values would spill (_fits_registers): 798 configs, 166 compilations. The plan's current choice is timed first in
+every cell.
 
 Timing is bench_quant_kernels.py's: a CUDA graph cycling through weight copies of >= 256 MB (the weights come from
 memory, not L2), median of 5 replays; % is the weights + scales + mins read per second as a share of copy bandwidth.
 Every config's first output in each cell is checked against x @ W.T with W dequantized in fp32; one off by more
 than 2^-6 of the largest output is reported ERR and cannot win.
 
-Compilation, ~150 kernels, dominates a cold run: a pool of processes compiles them first into Triton's on-disk
+Compilation dominates a cold run: a pool of processes compiles them first into Triton's on-disk
 cache, each by one real call, so that the timing process only loads them (falls back to compiling in line).
 
 Output: per (shape, M) the plan's %, the best config and its %, and the best of each kernel; then per M the config
@@ -24,9 +25,9 @@ those winners make, to paste into quant_plans.py.
 import concurrent.futures
 import dataclasses
 import functools
+import itertools
 import json
 import math
-import itertools
 import multiprocessing
 import os
 import random
@@ -44,7 +45,8 @@ KERNEL_MS = {"gemv": (1, 2), "rows": (2, 4, 8, 16), "dot": (4, 8, 16), "dot_swap
 BLOCK_N = {"gemv": (32, 64, 128, 256), "rows": (16, 32, 64, 128), "dot": (32, 64, 128, 256),
            "dot_swapped": (64, 128, 256)}
 BLOCK_K = (64, 128)
-NUM_WARPS = {"gemv": (2, 4, 8), "rows": (2, 4, 8), "dot": (2, 4, 8), "dot_swapped": (4, 8)}
+# the dot kernel's 2-warp tiles compiled to 128-255 registers a thread for sm_90a from 64 columns on (some spilled)
+NUM_WARPS = {"gemv": (2, 4, 8), "rows": (2, 4, 8), "dot": (4, 8), "dot_swapped": (4, 8)}
 PROGRAMS_PER_SM = (2, 4, 8)
 DOT_STAGES = (2, 4)
 MAX_REL_ERR = 2 ** -6  # a bf16 output is off by ~2^-8 of the largest; a wrong tile by O(1)
@@ -56,7 +58,8 @@ def _rows_per_program(kernel: str, M: int) -> int:
 
 def _fits_registers(kernel: str, M: int, block_n: int, block_k: int, num_warps: int) -> bool:
     """The CUDA-core kernels hold a tile's words twice (prefetch) and fp32 products per row: keep the words a thread
-    holds 1-32 and the multi-row products <= 64 a thread, where the shipped tile holds 16 words and 16 products."""
+    holds 2-16 (gemv: 32 took 255 registers a thread for sm_90a) and the multi-row products <= 64 a thread, where
+    the shipped tile holds 16 words and 16 products."""
     threads = 32 * num_warps
     words = block_n * block_k // 8 / threads
     if kernel == "dot":
@@ -64,7 +67,7 @@ def _fits_registers(kernel: str, M: int, block_n: int, block_k: int, num_warps: 
     if kernel == "dot_swapped":  # a wgmma takes 64 rows a warp group; <= 128 unpacked 16-bit values a thread
         return block_n >= 16 * num_warps and block_n * block_k <= 128 * threads
     if kernel == "gemv":
-        return 2 <= words <= 32
+        return 2 <= words <= 16
     return 1 <= words and _rows_per_program(kernel, M) * words <= 64
 
 
