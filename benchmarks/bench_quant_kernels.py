@@ -3,6 +3,7 @@ Qwen3-8B layer shapes, decode (M = 1..16) and prefill/batch (M = 128..8192) rows
 
     python benchmarks/bench_quant_kernels.py [--m 1 16 1024] [--shapes qkv o] [--json OUT] [--budget-s 160]
     python benchmarks/bench_quant_kernels.py --sweep-splits  # decode split-K counts for W4 and block FP8
+    python benchmarks/bench_quant_kernels.py --sweep-w4 --budget-s 100  # W4 decode tiles (sweep_w4.py)
 
 Variants: bf16 `F.linear`; `int_linear` 4-bit (at 1-2 rows a CUDA-core kernel; `w4-mma` and `fp8blk-mma` time the
 16-row dot kernel there instead; from DEQUANT_GEMM_MIN_ROWS rows on the weight dequantized to bf16 and cuBLAS,
@@ -273,6 +274,8 @@ def main():
     parser.add_argument("--budget-s", type=float, default=160.0, help="stop timing new cells after this long")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--sweep-splits", action="store_true", help="only time decode split-K choices")
+    parser.add_argument("--sweep-w4", action="store_true",
+                        help="only sweep the 4-bit decode tiles (benchmarks/sweep_w4.py) within --budget-s")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference GEMM
     started = time.monotonic()
@@ -282,6 +285,11 @@ def main():
     copy_bw = copy_gbps()
     if args.sweep_splits:
         sweep_splits(args.shapes, copy_bw)
+        return
+    if args.sweep_w4:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or as benchmarks.<module>
+        import sweep_w4
+        sweep_w4.sweep_w4(args.shapes, copy_bw, args.budget_s, args.json)
         return
     rows, errors = [], []
     for name in args.shapes:

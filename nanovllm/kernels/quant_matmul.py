@@ -11,7 +11,8 @@ The weight layouts (the shared contract with the checkpoint loaders):
 Which kernel runs (a plan per shape, quant_plans.py):
   - weight-only (quant_gemm.py): the weights are dequantized in registers and multiplied with the 16-bit
     activations. M <= 64 uses 16-64-row tiles with split-K (decode: the weights are read once, the GPU's loads
-    kept in flight by slicing K), and 4-bit and FP8 weights at 1-2 rows CUDA-core kernels, also split-K;
+    kept in flight by slicing K), and 4-bit and FP8 weights at 1-2 rows CUDA-core kernels, also split-K (4-bit:
+    which kernel at which row count is quant_plans.W4_DECODE_TILES, up to 16 rows, with quant_gemv_rows.py's);
     larger M uses 128 x 128 tiles, except that "int" weights from DEQUANT_GEMM_MIN_ROWS rows on are dequantized
     to x's dtype in one pass (quant_dequant.py; in row chunks where the memory budget bounds the scratch) and
     multiplied by cuBLAS, as vLLM does for AWQ at large batches.
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from nanovllm.kernels import quant_dequant, quant_gemm
+from nanovllm.kernels import quant_dequant, quant_gemm, quant_gemm_swapped, quant_gemv_rows
 from nanovllm.kernels.quant_plans import (SCALE_AFTER_DOT_MAX_ROWS, TilePlan, device_limits,
                                           plan_weight_only)
 from nanovllm.kernels.quant_w8a8 import _has_fp8_tensor_cores, fp8_w8a8_linear, interpreting
@@ -99,8 +100,12 @@ def weight_only_linear(x, qweight, scales, mins, kind: int, group_n: int, group_
     launch = _SplitLaunch(target, out, out if locks is None else locks, locks is not None)
     if plan.cuda_cores and kind == quant_gemm.KIND_FP8:
         _launch_fp8_gemv(x, qweight, scales, launch, group_n, group_k, plan)
+    elif plan.multi_row:
+        _launch_int4_gemv_rows(x, qweight, scales, mins, launch, group_k, plan)
     elif plan.cuda_cores:
         _launch_int4_gemv(x, qweight, scales, mins, launch, group_k, plan)
+    elif plan.swap_ab:
+        _launch_w4_swapped_gemm(x, qweight, scales, mins, launch, group_k, plan)
     else:
         _launch_wo_gemm(x, qweight, scales, mins, launch, kind, group_n, group_k, plan)
     if split and not launch.reduce_in_kernel:
@@ -133,6 +138,18 @@ def _launch_int4_gemv(x, qweight, scales, mins, launch: _SplitLaunch, group_k: i
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
 
 
+def _launch_int4_gemv_rows(x, qweight, scales, mins, launch: _SplitLaunch, group_k: int, plan: TilePlan):
+    M, N = x.shape[0], qweight.shape[0]
+    if M > plan.block_m:
+        raise ValueError(f"M={M} rows exceed the multi-row plan's block_m={plan.block_m}; plan for M rows")
+    quant_gemv_rows._int4_gemv_rows_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
+        x, qweight, scales, scales if mins is None else mins, launch.target, launch.out, launch.locks, M, N,
+        x.shape[1], plan.num_k_steps, plan.num_splits, x.stride(0), qweight.stride(0), scales.stride(0),
+        0 if mins is None else mins.stride(0), launch.out.stride(0), launch.split_stride(),
+        REDUCE_SPLITS=launch.reduce_in_kernel, GROUP_K=group_k, HAS_MINS=mins is not None, ROWS=plan.block_m,
+        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
+
+
 def _launch_fp8_gemv(x, qweight, scales, launch: _SplitLaunch, group_n: int, group_k: int, plan: TilePlan):
     (M, K), N = x.shape, qweight.shape[0]
     quant_gemm._fp8_gemv_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
@@ -156,6 +173,20 @@ def _launch_wo_gemm(x, qweight, scales, mins, launch: _SplitLaunch, kind: int, g
         SCALE_AFTER_DOT=plan.scale_after_dot, PER_ELEMENT=plan.per_element, OFFSET=offset, OFFSET_BITS=offset_bits,
         EMULATE_DOT_FP32=interpreting() and x.dtype == torch.bfloat16,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=8, num_warps=plan.num_warps,
+        num_stages=plan.num_stages)
+
+
+def _launch_w4_swapped_gemm(x, qweight, scales, mins, launch: _SplitLaunch, group_k: int, plan: TilePlan):
+    (M, K), N = x.shape, qweight.shape[0]
+    offset, offset_bits = _offset_bits(x.dtype, quant_gemm.KIND_INT4)
+    grid = (triton.cdiv(M, plan.block_m) * triton.cdiv(N, plan.block_n), plan.num_splits)
+    quant_gemm_swapped._w4_swapped_gemm_kernel[grid](
+        x, qweight, scales, scales if mins is None else mins, launch.target, launch.out, launch.locks, M, N, K,
+        plan.num_k_steps, plan.num_splits, x.stride(0), qweight.stride(0), scales.stride(0),
+        0 if mins is None else mins.stride(0), launch.out.stride(0), launch.split_stride(),
+        REDUCE_SPLITS=launch.reduce_in_kernel, GROUP_K=group_k, HAS_MINS=mins is not None, OFFSET=offset,
+        OFFSET_BITS=offset_bits, EMULATE_DOT_FP32=interpreting() and x.dtype == torch.bfloat16,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps,
         num_stages=plan.num_stages)
 
 
