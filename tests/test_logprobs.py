@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from conftest import close_llm, greedy, random_prompts, serving, smollm2_llm_kwargs, tiny_llm_kwargs
+from conftest import VOCAB, close_llm, greedy, random_prompts, serving, smollm2_llm_kwargs, tiny_llm_kwargs
 from nanovllm import LLM, SamplingParams
 from nanovllm.logprobs import Logprob
 
@@ -223,6 +223,34 @@ def assert_same_logprobs(got, expected):
         assert_values_close(logprobs, exp_logprobs, TOLERANCE)
         assert [e is None for e in prompt_logprobs or ()] == [e is None for e in exp_prompt or ()]
         assert_values_close((prompt_logprobs or [None])[1:], (exp_prompt or [None])[1:], TOLERANCE)
+
+
+def test_logprobs_in_row_chunks_are_the_whole_batchs(monkeypatch):
+    """logprobs_of, 3 rows at a time, gives chosen_and_top(raw_logprobs(...)) of the whole batch bit for bit."""
+    import nanovllm.layers.logprobs as logprobs_module
+    torch.manual_seed(0)
+    logits = torch.randn(10, 50, dtype=torch.bfloat16)
+    chosen = torch.randint(50, (10,))
+    expected = logprobs_module.chosen_and_top(logprobs_module.raw_logprobs(logits), chosen, 4)
+    monkeypatch.setattr(logprobs_module, "LOGPROB_CHUNK_ELEMENTS", 3 * 50)
+    got = logprobs_module.logprobs_of(logits, chosen, 4)
+    assert len(got) == 3 and all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_sliced_mlp_and_chunked_logprobs_match_the_whole_steps(qwen3_dir, tiny_reference, monkeypatch):
+    """The MLP in slices of 16 rows (prefill steps of up to 187 tokens here) and logprobs 2 rows at a time: the
+    same tokens, and the same logprobs but for the GEMMs' rounding of other row counts."""
+    import nanovllm.layers.logprobs as logprobs_module
+    import nanovllm.models.decoder as decoder
+    monkeypatch.setattr(decoder, "MLP_CHUNK_TOKENS", 16)
+    monkeypatch.setattr(logprobs_module, "LOGPROB_CHUNK_ELEMENTS", 2 * VOCAB)
+    slices = []
+    add_rows = decoder.DecoderLayer._add_mlp_rows
+    monkeypatch.setattr(decoder.DecoderLayer, "_add_mlp_rows",
+                        lambda layer, residual: slices.append(residual.size(0)) or add_rows(layer, residual))
+    got, _ = tiny_logprobs(qwen3_dir)
+    assert_same_logprobs(got, tiny_reference)
+    assert 16 in slices and max(slices) == 16  # the prefill steps ran sliced, the decode steps whole
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

@@ -73,6 +73,14 @@ class DecoderMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+# The most tokens whose MLP intermediates are alive at once: a larger step runs its MLP in slices of this many rows.
+# The gate_up output and SiLU's are 3 x intermediate_size values a token, 576 MiB for an 8,192-token step of
+# Qwen3-8B, the largest activation of a prefill step (the KV of an 8 GiB card went without it); in slices of 2,048
+# rows they are 144 MiB. 2,048 is the largest piecewise-graph bucket (engine/graph_runner.py), so no decode or
+# graph step changes, and 2,048-row GEMMs still fill an H100 (for gate_up, 16 x 96 output tiles of 128 x 256).
+MLP_CHUNK_TOKENS = 2048
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm layer. The residual stream is one [T, hidden] tensor that each layer adds to in place: o_proj
     and down_proj write `residual + x @ W.T` straight into it (RowParallelLinear with `residual`, cuBLAS's beta = 1),
@@ -86,7 +94,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
     def forward(self, positions, residual):
-        return self.post_attention(self.self_attn.attend(self.pre_attention(residual), positions), residual)
+        attn_out = self.self_attn.attend(self.pre_attention(residual), positions)
+        residual = self.self_attn.o_proj(attn_out, residual)
+        del attn_out  # freed before the MLP, whose intermediates are the step's largest
+        return self.add_mlp(residual)
 
     # the two halves around attention (piecewise CUDA graphs capture them, engine/cuda_graph.py)
     def pre_attention(self, residual):
@@ -94,7 +105,19 @@ class DecoderLayer(nn.Module):
 
     def post_attention(self, attn_out, residual):
         """Adds the attention block's output, then the MLP's, to `residual` in place; returns it."""
-        residual = self.self_attn.o_proj(attn_out, residual)
+        return self.add_mlp(self.self_attn.o_proj(attn_out, residual))
+
+    def add_mlp(self, residual):
+        """Adds the MLP's output to `residual` in place, MLP_CHUNK_TOKENS rows at a time; returns it. Every op of
+        the MLP works row by row, so a slice's rows are those of the whole step (the GEMMs' rounding aside)."""
+        num_tokens = residual.size(0)
+        if num_tokens <= MLP_CHUNK_TOKENS:
+            return self._add_mlp_rows(residual)
+        for start in range(0, num_tokens, MLP_CHUNK_TOKENS):
+            self._add_mlp_rows(residual[start:start + MLP_CHUNK_TOKENS])  # contiguous rows: a view, written in place
+        return residual
+
+    def _add_mlp_rows(self, residual):
         mlp = self.mlp
         return mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(self.post_attention_layernorm(residual))), residual)
 
