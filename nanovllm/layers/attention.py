@@ -169,18 +169,20 @@ class Attention(nn.Module):
         self.backend.store_kv(k, v, self.kv, md)
         return self._attend(q, md, out)
 
-    def rope_store_attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                          q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
-                          out=None) -> torch.Tensor:
-        """The fused path: (q/k norm,) rope and the KV store in one kernel, then attention. qkv is the qkv
-        projection's output [T, (num_heads + 2 * num_kv_heads) * head_dim]."""
+    def rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                   q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """The fused path's first half: (q/k norm,) rope and the KV store in one kernel; returns q
+        [T, num_heads, head_dim]. qkv is the qkv projection's output [T, (num_heads + 2 * num_kv_heads) * head_dim]
+        and nothing returned refers to it."""
         from nanovllm.kernels.rope_store import rope_store_kvcache
-        md = get_context()
-        kv = self.kv
-        q = rope_store_kvcache(qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
-                               kv.k, kv.v, md.slot_mapping, q_weight, k_weight, eps, kv.k_scale, kv.v_scale,
-                               self.rotation)
-        return self._attend(q, md, out)
+        md, kv = get_context(), self.kv
+        return rope_store_kvcache(qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
+                                  kv.k, kv.v, md.slot_mapping, q_weight, k_weight, eps, kv.k_scale, kv.v_scale,
+                                  self.rotation)
+
+    def attend_stored(self, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The fused path's second half: attention of q over the cache that rope_store wrote."""
+        return self._attend(q, get_context(), out)
 
     def _attend(self, q: torch.Tensor, md: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, num_heads, head_dim], written into `out` when given."""
