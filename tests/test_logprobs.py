@@ -3,11 +3,12 @@ HF transformers computes it for the same tokens, through chunked prefill, the pr
 decode-graph buffers, tensor parallelism and streaming; bad values are ValueErrors."""
 import math
 import re
+import sys
 
 import pytest
 import torch
 
-from conftest import close_llm, greedy, random_prompts, serving, smollm2_llm_kwargs, tiny_llm_kwargs
+from conftest import VOCAB, close_llm, greedy, random_prompts, serving, smollm2_llm_kwargs, tiny_llm_kwargs
 from nanovllm import LLM, SamplingParams
 from nanovllm.logprobs import Logprob
 
@@ -223,6 +224,65 @@ def assert_same_logprobs(got, expected):
         assert_values_close(logprobs, exp_logprobs, TOLERANCE)
         assert [e is None for e in prompt_logprobs or ()] == [e is None for e in exp_prompt or ()]
         assert_values_close((prompt_logprobs or [None])[1:], (exp_prompt or [None])[1:], TOLERANCE)
+
+
+def test_logprobs_in_row_chunks_are_the_whole_batchs(monkeypatch):
+    """logprobs_of, 3 rows at a time, gives chosen_and_top(raw_logprobs(...)) of the whole batch bit for bit."""
+    import nanovllm.layers.logprobs as logprobs_module
+    torch.manual_seed(0)
+    logits = torch.randn(10, 50, dtype=torch.bfloat16)
+    chosen = torch.randint(50, (10,))
+    expected = logprobs_module.chosen_and_top(logprobs_module.raw_logprobs(logits), chosen, 4)
+    monkeypatch.setattr(logprobs_module, "LOGPROB_CHUNK_ELEMENTS", 3 * 50)
+    got = logprobs_module.logprobs_of(logits, chosen, 4)
+    assert len(got) == 3 and all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_sliced_mlp_and_chunked_logprobs_match_the_whole_steps(qwen3_dir, tiny_reference, monkeypatch):
+    """The MLP in slices of 16 rows (prefill steps of up to 187 tokens here) and logprobs 2 rows at a time: the
+    same tokens, and the same logprobs but for the GEMMs' rounding of other row counts."""
+    import nanovllm.layers.logprobs as logprobs_module
+    import nanovllm.models.decoder as decoder
+    monkeypatch.setattr(decoder, "MLP_CHUNK_TOKENS", 16)
+    monkeypatch.setattr(logprobs_module, "LOGPROB_CHUNK_ELEMENTS", 2 * VOCAB)
+    slices = []
+    add_rows = decoder.DecoderLayer._add_mlp_rows
+    monkeypatch.setattr(decoder.DecoderLayer, "_add_mlp_rows",
+                        lambda layer, residual: slices.append(residual.size(0)) or add_rows(layer, residual))
+    got, _ = tiny_logprobs(qwen3_dir)
+    assert_same_logprobs(got, tiny_reference)
+    assert 16 in slices and max(slices) == 16  # the prefill steps ran sliced, the decode steps whole
+
+
+def _rope_store_standin(qkv, positions, cos_sin, H, K, D, k_cache, v_cache, slots, q_weight, k_weight, eps, *_):
+    """rope_store_kvcache's contract in torch (tests/test_rope_store_kernel.py checks the kernel against it)."""
+    from nanovllm.layers.layernorm import rms_norm
+    from nanovllm.layers.rotary_embedding import apply_rope
+    q, k, v = qkv.split([H * D, K * D, K * D], dim=-1)
+    q, k, v = q.view(-1, H, D), k.view(-1, K, D), v.view(-1, K, D)
+    if q_weight is not None:
+        q, k = rms_norm.fn(q, q_weight, eps), rms_norm.fn(k, k_weight, eps)
+    q, k = apply_rope.fn(positions, q, k, cos_sin)
+    valid = slots >= 0
+    k_cache[slots[valid] // k_cache.size(1), slots[valid] % k_cache.size(1)] = k[valid]
+    v_cache[slots[valid] // v_cache.size(1), slots[valid] % v_cache.size(1)] = v[valid]
+    return q
+
+
+def test_the_fused_rope_store_glue_gives_the_unfused_paths_logprobs(qwen3_dir, tiny_reference, monkeypatch):
+    """The fused path's two halves (Attention.rope_store, then attend_stored over the cache it wrote), with the
+    kernel's torch stand-in: the eager layer drops qkv between them. The same tokens and logprobs."""
+    import types
+
+    from nanovllm.engine.model_runner import ModelRunner
+    monkeypatch.setattr(ModelRunner, "use_fused_rope_store", lambda self: True)
+    calls = []
+    module = types.ModuleType("nanovllm.kernels.rope_store")
+    module.rope_store_kvcache = lambda *args: calls.append(1) or _rope_store_standin(*args)
+    monkeypatch.setitem(sys.modules, "nanovllm.kernels.rope_store", module)
+    got, _ = tiny_logprobs(qwen3_dir)
+    assert_same_logprobs(got, tiny_reference)
+    assert calls
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

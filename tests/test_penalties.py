@@ -10,9 +10,8 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.core.sequence import PLACEHOLDER_TOKEN, Sequence
 from nanovllm.engine.penalties import PenaltyRows, penalized_rows, step_penalties
 from nanovllm.layers.penalties import apply_penalties
+from nanovllm.layers.sampler import FILTER_CHUNK_ELEMENTS as CHUNK  # every test row in one chunk
 from nanovllm.layers.sampler import Sampler, SamplingTensors
-
-CHUNK = 1 << 23  # the sampler's FILTER_CHUNK_ELEMENTS: every test row in one chunk
 
 
 def rows_of(rows, penalties, outputs, prompts, placeholders=()) -> PenaltyRows:

@@ -141,3 +141,25 @@ def test_filtered_rows_are_sampled_in_chunks_with_the_same_draws(monkeypatch):
     chunked = draw()
     assert calls == [10, 3, 3, 3, 1]
     assert chunked == whole and whole[0] == logits[0].argmax().item()
+
+
+def test_top_k_top_p_in_place_keeps_the_out_of_place_results():
+    """top_k_top_p masks its sorted copies and scatters into its input (in place, for memory): the same logits as
+    the out-of-place formulation it replaced, bit for bit, on rows with ties, top_k at the vocabulary and top_p 1."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300).round(decimals=1)  # ties
+    top_ks = torch.tensor([1, 5, 300, 40, 300, 7])
+    top_ps = torch.tensor([0.5, 1.0, 0.9, 0.3, 1.0, 0.99])
+    sorted_logits, order = logits.sort(-1, descending=True)
+    ranks = torch.arange(logits.size(1)).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_ks.unsqueeze(1), float("-inf"))
+    sorted_probs = sorted_logits.softmax(-1)
+    remove = (sorted_probs.cumsum(-1) - sorted_probs) >= top_ps.unsqueeze(1)
+    remove &= top_ps.unsqueeze(1) < 1.0
+    remove[:, 0] = False
+    expected = torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(remove, float("-inf")))
+    from nanovllm.layers.sampler import top_k_top_p
+    x = logits.clone()
+    kept = top_k_top_p(x, top_ks, top_ps)
+    assert kept.data_ptr() == x.data_ptr() and torch.equal(kept, expected)
+    assert 1 < int((kept > float("-inf")).sum()) < logits.numel()  # some filtered, some kept

@@ -15,7 +15,7 @@ import torch
 
 from nanovllm.config import budget_bytes
 from nanovllm.core.memory_plan import GiB
-from nanovllm.layers.logprobs import chosen_and_top, raw_logprobs
+from nanovllm.layers.logprobs import logprobs_of
 from nanovllm.layers.quantization.method import quant_matmul
 from nanovllm.layers.sampler import SamplingTensors
 from nanovllm.utils.context import AttentionMetadata, reset_context, set_context
@@ -137,17 +137,27 @@ def profile_memory(runner) -> dict:
 
 
 def _peak_bytes(runner, num_tokens: int, seq_len: int, num_rows: int, sample: bool) -> int:
-    """Bytes above what is allocated now at the peak of one step without a KV cache: num_tokens packed as
-    seq_len-long sequences, logits for the last num_rows rows and, with `sample`, the sampler with top-k/top-p."""
+    """Bytes above what is allocated now at the peak of one step without a KV cache (profile_step)."""
     device = runner.device
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
+    profile_step(runner.model, runner.sampler, device, num_tokens, seq_len, num_rows, sample,
+                 runner.config.max_logprobs)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def profile_step(model, sampler, device: torch.device, num_tokens: int, seq_len: int, num_rows: int, sample: bool,
+                 max_logprobs: int):
+    """One step without a KV cache: num_tokens packed as seq_len-long sequences, logits for the last num_rows rows
+    and, with `sample`, the sampler with top-k/top-p and the logprobs of every row. Keeps nothing alive after it
+    (benchmarks/activation_peak.py counts its peak without a GPU)."""
     positions = torch.arange(num_tokens, device=device) % seq_len
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     set_context(AttentionMetadata(False, None, None, None, max_seq_len=seq_len))
     try:
-        hidden = runner.model(input_ids, positions)
-        logits = runner.model.compute_logits(hidden[-num_rows:])
+        hidden = model(input_ids, positions)
+        logits = model.compute_logits(hidden[-num_rows:])
     finally:
         reset_context()
     del hidden
@@ -156,9 +166,7 @@ def _peak_bytes(runner, num_tokens: int, seq_len: int, num_rows: int, sample: bo
         tensors = SamplingTensors(torch.full((rows,), 0.7, device=device),
                                   torch.full((rows,), 50, dtype=torch.int64, device=device),
                                   torch.full((rows,), 0.9, device=device), None, None, all_greedy=False)
-        logprobs = raw_logprobs(logits)
-        chosen_and_top(logprobs, runner.sampler(logits, tensors), min(runner.config.max_logprobs, logits.size(1)))
-        del logprobs
+        raw_rows = logits.clone()  # as the runner keeps the logprob rows' raw logits beside the sampler's
+        logprobs_of(raw_rows, sampler(logits, tensors), min(max_logprobs, logits.size(1)))
+        del raw_rows
     del logits
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - base

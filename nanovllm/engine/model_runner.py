@@ -24,7 +24,7 @@ from nanovllm.engine.step_plan import StepPlan
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.kv_layout import KVLayout, check_fp8_support, hadamard
-from nanovllm.layers.logprobs import chosen_and_top, raw_logprobs
+from nanovllm.layers.logprobs import logprobs_of
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.layers.token_bitmask import TokenBitmask
 from nanovllm.models.decoder import DecoderForCausalLM
@@ -176,14 +176,16 @@ class ModelRunner:
         if grammar_mask is not None:  # structured outputs: the host builds the masks while the forward runs
             logits = self._apply_grammar(logits, grammar_mask)
         rows = to_device(plan.sample_logprob_rows, torch.int64, self.device) if plan.sample_logprob_rows else None
-        logprobs = raw_logprobs(logits[rows]) if rows is not None else None  # before bans and penalties (vLLM)
+        # the logprob rows' raw logits (an index copy: the sampler masks and biases `logits` in place, and logprobs
+        # are of the model's own distribution, vLLM's raw_logprobs), turned into logprobs in chunks once sampled
+        raw_rows = logits[rows] if rows is not None else None
         sampling = self.sampling
         st = sampling.sampling_tensors(sample_seqs)
         penalties = step_penalties(sample_seqs, st.penalized_rows, st.penalty_batch is None)  # None: no penalty
         sampling.last_sampled = self.sampler(logits, st, plan.banned_token_ids, penalties, sampling.last_sampled,
                                              plan.logit_bias, plan.conditional_bans)
-        if logprobs is not None:
-            sample_logprobs = chosen_and_top(logprobs, sampling.last_sampled[rows], plan.num_top_logprobs)
+        if raw_rows is not None:
+            sample_logprobs = logprobs_of(raw_rows, sampling.last_sampled[rows], plan.num_top_logprobs)
             prompt_logprobs = _cat_rows(sample_logprobs, prompt_logprobs)
         return SampledTokens(sampling.last_sampled, prompt_logprobs)
 
@@ -200,8 +202,9 @@ class ModelRunner:
         rows = step_mask.rows()
         return logits if rows is None else self.token_bitmask.apply(logits, rows)
 
-    # rows per full-vocabulary slice of prompt logits: a long prompt chunk's float32 log-softmax stays within the
-    # size of what the profiling run sized (max_num_seqs rows of logits; 256 x a 152k vocabulary is 156 MB)
+    # rows per full-vocabulary slice of prompt logits: a long prompt chunk's logits stay within the size of what the
+    # profiling run sized (max_num_seqs rows; 256 x a 152k vocabulary is 74 MiB in bf16), and logprobs_of turns
+    # them into logprobs a few rows at a time
     PROMPT_LOGPROB_ROWS = 256
 
     def _prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> tuple[torch.Tensor, ...] | None:
@@ -213,8 +216,7 @@ class ModelRunner:
             end = start + self.PROMPT_LOGPROB_ROWS
             logits = self.model.compute_logits(hidden[indices[start:end]])
             if logits is not None:
-                parts = _cat_rows(parts, chosen_and_top(raw_logprobs(logits), token_ids[start:end],
-                                                         plan.num_top_logprobs))
+                parts = _cat_rows(parts, logprobs_of(logits, token_ids[start:end], plan.num_top_logprobs))
         return parts
 
     # --- the forward pass, and the warm-up that runs it before the first request

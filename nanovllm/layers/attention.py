@@ -162,25 +162,27 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out=None) -> torch.Tensor:
         md = get_context()
         if self.kv is None:  # the memory-profiling run
-            return self._profile_attention(q, k, v, md.max_seq_len)
+            return self._profile_attention(q, k, v, md.max_seq_len, out)
         if self.rotation is not None:  # q . k is unchanged: H is orthogonal (kv_layout.py says why K is rotated)
             q = (q.float() @ self.rotation).to(q.dtype)
             k = k.float() @ self.rotation  # quantized from fp32
         self.backend.store_kv(k, v, self.kv, md)
         return self._attend(q, md, out)
 
-    def rope_store_attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                          q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
-                          out=None) -> torch.Tensor:
-        """The fused path: (q/k norm,) rope and the KV store in one kernel, then attention. qkv is the qkv
-        projection's output [T, (num_heads + 2 * num_kv_heads) * head_dim]."""
+    def rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                   q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """The fused path's first half: (q/k norm,) rope and the KV store in one kernel; returns q
+        [T, num_heads, head_dim]. qkv is the qkv projection's output [T, (num_heads + 2 * num_kv_heads) * head_dim]
+        and nothing returned refers to it."""
         from nanovllm.kernels.rope_store import rope_store_kvcache
-        md = get_context()
-        kv = self.kv
-        q = rope_store_kvcache(qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
-                               kv.k, kv.v, md.slot_mapping, q_weight, k_weight, eps, kv.k_scale, kv.v_scale,
-                               self.rotation)
-        return self._attend(q, md, out)
+        md, kv = get_context(), self.kv
+        return rope_store_kvcache(qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
+                                  kv.k, kv.v, md.slot_mapping, q_weight, k_weight, eps, kv.k_scale, kv.v_scale,
+                                  self.rotation)
+
+    def attend_stored(self, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The fused path's second half: attention of q over the cache that rope_store wrote."""
+        return self._attend(q, get_context(), out)
 
     def _attend(self, q: torch.Tensor, md: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, num_heads, head_dim], written into `out` when given."""
@@ -202,11 +204,18 @@ class Attention(nn.Module):
         if self.backend.longest_first and (self.is_first_layer or md.decode_row_order is None):
             md.decode_row_order = torch.argsort(md.seq_lens, descending=True).to(torch.int32)
 
-    def _profile_attention(self, q, k, v, seq_len: int) -> torch.Tensor:
+    def _profile_attention(self, q, k, v, seq_len: int, out=None) -> torch.Tensor:
         """Attention without a cache, for the profiling run that sizes the KV cache: the tokens are
-        consecutive causal sequences of seq_len tokens each."""
+        consecutive causal sequences of seq_len tokens each. One query head at a time, reading its KV head in place
+        and writing its slice of `out`, so that the profile holds what the paged kernels hold (q, k, v and the
+        output): K and V repeated for every query head and a strided output copy were 192 MiB of Qwen3-8B's
+        8,192-token step that no real step allocates."""
+        out = torch.empty_like(q) if out is None else out  # [T, nh, hd]
         group = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        q, k, v = (x.view(-1, seq_len, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))  # [N, H, seq_len, D]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        return out.transpose(1, 2).flatten(0, 1)
+
+        def head(x, i):  # [N, 1, seq_len, D], a view of head i
+            return x[:, i:i + 1].view(-1, seq_len, 1, x.size(-1)).transpose(1, 2)
+        for i in range(self.num_heads):
+            head(out, i).copy_(F.scaled_dot_product_attention(head(q, i), head(k, i // group), head(v, i // group),
+                                                              is_causal=True, scale=self.scale))
+        return out

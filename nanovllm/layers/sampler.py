@@ -33,10 +33,12 @@ class SamplingTensors:
 
 
 # Filtered rows (top-k, top-p, min-p, seeds) are sampled in chunks of at most this many logits: each [rows, vocab]
-# float32 intermediate (the sort's values and indices, softmax, cumsum, noise) is then 32 MiB at most. Whole, a
-# 256-row batch over Qwen3's 151,936-token vocabulary peaked at 1.4 GiB, all of it taken from the KV cache at
-# start-up (memory_profile.py sizes the KV around this step).
-FILTER_CHUNK_ELEMENTS = 1 << 23
+# float32 intermediate (the sort's values, softmax, cumsum, noise) is then 16 MiB at most and the sort's int64
+# indices 32 MiB, about 100 MiB alive at a chunk's peak. Whole, a 256-row batch over Qwen3's 151,936-token
+# vocabulary peaked at 1.4 GiB, all of it taken from the KV cache at start-up (memory_profile.py sizes the KV around
+# this step); chunks of twice the size made the sampler the peak of Qwen3-8B's profiling step once its MLP ran in
+# slices (models/decoder.py).
+FILTER_CHUNK_ELEMENTS = 1 << 22
 
 
 class Sampler(nn.Module):
@@ -179,15 +181,17 @@ def race(probs: torch.Tensor, noise: torch.Tensor, temperatures: torch.Tensor, g
 # not compiled: torch 2.11's inductor fails on this cumsum (dynamic shapes), and the sort dominates anyway
 def top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     """Keeps each row's top_k largest logits, then of those the fewest whose renormalized probability reaches top_p
-    (the largest always stays); the others become -inf."""
+    (the largest always stays); the others become -inf. In place: `logits` (the caller's own float32 copy) is
+    returned, and the sorted copies are masked in place, so that no chunk holds two of them."""
     sorted_logits, order = logits.sort(-1, descending=True)  # [B, V]
     ranks = torch.arange(logits.size(1), device=logits.device).unsqueeze(0)
-    sorted_logits = sorted_logits.masked_fill(ranks >= top_ks.unsqueeze(1), float("-inf"))
+    sorted_logits.masked_fill_(ranks >= top_ks.unsqueeze(1), float("-inf"))
     sorted_probs = sorted_logits.softmax(-1)
     # drop a token when the tokens ranked above it already reach top_p; rows at top_p = 1 drop nothing (their
     # float32 cumsum can reach 1 before the tail)
-    remove = (sorted_probs.cumsum(-1) - sorted_probs) >= top_ps.unsqueeze(1)
+    remove = sorted_probs.cumsum(-1).sub_(sorted_probs) >= top_ps.unsqueeze(1)
+    del sorted_probs
     remove &= top_ps.unsqueeze(1) < 1.0
     remove[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    sorted_logits.masked_fill_(remove, float("-inf"))
+    return logits.scatter_(1, order, sorted_logits)  # order is a permutation: every entry is written

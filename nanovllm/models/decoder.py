@@ -41,11 +41,17 @@ class DecoderAttention(nn.Module):
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """From the qkv projection's output to attention's [T, num_heads * head_dim] (into `out` when given): the
         part of a layer that reads the paged KV cache, which piecewise CUDA graphs leave outside."""
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        out = out.view(-1, self.num_heads, self.head_dim) if out is not None else None
+        return self.attend_roped(*self.rope(qkv, positions), out=out)
+
+    def rope(self, qkv: torch.Tensor, positions: torch.Tensor):
+        """qkv [T, (nh + 2 * nkv) * hd] -> q [T, nh, hd], k and v [T, nkv, hd], after the q/k norm and rope; the
+        fused path stores k and v in the cache in the same kernel and returns (q, None, None). Nothing returned is
+        a view of qkv, so an eager forward frees the projection's output (the largest tensor beside attention's)
+        before attention runs."""
         if self.attn.fused_rope_store:
             norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-            return self.attn.rope_store_attend(qkv, positions, self.rotary_emb.cos_sin_cache, *norm, out=out).flatten(1)
+            return self.attn.rope_store(qkv, positions, self.rotary_emb.cos_sin_cache, *norm), None, None
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, nh, hd]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, nkv, hd]
@@ -55,7 +61,15 @@ class DecoderAttention(nn.Module):
                                 self.rotary_emb.cos_sin_cache)
         else:
             q, k = self.rotary_emb(positions, q, k)
-        return self.attn(q, k, v, out=out).flatten(1)  # [T, nh * hd]
+        return q, k, v.contiguous()  # a copy of v (nkv * hd values a token) frees qkv ((nh + 2 * nkv) * hd)
+
+    def attend_roped(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of rope's (q, k, v): [T, num_heads * head_dim], into `out` when given."""
+        out = out.view(-1, self.num_heads, self.head_dim) if out is not None else None
+        if self.attn.fused_rope_store:  # k and v are in the cache
+            return self.attn.attend_stored(q, out).flatten(1)
+        return self.attn(q, k, v, out=out).flatten(1)
 
 
 class DecoderMLP(nn.Module):
@@ -73,6 +87,14 @@ class DecoderMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+# The most tokens whose MLP intermediates are alive at once: a larger step runs its MLP in slices of this many rows.
+# The gate_up output and SiLU's are 3 x intermediate_size values a token, 576 MiB for an 8,192-token step of
+# Qwen3-8B, the largest activation of a prefill step (the KV of an 8 GiB card went without it); in slices of 2,048
+# rows they are 144 MiB. 2,048 is the largest piecewise-graph bucket (engine/graph_runner.py), so no decode or
+# graph step changes, and 2,048-row GEMMs still fill an H100 (for gate_up, 16 x 96 output tiles of 128 x 256).
+MLP_CHUNK_TOKENS = 2048
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm layer. The residual stream is one [T, hidden] tensor that each layer adds to in place: o_proj
     and down_proj write `residual + x @ W.T` straight into it (RowParallelLinear with `residual`, cuBLAS's beta = 1),
@@ -86,7 +108,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
     def forward(self, positions, residual):
-        return self.post_attention(self.self_attn.attend(self.pre_attention(residual), positions), residual)
+        """The eager layer: each intermediate is freed as soon as it is read, so that a large step holds at most
+        the residual stream and one stage's tensors (the memory profile sizes the KV around this step)."""
+        attn = self.self_attn
+        q, k, v = attn.rope(self.pre_attention(residual), positions)  # the qkv projection's output dies here
+        attn_out = attn.attend_roped(q, k, v)
+        del q, k, v
+        residual = attn.o_proj(attn_out, residual)
+        del attn_out  # freed before the MLP, whose intermediates are the step's largest
+        return self.add_mlp(residual)
 
     # the two halves around attention (piecewise CUDA graphs capture them, engine/cuda_graph.py)
     def pre_attention(self, residual):
@@ -94,7 +124,19 @@ class DecoderLayer(nn.Module):
 
     def post_attention(self, attn_out, residual):
         """Adds the attention block's output, then the MLP's, to `residual` in place; returns it."""
-        residual = self.self_attn.o_proj(attn_out, residual)
+        return self.add_mlp(self.self_attn.o_proj(attn_out, residual))
+
+    def add_mlp(self, residual):
+        """Adds the MLP's output to `residual` in place, MLP_CHUNK_TOKENS rows at a time; returns it. Every op of
+        the MLP works row by row, so a slice's rows are those of the whole step (the GEMMs' rounding aside)."""
+        num_tokens = residual.size(0)
+        if num_tokens <= MLP_CHUNK_TOKENS:
+            return self._add_mlp_rows(residual)
+        for start in range(0, num_tokens, MLP_CHUNK_TOKENS):
+            self._add_mlp_rows(residual[start:start + MLP_CHUNK_TOKENS])  # contiguous rows: a view, written in place
+        return residual
+
+    def _add_mlp_rows(self, residual):
         mlp = self.mlp
         return mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(self.post_attention_layernorm(residual))), residual)
 
