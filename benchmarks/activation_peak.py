@@ -79,14 +79,17 @@ class LiveBytes(TorchDispatchMode):
 
 
 def one_layer_model(preset: str, device: str = "meta"):
-    """The preset's model with one decoder layer, bf16 weights on `device` (quantized linears need a GPU)."""
+    """The preset's model with one decoder layer, bf16 weights on `device` (quantized linears need a GPU), its MLP
+    sliced as on a card under 70 GiB (the 8 GiB card whose KV this peak is taken from)."""
+    from nanovllm.config import SMALL_CARD_BATCH_LIMITS
     from nanovllm.models.decoder import DecoderForCausalLM
     from nanovllm.utils.presets import PRESETS, QWEN3_COMMON
     from transformers import Qwen3Config
     shape = {k: v for k, v in PRESETS[preset].items() if k != "quantization_config"}
     hf = Qwen3Config(**dict(QWEN3_COMMON, **dict(shape, num_hidden_layers=1)))
     with torch.device(device):
-        return DecoderForCausalLM(hf, "qwen3").to(torch.bfloat16)
+        return DecoderForCausalLM(hf, "qwen3", mlp_chunk_tokens=SMALL_CARD_BATCH_LIMITS["mlp_chunk_tokens"]).to(
+            torch.bfloat16)
 
 
 def name_phases(model, sampler, counter: LiveBytes):

@@ -42,7 +42,9 @@ OPTION_CHOICES = {
 # which this rule does not): a half-size step and half the sampler rows halve the activation peak, which on an 8 GB
 # card is KV that the batch does not get
 SMALL_CARD_BYTES = 70 << 30
-SMALL_CARD_BATCH_LIMITS = dict(max_num_seqs=256, max_num_batched_tokens=8192)
+# and the MLP of a step over 2,048 tokens in 2,048-row slices (mlp_chunk_tokens): on Qwen3-8B its intermediates are
+# 576 MiB of an 8,192-token step, 144 MiB a slice. Larger cards keep the unsliced GEMMs (the KV does not miss it)
+SMALL_CARD_BATCH_LIMITS = dict(max_num_seqs=256, max_num_batched_tokens=8192, mlp_chunk_tokens=2048)
 # 1 PiB: more than any host holds, so a larger swap_space is a typo; the bound also keeps its byte count finite.
 # Config does not compare it with this host's memory: bench_swap.py sizes GPU machines' configs on any host
 MAX_SWAP_SPACE_GIB = 1 << 20
@@ -91,6 +93,10 @@ class Config:
     # (small_card_batch_limits, applied by the engine)
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384  # token budget per step; longer prompts are prefilled in chunks
+    # a step of more tokens runs its MLP in slices of this many rows (the same values, the GEMMs' rounding aside):
+    # the MLP's intermediates are a large step's largest activation, which the KV cache is sized around. None:
+    # unsliced (a card under 70 GiB gets 2,048, the largest piecewise-graph bucket, so no graph step changes)
+    mlp_chunk_tokens: int | None = None
     # --- GPU KV cache
     # tokens per KV block; None: 64, or 256 with attention_backend="flash" (its paged KV needs multiples of 256).
     # 64 keeps a block one DMA of several MB (0.6B: 7 MB) while wasting little in each sequence's last block
@@ -199,6 +205,10 @@ class Config:
         if quant_config is not None and not isinstance(quant_config, dict):
             quant_config = quant_config.to_dict()
         self.quant_spec = parse_quant_spec(quant_config, self.quantization)
+        if self.mlp_chunk_tokens is not None and (not isinstance(self.mlp_chunk_tokens, numbers.Integral)
+                                                  or isinstance(self.mlp_chunk_tokens, bool)
+                                                  or self.mlp_chunk_tokens < 1):
+            raise ValueError(f"mlp_chunk_tokens={self.mlp_chunk_tokens!r} must be None or an int >= 1")
         if self.quantize_lm_head not in (None, "int8"):
             raise ValueError(f"quantize_lm_head={self.quantize_lm_head!r} must be None or 'int8'")
         if self.quant_spec is not None:

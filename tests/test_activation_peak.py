@@ -1,7 +1,7 @@
 """The profiling step's live bytes (memory_profile.profile_step), counted op by op on the meta device
 (benchmarks/activation_peak.py's LiveBytes; the `compilable` ops counted as the fused kernels they are on a GPU).
 
-Each phase's peak is asserted from the tensor shapes: the MLP of a step larger than MLP_CHUNK_TOKENS holds one
+Each phase's peak is asserted from the tensor shapes: the MLP of a step larger than mlp_chunk_tokens holds one
 slice's intermediates, attention does not hold the qkv projection's output, and sampling holds bounded chunks
 beside the bf16 logits, never a float32 copy of all [rows, vocab]. A one-layer bf16 Qwen3 stands for the model
 (one layer's activations are freed before the next runs)."""
@@ -43,7 +43,8 @@ def profile(model):
 def test_the_mlp_of_a_large_step_holds_one_slice(model, monkeypatch, chunk_tokens):
     # the residual stream, and one slice's gate_up output [C, 2I] beside SiLU's [C, I]; whole (C = T) the MLP
     # holds 3.4x as much here, the largest activation of the step
-    monkeypatch.setattr(decoder, "MLP_CHUNK_TOKENS", chunk_tokens)
+    for layer in model.model.layers:
+        monkeypatch.setattr(layer, "mlp_chunk_tokens", chunk_tokens)
     counter = profile(model)
     assert counter.phase_peak_bytes["mlp"] == INDEX_BYTES + BF16 * (TOKENS * HIDDEN + chunk_tokens * 3 * INTER)
 

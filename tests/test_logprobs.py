@@ -243,13 +243,12 @@ def test_sliced_mlp_and_chunked_logprobs_match_the_whole_steps(qwen3_dir, tiny_r
     same tokens, and the same logprobs but for the GEMMs' rounding of other row counts."""
     import nanovllm.layers.logprobs as logprobs_module
     import nanovllm.models.decoder as decoder
-    monkeypatch.setattr(decoder, "MLP_CHUNK_TOKENS", 16)
     monkeypatch.setattr(logprobs_module, "LOGPROB_CHUNK_ELEMENTS", 2 * VOCAB)
     slices = []
     add_rows = decoder.DecoderLayer._add_mlp_rows
     monkeypatch.setattr(decoder.DecoderLayer, "_add_mlp_rows",
                         lambda layer, residual: slices.append(residual.size(0)) or add_rows(layer, residual))
-    got, _ = tiny_logprobs(qwen3_dir)
+    got, _ = tiny_logprobs(qwen3_dir, mlp_chunk_tokens=16)
     assert_same_logprobs(got, tiny_reference)
     assert 16 in slices and max(slices) == 16  # the prefill steps ran sliced, the decode steps whole
 

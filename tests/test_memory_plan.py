@@ -73,10 +73,12 @@ def test_the_model_holds_one_rope_table_for_all_layers():
 
 
 def test_small_card_batch_limits_are_vllms_under_70_gib():
+    """vLLM's batch limits, and the MLP of a large step in 2,048-row slices, under 70 GiB only."""
     from nanovllm.config import small_card_batch_limits
     assert small_card_batch_limits({}, 8 * GiB) == small_card_batch_limits({}, 70 * GiB - 1) == dict(
-        max_num_seqs=256, max_num_batched_tokens=8192)
-    assert small_card_batch_limits({"max_num_seqs": 8}, 8 * GiB) == dict(max_num_batched_tokens=8192)
+        max_num_seqs=256, max_num_batched_tokens=8192, mlp_chunk_tokens=2048)
+    assert small_card_batch_limits({"max_num_seqs": 8, "mlp_chunk_tokens": None}, 8 * GiB) == dict(
+        max_num_batched_tokens=8192)
     assert small_card_batch_limits({}, 70 * GiB) == small_card_batch_limits({}, None) == {}
 
 

@@ -113,7 +113,7 @@ def test_more_ranks_than_gpus_is_a_value_error(qwen3_dir, monkeypatch):
 
 
 def test_tp2_slices_the_mlp_of_a_large_step_as_tp1_runs_it_whole(qwen3_dir, tmp_path, monkeypatch):
-    """A 2,100-token prompt in one step, over MLP_CHUNK_TOKENS: each rank runs its MLP in two slices, and each
+    """A 2,100-token prompt in one step, over mlp_chunk_tokens=2048: each rank runs its MLP in two slices, and each
     slice's down_proj all-reduces its own rows of the residual stream. The tokens are TP=1's with the MLP whole."""
     import json
     import shutil
@@ -124,14 +124,12 @@ def test_tp2_slices_the_mlp_of_a_large_step_as_tp1_runs_it_whole(qwen3_dir, tmp_
     (model_dir / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=4096)))
     prompt = random_prompts([2100], seed=3)
     kwargs = dict(max_model_len=2200, max_num_batched_tokens=2200, num_kvcache_blocks=600)
-    with monkeypatch.context() as patch:
-        patch.setattr(decoder, "MLP_CHUNK_TOKENS", 1 << 30)
-        ref, _ = run(str(model_dir), tiny_llm_kwargs(**kwargs), prompt, 4)
+    ref, _ = run(str(model_dir), tiny_llm_kwargs(**kwargs), prompt, 4)  # mlp_chunk_tokens=None: whole
     slices = []
     add_rows = decoder.DecoderLayer._add_mlp_rows
     monkeypatch.setattr(decoder.DecoderLayer, "_add_mlp_rows",
                         lambda layer, residual: slices.append(residual.size(0)) or add_rows(layer, residual))
-    got, _ = run(str(model_dir), tiny_llm_kwargs(tensor_parallel_size=2, **kwargs), prompt, 4)
+    got, _ = run(str(model_dir), tiny_llm_kwargs(tensor_parallel_size=2, mlp_chunk_tokens=2048, **kwargs), prompt, 4)
     assert got == ref
     assert slices[:2] == [2048, 52]  # rank 0's first layer of the prefill step
     assert mp.active_children() == []

@@ -38,7 +38,7 @@ def with_card_batch_limits(engine_kwargs: dict) -> dict:
     card_bytes = card_memory_bytes(engine_kwargs.get("device", "auto"), engine_kwargs.get("gpu_memory_budget_gib"))
     limits = small_card_batch_limits(engine_kwargs, card_bytes)
     if limits:
-        logger.info("%.1f GiB of GPU memory (under 70 GiB): %s, vLLM's defaults for such cards", card_bytes / GiB,
+        logger.info("%.1f GiB of GPU memory (under 70 GiB): %s, the defaults for such cards", card_bytes / GiB,
                     ", ".join(f"{k}={v}" for k, v in limits.items()))
     return {**engine_kwargs, **limits}
 

@@ -99,7 +99,8 @@ class ModelRunner:
         try:
             torch.manual_seed(config.seed)
             with self.device:
-                model = DecoderForCausalLM(config.hf_config, family, config.quant_spec, config.quantize_lm_head)
+                model = DecoderForCausalLM(config.hf_config, family, config.quant_spec, config.quantize_lm_head,
+                                           config.mlp_chunk_tokens)
         finally:
             torch.set_default_dtype(default_dtype)
         load_model_weights(model, config.model, config.load_format, config.seed)

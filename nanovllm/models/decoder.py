@@ -87,12 +87,6 @@ class DecoderMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-# The most tokens whose MLP intermediates are alive at once: a larger step runs its MLP in slices of this many rows.
-# The gate_up output and SiLU's are 3 x intermediate_size values a token, 576 MiB for an 8,192-token step of
-# Qwen3-8B, the largest activation of a prefill step (the KV of an 8 GiB card went without it); in slices of 2,048
-# rows they are 144 MiB. 2,048 is the largest piecewise-graph bucket (engine/graph_runner.py), so no decode or
-# graph step changes, and 2,048-row GEMMs still fill an H100 (for gate_up, 16 x 96 output tiles of 128 x 256).
-MLP_CHUNK_TOKENS = 2048
 
 
 class DecoderLayer(nn.Module):
@@ -106,6 +100,7 @@ class DecoderLayer(nn.Module):
         self.mlp = DecoderMLP(hf, quant_spec, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+        self.mlp_chunk_tokens: int | None = None  # DecoderForCausalLM's (Config.mlp_chunk_tokens)
 
     def forward(self, positions, residual):
         """The eager layer: each intermediate is freed as soon as it is read, so that a large step holds at most
@@ -127,13 +122,14 @@ class DecoderLayer(nn.Module):
         return self.add_mlp(self.self_attn.o_proj(attn_out, residual))
 
     def add_mlp(self, residual):
-        """Adds the MLP's output to `residual` in place, MLP_CHUNK_TOKENS rows at a time; returns it. Every op of
-        the MLP works row by row, so a slice's rows are those of the whole step (the GEMMs' rounding aside)."""
-        num_tokens = residual.size(0)
-        if num_tokens <= MLP_CHUNK_TOKENS:
+        """Adds the MLP's output to `residual` in place, mlp_chunk_tokens rows at a time (Config's option; None:
+        at once); returns it. Every op of the MLP works row by row, so a slice's rows are those of the whole step
+        (the GEMMs' rounding aside)."""
+        num_tokens, chunk = residual.size(0), self.mlp_chunk_tokens
+        if chunk is None or num_tokens <= chunk:
             return self._add_mlp_rows(residual)
-        for start in range(0, num_tokens, MLP_CHUNK_TOKENS):
-            self._add_mlp_rows(residual[start:start + MLP_CHUNK_TOKENS])  # contiguous rows: a view, written in place
+        for start in range(0, num_tokens, chunk):
+            self._add_mlp_rows(residual[start:start + chunk])  # contiguous rows: a view, written in place
         return residual
 
     def _add_mlp_rows(self, residual):
@@ -169,10 +165,13 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, hf, family: str, quant_spec: QuantSpec | None = None, quantize_lm_head: str | None = None):
+    def __init__(self, hf, family: str, quant_spec: QuantSpec | None = None, quantize_lm_head: str | None = None,
+                 mlp_chunk_tokens: int | None = None):
         super().__init__()
         int8_vocab = quantize_lm_head == "int8"  # the LM head and the input embedding as int8 (embed_head.py)
         self.model = DecoderModel(hf, family, quant_spec, int8_vocab)
+        for layer in self.model.layers:
+            layer.mlp_chunk_tokens = mlp_chunk_tokens
         self.quant_spec = quant_spec  # None: unquantized; the loader asks it which checkpoint tensors no layer reads
         self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, int8_vocab)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
