@@ -48,9 +48,10 @@ def quantization_config(fmt: str, group_size: int) -> dict:
 
 
 def quantize_weight(name: str, weight: torch.Tensor, fmt: str, group_size: int,
-                    hessian: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                    hessian: torch.Tensor | None = None, factor: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """One linear weight [N, K] -> its tensors in the format, named as in the checkpoint (prefix.qweight, ...).
-    Without a hessian each value rounds to its nearest grid point; with one, GPTQ chooses (calibrate.py)."""
+    Without a hessian each value rounds to its nearest grid point; with one, GPTQ chooses (calibrate.py), with the
+    hessian's inverse_factor if given."""
     prefix = name.removesuffix(".weight")
     w = weight.to(torch.float32)
     group = w.size(1) if fmt == "fp8-channel" else group_size
@@ -60,7 +61,7 @@ def quantize_weight(name: str, weight: torch.Tensor, fmt: str, group_size: int,
         params = [fit(w[:, i:i + group]) for i in range(0, w.size(1), group)]
     else:
         from nanovllm.utils.calibrate import gptq
-        w, params = gptq(w, hessian, group, fit, round_to_grid)
+        w, params = gptq(w, hessian, group, fit, round_to_grid, factor)
     if fmt == "w4":
         qweight, qzeros, scales = awq_tensors(w, params, group)
         return {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales}
@@ -145,6 +146,8 @@ def quantize_checkpoint(src_dir: str, out_dir: str, fmt: str, group_size: int = 
     files). hessians (calibrate.collect_hessians): GPTQ's rounding instead of round-to-nearest. Returns out_dir."""
     from safetensors import safe_open
     from safetensors.torch import save_file
+
+    from nanovllm.utils.calibrate import inverse_factor
     if fmt not in FORMATS:
         raise ValueError(f"--quantize {fmt!r} is not supported; supported: {list(FORMATS)}")
     files = sorted(f for f in os.listdir(src_dir) if f.endswith(".safetensors"))
@@ -156,14 +159,17 @@ def quantize_checkpoint(src_dir: str, out_dir: str, fmt: str, group_size: int = 
                          f"pass a float checkpoint")
     check_group_size(fmt, group_size, _linear_shapes(src_dir, files))
     hessians = hessians or {}
+    factors = {}  # id(hessian) -> its inverse_factor: q/k/v and gate/up share one Hessian tensor (calibrate.py)
     os.makedirs(out_dir, exist_ok=True)
     weight_map = {}
     for file in files:
         tensors = {}
         with safe_open(os.path.join(src_dir, file), "pt", "cpu") as f:
             for name in f.keys():
-                tensor = f.get_tensor(name)
-                parts = quantize_weight(name, tensor, fmt, group_size, hessians.get(name)) \
+                tensor, hessian = f.get_tensor(name), hessians.get(name)
+                if hessian is not None and id(hessian) not in factors:
+                    factors[id(hessian)] = inverse_factor(hessian)
+                parts = quantize_weight(name, tensor, fmt, group_size, hessian, factors.get(id(hessian))) \
                     if name.endswith(QUANTIZED_SUFFIXES) else {name: tensor}
                 tensors.update(parts)
         save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
