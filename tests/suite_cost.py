@@ -21,8 +21,7 @@ import pytest
 HEAVIEST_MODULES_FIRST = [
     "test_quant_perplexity.py",  # GPTQ of four formats and five perplexity runs on SmolLM2: two and a half minutes
     "test_triton_compile.py", "test_server.py", "test_tensor_parallel.py", "test_engine_e2e.py",
-    "test_triton_interpreter.py", "test_fp8_accuracy.py", "test_async_scheduling.py", "test_docs_snippets.py",
-    "test_gguf_engine.py",
+    "test_triton_interpreter.py", "test_fp8_accuracy.py", "test_docs_snippets.py", "test_gguf_engine.py",
 ]
 
 

@@ -85,11 +85,13 @@ def test_async_seeded_sampling_equals_sync(qwen3_dir):
 
 
 def test_async_stop_strings_and_eos_on_smollm2(smollm2_dir):
+    """12 tokens are enough: the stop word (the fourth of the second answer) comes within them, and the other two
+    answers run on past it, the asynchronous engine one step ahead."""
     prompts = ["The capital of France is", "Once upon a time", "List three colors:"]
-    base, _ = generate(smollm2_dir, prompts, SamplingParams(temperature=0, max_tokens=24),
+    base, _ = generate(smollm2_dir, prompts, SamplingParams(temperature=0, max_tokens=12),
                        **smollm2_llm_kwargs(async_scheduling=False))
     stop = base[1][2].split()[3]  # a word from the middle of the second answer
-    params = SamplingParams(temperature=0, max_tokens=24, stop=[stop])
+    params = SamplingParams(temperature=0, max_tokens=12, stop=[stop])
     sync, got, _ = sync_and_async(smollm2_dir, prompts, params, smollm2_llm_kwargs())
     assert got == sync and got[1][1] == "stop" and stop not in got[1][2]
 

@@ -177,6 +177,11 @@ def smol_llm(smollm2_dir):
     close_llm(llm)
 
 
+# the story's length: about 25 words, enough for stop strings early, in the middle and late in the text (every claim
+# of TestStopStrings is about where the text is cut, not about its length)
+STORY_TOKENS = 32
+
+
 @pytest.fixture(scope="class")
 def story(smol_llm, smollm2_dir):
     """A greedy chat answer of SmolLM2; the stop strings are picked from its text."""
@@ -187,7 +192,7 @@ def story(smol_llm, smollm2_dir):
         [{"role": "user", "content": "Tell me a short story about a cat and a dog."}],
         tokenize=False, add_generation_prompt=True,
     )
-    [out] = smol_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)
+    [out] = smol_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=STORY_TOKENS), use_tqdm=False)
     words = [w for w in re.findall(r"[A-Za-z]+", out["text"])]
     assert len(words) >= 12, out
     return prompt, out
@@ -206,7 +211,7 @@ class TestStopStrings:
     def check(self, llm, prompt, ref_text, stop):
         idx = min(ref_text.index(s) for s in stop if s in ref_text)
         assert idx > 0
-        [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=48, stop=stop),
+        [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=STORY_TOKENS, stop=stop),
                              use_tqdm=False)
         assert out["finish_reason"] == "stop", (stop, out)
         assert out["text"] == ref_text[:idx], (stop, out["text"], ref_text)
@@ -238,7 +243,8 @@ class TestStopStrings:
         tok = AutoTokenizer.from_pretrained(smollm2_dir)
         prompt, ref = story
         w = self.middle_word(ref["text"])
-        n = next(n for n in range(1, 49) if w in tok.decode(ref["token_ids"][:n], skip_special_tokens=True))
+        n = next(n for n in range(1, STORY_TOKENS + 1)
+                 if w in tok.decode(ref["token_ids"][:n], skip_special_tokens=True))
         [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, stop=[w]), use_tqdm=False)
         assert out["finish_reason"] == "stop" and out["text"] == ref["text"][:ref["text"].index(w)], (w, n, out)
         assert out["token_ids"] == ref["token_ids"][:n]
@@ -252,10 +258,10 @@ class TestStopStrings:
         prompt, ref = story
         text, ids = ref["text"], ref["token_ids"]
         w = re.findall(r" [A-Za-z]{3,}", text)[0]  # an early word
-        n = next(n for n in range(1, 49) if w in tok.decode(ids[:n], skip_special_tokens=True))
+        n = next(n for n in range(1, STORY_TOKENS + 1) if w in tok.decode(ids[:n], skip_special_tokens=True))
         start = len(tok.decode(ids[:n], skip_special_tokens=True))
         later = text.find(w, start - len(w) + 1)
-        params = SamplingParams(temperature=0.0, max_tokens=48, stop=[w], min_tokens=n)
+        params = SamplingParams(temperature=0.0, max_tokens=STORY_TOKENS, stop=[w], min_tokens=n)
         [out] = llm.generate([prompt], params, use_tqdm=False)
         if later < 0:
             assert out["finish_reason"] == "length" and out["text"] == text, (w, out)
@@ -265,7 +271,7 @@ class TestStopStrings:
     def test_include_stop_str_in_output(self, llm, story):
         prompt, ref = story
         w = self.middle_word(ref["text"])
-        params = SamplingParams(temperature=0.0, max_tokens=48, stop=[w], include_stop_str_in_output=True)
+        params = SamplingParams(temperature=0.0, max_tokens=STORY_TOKENS, stop=[w], include_stop_str_in_output=True)
         [out] = llm.generate([prompt], params, use_tqdm=False)
         end = ref["text"].index(w) + len(w)
         assert out["finish_reason"] == "stop" and out["text"] == ref["text"][:end], (w, out)
@@ -280,7 +286,7 @@ class TestStopStrings:
         stop_id = ref["token_ids"][k]
         k = ref["token_ids"].index(stop_id)  # its first occurrence
         for include in (False, True):
-            params = SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=[stop_id],
+            params = SamplingParams(temperature=0.0, max_tokens=STORY_TOKENS, stop_token_ids=[stop_id],
                                     include_stop_str_in_output=include)
             [out] = llm.generate([prompt], params, use_tqdm=False)
             assert out["finish_reason"] == "stop" and out["token_ids"] == ref["token_ids"][:k + 1], out
@@ -293,7 +299,7 @@ class TestStopStrings:
         prompt, ref = story
         text = ref["text"]
         stop = [text[:40] + "#" * 10] if where == "never" else [text[:30]]
-        params = SamplingParams(temperature=0.0, max_tokens=48, stop=stop)
+        params = SamplingParams(temperature=0.0, max_tokens=STORY_TOKENS, stop=stop)
         [want] = llm.generate([prompt], params, use_tqdm=False)
         chunks = list(llm.generate_stream([prompt], params))
         assert "".join(c["text"] for c in chunks) == want["text"], (chunks, want)
@@ -302,7 +308,7 @@ class TestStopStrings:
     def test_greedy_token_ids_unchanged_by_stop(self, llm, story):
         prompt, ref = story
         w = self.middle_word(ref["text"])
-        [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=48, stop=[w]),
+        [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=STORY_TOKENS, stop=[w]),
                              use_tqdm=False)
         n = len(out["token_ids"])
         assert 0 < n <= len(ref["token_ids"]) and out["token_ids"] == ref["token_ids"][:n]
