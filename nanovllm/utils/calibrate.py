@@ -50,7 +50,7 @@ def collect_hessians(model_dir: str) -> dict[str, torch.Tensor]:
             handles.append(module.register_forward_hook(_accumulate(f"{name}.weight", sums)))
     with torch.no_grad():
         for window in windows:
-            model(torch.tensor([window]))
+            model.model(torch.tensor([window]))  # the decoder only: no LM head logits to compute
     for handle in handles:
         handle.remove()
     num_tokens = sum(len(w) for w in windows)
@@ -81,17 +81,17 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, group_size: int, fit, round_to_
     params = []
     for start in range(0, k, COLUMN_BLOCK):
         end = min(start + COLUMN_BLOCK, k)
-        block, errors, hinv_block = w[:, start:end].clone(), torch.zeros(n, end - start), hinv[start:end, start:end]
+        block, errors, hinv_block = w[:, start:end].clone(), torch.empty(n, end - start), hinv[start:end, start:end]
+        pivots = hinv_block.diagonal().tolist()  # Python floats: no 0-d tensor indexed per column
         for i in range(end - start):
             if (start + i) % group_size == 0:
                 in_block = block[:, i:i + group_size]  # the group's columns, those past the block from w
                 params.append(fit(torch.cat([in_block, w[:, end:end + group_size - in_block.size(1)]], dim=1)))
-            column = block[:, i]
+            column, error = block[:, i], errors[:, i]
             rounded = round_to_grid(column, params[-1])
-            error = (column - rounded) / hinv_block[i, i]
-            block[:, i:] -= error.unsqueeze(1) * hinv_block[i, i:].unsqueeze(0)
-            block[:, i] = rounded
-            errors[:, i] = error
+            torch.sub(column, rounded, out=error).div_(pivots[i])
+            block[:, i:].addr_(error, hinv_block[i, i:], alpha=-1)  # the same values as -= error x row, one op
+            column.copy_(rounded)
         w[:, start:end] = block
         w[:, end:] -= errors @ hinv[start:end, end:]
     return w, params
@@ -105,3 +105,14 @@ def inverse_factor(hessian: torch.Tensor) -> torch.Tensor:
     h[dead, dead] = 1
     h += DAMPING * torch.mean(torch.diag(h)) * torch.eye(h.size(0), dtype=torch.float64)
     return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).to(torch.float32)
+
+
+def inverse_factors(hessians: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """inverse_factor of every Hessian, by weight name, each shared tensor factored once: for callers that quantize
+    one checkpoint into several formats (the factorizations cost more than a format's rounding on a CPU). As large
+    as the Hessians themselves."""
+    by_id: dict[int, torch.Tensor] = {}
+    for hessian in hessians.values():
+        if id(hessian) not in by_id:
+            by_id[id(hessian)] = inverse_factor(hessian)
+    return {name: by_id[id(hessian)] for name, hessian in hessians.items()}

@@ -52,8 +52,15 @@ def quantize_weight(name: str, weight: torch.Tensor, fmt: str, group_size: int,
     """One linear weight [N, K] -> its tensors in the format, named as in the checkpoint (prefix.qweight, ...).
     Without a hessian each value rounds to its nearest grid point; with one, GPTQ chooses (calibrate.py), with the
     hessian's inverse_factor if given."""
-    prefix = name.removesuffix(".weight")
-    w = weight.to(torch.float32)
+    return quantize_weights({name: weight}, fmt, group_size, hessian, factor)
+
+
+def quantize_weights(weights: dict[str, torch.Tensor], fmt: str, group_size: int, hessian: torch.Tensor | None = None,
+                     factor: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Linear weights [N_i, K] that read one input (q/k/v, gate/up: one Hessian) -> their tensors, as quantize_weight
+    gives each. Every grid parameter and every GPTQ update is a row's own (FP8 blocks: whole blocks of a weight's
+    rows, check_group_size), so the weights are rounded stacked, [sum N_i, K]: one column loop of larger ops."""
+    w = torch.cat([weight.to(torch.float32) for weight in weights.values()])
     group = w.size(1) if fmt == "fp8-channel" else group_size
     block_rows = 1 if fmt == "fp8-channel" else group  # FP8 blocks are square; a channel is one row
     fit, round_to_grid = (_fit_awq, _round_awq) if fmt == "w4" else (_fp8_fit(block_rows), _round_fp8)
@@ -62,6 +69,18 @@ def quantize_weight(name: str, weight: torch.Tensor, fmt: str, group_size: int,
     else:
         from nanovllm.utils.calibrate import gptq
         w, params = gptq(w, hessian, group, fit, round_to_grid, factor)
+    tensors, first_row = {}, 0
+    for name, weight in weights.items():
+        rows = slice(first_row, first_row + weight.size(0))
+        first_row = rows.stop
+        part_params = [tuple(p[rows] for p in group_params) if fmt == "w4" else group_params[rows]
+                       for group_params in params]
+        tensors.update(_format_tensors(name.removesuffix(".weight"), w[rows], part_params, fmt, group, block_rows))
+    return tensors
+
+
+def _format_tensors(prefix: str, w: torch.Tensor, params: list, fmt: str, group: int,
+                    block_rows: int) -> dict[str, torch.Tensor]:
     if fmt == "w4":
         qweight, qzeros, scales = awq_tensors(w, params, group)
         return {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales}
@@ -141,13 +160,14 @@ def check_group_size(fmt: str, group_size: int, shapes: dict[str, tuple[int, int
 
 
 def quantize_checkpoint(src_dir: str, out_dir: str, fmt: str, group_size: int = 128,
-                        hessians: dict[str, torch.Tensor] | None = None) -> str:
+                        hessians: dict[str, torch.Tensor] | None = None,
+                        factors: dict[str, torch.Tensor] | None = None) -> str:
     """Writes src_dir's float safetensors checkpoint, quantized, into out_dir (with its config, tokenizer and other
-    files). hessians (calibrate.collect_hessians): GPTQ's rounding instead of round-to-nearest. Returns out_dir."""
+    files). hessians (calibrate.collect_hessians): GPTQ's rounding instead of round-to-nearest; factors
+    (calibrate.inverse_factors of those hessians), if the caller makes several formats from them: otherwise each
+    is computed here, once per layer's input. Returns out_dir."""
     from safetensors import safe_open
     from safetensors.torch import save_file
-
-    from nanovllm.utils.calibrate import inverse_factor
     if fmt not in FORMATS:
         raise ValueError(f"--quantize {fmt!r} is not supported; supported: {list(FORMATS)}")
     files = sorted(f for f in os.listdir(src_dir) if f.endswith(".safetensors"))
@@ -159,19 +179,15 @@ def quantize_checkpoint(src_dir: str, out_dir: str, fmt: str, group_size: int = 
                          f"pass a float checkpoint")
     check_group_size(fmt, group_size, _linear_shapes(src_dir, files))
     hessians = hessians or {}
-    factors = {}  # id(hessian) -> its inverse_factor: q/k/v and gate/up share one Hessian tensor (calibrate.py)
     os.makedirs(out_dir, exist_ok=True)
     weight_map = {}
     for file in files:
         tensors = {}
         with safe_open(os.path.join(src_dir, file), "pt", "cpu") as f:
-            for name in f.keys():
-                tensor, hessian = f.get_tensor(name), hessians.get(name)
-                if hessian is not None and id(hessian) not in factors:
-                    factors[id(hessian)] = inverse_factor(hessian)
-                parts = quantize_weight(name, tensor, fmt, group_size, hessian, factors.get(id(hessian))) \
-                    if name.endswith(QUANTIZED_SUFFIXES) else {name: tensor}
-                tensors.update(parts)
+            for names in _by_input(list(f.keys()), hessians):
+                weights = {name: f.get_tensor(name) for name in names}
+                tensors.update(_quantize_group(weights, fmt, group_size, hessians, factors or {})
+                               if names[0].endswith(QUANTIZED_SUFFIXES) else weights)
         save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
     _copy_other_files(src_dir, out_dir)
@@ -180,6 +196,26 @@ def quantize_checkpoint(src_dir: str, out_dir: str, fmt: str, group_size: int = 
     config["quantization_config"] = quantization_config(fmt, group_size)
     _write_json(os.path.join(out_dir, "config.json"), config)
     return out_dir
+
+
+def _by_input(names: list[str], hessians: dict[str, torch.Tensor]) -> list[list[str]]:
+    """A shard's tensor names in groups, in file order: the linear weights that share one Hessian tensor (q/k/v,
+    gate/up: calibrate.py) together, every other tensor alone."""
+    groups: dict = {}
+    for name in names:
+        hessian = hessians.get(name) if name.endswith(QUANTIZED_SUFFIXES) else None
+        groups.setdefault(name if hessian is None else id(hessian), []).append(name)
+    return list(groups.values())
+
+
+def _quantize_group(weights: dict[str, torch.Tensor], fmt: str, group_size: int, hessians: dict,
+                    factors: dict) -> dict[str, torch.Tensor]:
+    from nanovllm.utils.calibrate import inverse_factor
+    name = next(iter(weights))
+    hessian, factor = hessians.get(name), factors.get(name)
+    if hessian is not None and factor is None:
+        factor = inverse_factor(hessian)  # one per group: its weights share the Hessian
+    return quantize_weights(weights, fmt, group_size, hessian, factor)
 
 
 def _linear_shapes(src_dir: str, files: list[str]) -> dict[str, tuple[int, int]]:
