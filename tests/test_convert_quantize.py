@@ -149,10 +149,14 @@ def _load_dir(directory: str) -> dict:
 
 
 @pytest.mark.parametrize("fmt,group_size", [("fp8", 32), ("fp8-channel", 128), ("w4", 16)])
-def test_weights_that_share_a_hessian_are_rounded_as_each_alone(llama_dir, tmp_path, fmt, group_size):
+def test_weights_that_share_a_hessian_are_rounded_as_each_alone(llama_dir, tmp_path, monkeypatch, fmt, group_size):
     """quantize_checkpoint runs GPTQ once over the weights that share a Hessian (q/k/v, gate/up: one input),
-    stacked; every tensor it writes, with the Hessians' factors given or not, is bit for bit that weight's
-    quantize_weight alone (GPTQ's grid and updates are each row's own given H)."""
+    stacked, and over alike layers at once (gptq_batch); every tensor it writes, with the Hessians' factors given
+    or not, is bit for bit that weight's quantize_weight alone (GPTQ's grid and updates are each row's own given H)."""
+    from nanovllm.utils import calibrate
+    batches, gptq_batch = [], calibrate.gptq_batch
+    monkeypatch.setattr(calibrate, "gptq_batch", lambda ws, *args: (batches.append([w.shape for w in ws]),
+                                                                      gptq_batch(ws, *args))[1])
     torch.manual_seed(0)
     original, hessians, by_input = _load_dir(llama_dir), {}, {}
     for name in sorted(n for n in original if n.endswith(QUANTIZED_SUFFIXES)):
@@ -165,6 +169,8 @@ def test_weights_that_share_a_hessian_are_rounded_as_each_alone(llama_dir, tmp_p
     assert len(by_input) == 4 * 2 < len(hessians)  # q/k/v and gate/up share one per layer
     written = [_load_dir(quantize_checkpoint(llama_dir, str(tmp_path / str(i)), fmt, group_size, hessians, factors))
                for i, factors in enumerate((None, inverse_factors(hessians)))]
+    assert max(len(shapes) for shapes in batches) == 2  # both layers' projection in one loop
+    assert max(shapes[0][0] for shapes in batches) == 2 * original["model.layers.0.mlp.up_proj.weight"].size(0)
     for name, hessian in hessians.items():
         for key, want in quantize_weight(name, original[name], fmt, group_size, hessian).items():
             for got in written:
