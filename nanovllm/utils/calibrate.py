@@ -81,8 +81,9 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, group_size: int, fit, round_to_
 def gptq_batch(ws: list[torch.Tensor], hessians: list[torch.Tensor], group_size: int, fit, round_to_grid,
                factors: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[list]]:
     """gptq of several weights of one shape (one projection of several layers), each with its own Hessian, in one
-    column loop: each column's ops run on all of them at once ([B, N] and [B, N, block] tensors), so a CPU pays the
-    per-op overhead once per column, not once per layer. Every value is computed as gptq computes it alone."""
+    column loop: each column's ops run on all of them at once ([B, N] columns of [B, block columns, N] tensors), so a
+    CPU pays the per-op overhead once per column, not once per layer. Every value is computed as for one weight
+    alone: the ops are elementwise, and each weight's error is pushed onto its later columns by its own matmul."""
     ws = [w.clone() for w in ws]
     for w, hessian in zip(ws, hessians):
         w[:, torch.diag(hessian) == 0] = 0  # inputs that were always zero: their weights do not matter
