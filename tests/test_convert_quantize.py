@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.entrypoints import cli
-from nanovllm.utils.calibrate import gptq
-from nanovllm.utils.quantize import quantize_checkpoint, quantize_weight
+from nanovllm.utils.calibrate import SHARED_INPUT, gptq, inverse_factors
+from nanovllm.utils.quantize import QUANTIZED_SUFFIXES, quantize_checkpoint, quantize_weight
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's GEMM pack order (nibble i of a word: output 8j + AWQ_ORDER[i])
 PROMPTS = [[5, 17, 42, 99, 3], [250, 7, 7, 300, 12]]
@@ -138,6 +138,43 @@ def test_gptq_keeps_a_weight_that_is_on_the_grid():
     assert torch.equal(got, w)
     assert all(torch.equal(scale, torch.full((16,), 2 ** -7)) and torch.equal(zero, torch.full((16,), 8.0))
                for scale, zero in params)
+
+
+def _load_dir(directory: str) -> dict:
+    tensors = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(directory, name)))
+    return tensors
+
+
+@pytest.mark.parametrize("fmt,group_size", [("fp8", 32), ("fp8-channel", 128), ("w4", 16)])
+def test_weights_that_share_a_hessian_are_rounded_as_each_alone(llama_dir, tmp_path, monkeypatch, fmt, group_size):
+    """quantize_checkpoint runs GPTQ once over the weights that share a Hessian (q/k/v, gate/up: one input),
+    stacked, and over alike layers at once (gptq_batch); every tensor it writes, with the Hessians' factors given
+    or not, is bit for bit that weight's quantize_weight alone (GPTQ's grid and updates are each row's own given H)."""
+    from nanovllm.utils import calibrate
+    batches, gptq_batch = [], calibrate.gptq_batch
+    monkeypatch.setattr(calibrate, "gptq_batch", lambda ws, *args: (batches.append([w.shape for w in ws]),
+                                                                      gptq_batch(ws, *args))[1])
+    torch.manual_seed(0)
+    original, hessians, by_input = _load_dir(llama_dir), {}, {}
+    for name in sorted(n for n in original if n.endswith(QUANTIZED_SUFFIXES)):
+        prefix, leaf = name.removesuffix(".weight").rsplit(".", 1)
+        source, k = f"{prefix}.{SHARED_INPUT.get(leaf, leaf)}", original[name].size(1)
+        if source not in by_input:  # correlated channels, as a layer's inputs have
+            x = torch.randn(256, k) @ (torch.randn(k, k) / k ** 0.5 + torch.eye(k))
+            by_input[source] = x.T @ x / x.size(0)
+        hessians[name] = by_input[source]
+    assert len(by_input) == 4 * 2 < len(hessians)  # q/k/v and gate/up share one per layer
+    written = [_load_dir(quantize_checkpoint(llama_dir, str(tmp_path / str(i)), fmt, group_size, hessians, factors))
+               for i, factors in enumerate((None, inverse_factors(hessians)))]
+    assert max(len(shapes) for shapes in batches) == 2  # both layers' projection in one loop
+    assert max(shapes[0][0] for shapes in batches) == 2 * original["model.layers.0.mlp.up_proj.weight"].size(0)
+    for name, hessian in hessians.items():
+        for key, want in quantize_weight(name, original[name], fmt, group_size, hessian).items():
+            for got in written:
+                assert torch.equal(got[key].view(torch.uint8), want.view(torch.uint8)), key
 
 
 def test_cli_names_a_group_size_that_does_not_divide_a_layer(llama_dir, tmp_path, capsys):

@@ -50,7 +50,7 @@ def collect_hessians(model_dir: str) -> dict[str, torch.Tensor]:
             handles.append(module.register_forward_hook(_accumulate(f"{name}.weight", sums)))
     with torch.no_grad():
         for window in windows:
-            model(torch.tensor([window]))
+            model.model(torch.tensor([window]))  # the decoder only: no LM head logits to compute
     for handle in handles:
         handle.remove()
     num_tokens = sum(len(w) for w in windows)
@@ -68,33 +68,52 @@ def _accumulate(name: str, sums: dict):
 
 def gptq(w: torch.Tensor, hessian: torch.Tensor, group_size: int, fit, round_to_grid,
          factor: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
-    """GPTQ's column loop. w [N, K] float32; group_size divides K. fit(values [N, group_size]) -> the group's grid
-    parameters, taken from the group's values as they are when its first column is reached (a group that starts
+    """GPTQ's column loop. w [N, K] float32; group_size divides K. fit(values [..., N, group_size]) -> the group's
+    grid parameters, taken from the group's values as they are when its first column is reached (a group that starts
     inside a COLUMN_BLOCK and runs past it sees its later columns before they take that block's errors: a less
-    exact fit, still a grid every column is rounded to); round_to_grid(column [N], params) -> the column on the grid.
-    factor: inverse_factor(hessian), if the caller has it already (layers that read one input share it).
+    exact fit, still a grid every column is rounded to); round_to_grid(column [..., N], params) -> the column on the
+    grid. factor: inverse_factor(hessian), if the caller has it already (layers that read one input share it).
     Returns the weight on the grid [N, K] and each group's parameters."""
-    w = w.clone()
-    n, k = w.shape
-    w[:, torch.diag(hessian) == 0] = 0  # inputs that were always zero: their weights do not matter
-    hinv = inverse_factor(hessian) if factor is None else factor
-    params = []
+    [w], [params] = gptq_batch([w], [hessian], group_size, fit, round_to_grid, None if factor is None else [factor])
+    return w, params
+
+
+def gptq_batch(ws: list[torch.Tensor], hessians: list[torch.Tensor], group_size: int, fit, round_to_grid,
+               factors: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[list]]:
+    """gptq of several weights of one shape (one projection of several layers), each with its own Hessian, in one
+    column loop: each column's ops run on all of them at once ([B, N] columns of [B, block columns, N] tensors), so a
+    CPU pays the per-op overhead once per column, not once per layer. Every value is computed as for one weight
+    alone: the ops are elementwise, and each weight's error is pushed onto its later columns by its own matmul."""
+    ws = [w.clone() for w in ws]
+    for w, hessian in zip(ws, hessians):
+        w[:, torch.diag(hessian) == 0] = 0  # inputs that were always zero: their weights do not matter
+    hinvs = factors if factors is not None else [inverse_factor(hessian) for hessian in hessians]
+    params, k = [], ws[0].size(1)
     for start in range(0, k, COLUMN_BLOCK):
         end = min(start + COLUMN_BLOCK, k)
-        block, errors, hinv_block = w[:, start:end].clone(), torch.zeros(n, end - start), hinv[start:end, start:end]
+        # [B, columns, N]: a column is a contiguous row of it, so each op runs over all N outputs in one inner loop
+        block = torch.stack([w[:, start:end].t() for w in ws])
+        errors, hinv_block = torch.empty_like(block), torch.stack([h[start:end, start:end] for h in hinvs])
+        pivots = hinv_block.diagonal(dim1=1, dim2=2).t().unsqueeze(-1).contiguous()  # [columns, B, 1]
         for i in range(end - start):
             if (start + i) % group_size == 0:
                 in_block = block[:, i:i + group_size]  # the group's columns, those past the block from w
-                params.append(fit(torch.cat([in_block, w[:, end:end + group_size - in_block.size(1)]], dim=1)))
-            column = block[:, i]
+                past = torch.stack([w[:, end:end + group_size - in_block.size(1)].t() for w in ws])
+                params.append(fit(torch.cat([in_block, past], dim=1).transpose(1, 2)))
+            column, error = block[:, i], errors[:, i]
             rounded = round_to_grid(column, params[-1])
-            error = (column - rounded) / hinv_block[i, i]
-            block[:, i:] -= error.unsqueeze(1) * hinv_block[i, i:].unsqueeze(0)
-            block[:, i] = rounded
-            errors[:, i] = error
-        w[:, start:end] = block
-        w[:, end:] -= errors @ hinv[start:end, end:]
-    return w, params
+            torch.sub(column, rounded, out=error).div_(pivots[i])
+            block[:, i:] -= hinv_block[:, i, i:].unsqueeze(2) * error.unsqueeze(1)
+            column.copy_(rounded)
+        for w, hinv, w_block, w_errors in zip(ws, hinvs, block, errors):
+            w[:, start:end] = w_block.t()
+            w[:, end:] -= w_errors.t().contiguous() @ hinv[start:end, end:]
+    return ws, [[select(group, b) for group in params] for b in range(len(ws))]
+
+
+def select(params, index):
+    """One part of a group's grid parameters (a tensor, or a tuple of them, with rows last): params[index]."""
+    return tuple(p[index] for p in params) if isinstance(params, tuple) else params[index]
 
 
 def inverse_factor(hessian: torch.Tensor) -> torch.Tensor:
@@ -105,3 +124,14 @@ def inverse_factor(hessian: torch.Tensor) -> torch.Tensor:
     h[dead, dead] = 1
     h += DAMPING * torch.mean(torch.diag(h)) * torch.eye(h.size(0), dtype=torch.float64)
     return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).to(torch.float32)
+
+
+def inverse_factors(hessians: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """inverse_factor of every Hessian, by weight name, each shared tensor factored once: for callers that quantize
+    one checkpoint into several formats (the factorizations cost more than a format's rounding on a CPU). As large
+    as the Hessians themselves."""
+    by_id: dict[int, torch.Tensor] = {}
+    for hessian in hessians.values():
+        if id(hessian) not in by_id:
+            by_id[id(hessian)] = inverse_factor(hessian)
+    return {name: by_id[id(hessian)] for name, hessian in hessians.items()}

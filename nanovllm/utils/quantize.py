@@ -29,6 +29,9 @@ QUANTIZED_SUFFIXES = tuple(f".{m}.weight" for m in ("q_proj", "k_proj", "v_proj"
                                                       "down_proj"))
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's pack order: nibble i of a word holds output 8j + AWQ_ORDER[i]
+# Hessian factors (float32 [K, K]) that one batch of alike layers holds at once (GPTQ rounds the batch in one
+# column loop): all of a small model's layers (SmolLM2's 30 down_proj: 283 MB), one at a time for an 8B's (0.8 GB)
+GPTQ_BATCH_BYTES = 512 << 20
 
 
 def quantization_config(fmt: str, group_size: int) -> dict:
@@ -52,16 +55,41 @@ def quantize_weight(name: str, weight: torch.Tensor, fmt: str, group_size: int,
     """One linear weight [N, K] -> its tensors in the format, named as in the checkpoint (prefix.qweight, ...).
     Without a hessian each value rounds to its nearest grid point; with one, GPTQ chooses (calibrate.py), with the
     hessian's inverse_factor if given."""
-    prefix = name.removesuffix(".weight")
-    w = weight.to(torch.float32)
-    group = w.size(1) if fmt == "fp8-channel" else group_size
+    return quantize_groups([{name: weight}], fmt, group_size, None if hessian is None else [hessian],
+                           None if factor is None else [factor])
+
+
+def quantize_groups(groups: list[dict[str, torch.Tensor]], fmt: str, group_size: int,
+                    hessians: list[torch.Tensor] | None = None,
+                    factors: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Groups of linear weights [N_i, K], a group's weights reading one input (q/k/v, gate/up: one Hessian), the
+    groups alike in shape (one projection of several layers), with a Hessian (and its factor) per group -> their
+    tensors, as quantize_weight gives each. Every grid parameter and GPTQ update is a row's own (FP8 blocks: whole
+    blocks of a weight's rows, check_group_size), so a group is rounded stacked [sum N_i, K] and the groups in one
+    batch (calibrate.gptq_batch): one column loop of larger ops."""
+    from nanovllm.utils.calibrate import gptq_batch, select
+    stacks = [torch.cat([weight.to(torch.float32) for weight in weights.values()]) for weights in groups]
+    k = stacks[0].size(1)
+    group = k if fmt == "fp8-channel" else group_size
     block_rows = 1 if fmt == "fp8-channel" else group  # FP8 blocks are square; a channel is one row
     fit, round_to_grid = (_fit_awq, _round_awq) if fmt == "w4" else (_fp8_fit(block_rows), _round_fp8)
-    if hessian is None:
-        params = [fit(w[:, i:i + group]) for i in range(0, w.size(1), group)]
+    if hessians is None:
+        params = [[fit(w[:, i:i + group]) for i in range(0, k, group)] for w in stacks]
     else:
-        from nanovllm.utils.calibrate import gptq
-        w, params = gptq(w, hessian, group, fit, round_to_grid, factor)
+        stacks, params = gptq_batch(stacks, hessians, group, fit, round_to_grid, factors)
+    tensors = {}
+    for weights, w, w_params in zip(groups, stacks, params):
+        first_row = 0
+        for name, weight in weights.items():
+            rows = slice(first_row, first_row + weight.size(0))
+            first_row = rows.stop
+            tensors.update(_format_tensors(name.removesuffix(".weight"), w[rows], [select(p, rows) for p in w_params],
+                                           fmt, group, block_rows))
+    return tensors
+
+
+def _format_tensors(prefix: str, w: torch.Tensor, params: list, fmt: str, group: int,
+                    block_rows: int) -> dict[str, torch.Tensor]:
     if fmt == "w4":
         qweight, qzeros, scales = awq_tensors(w, params, group)
         return {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales}
@@ -76,7 +104,7 @@ def quantize_weight(name: str, weight: torch.Tensor, fmt: str, group_size: int,
 
 def _fit_awq(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """AutoAWQ's asymmetric rule (pseudo_quantize_tensor with zero_point): (scale rounded to fp16, zero) per row."""
-    w_max, w_min = values.amax(dim=1), values.amin(dim=1)
+    w_max, w_min = values.amax(dim=-1), values.amin(dim=-1)
     scale = ((w_max - w_min).clamp(min=1e-5) / 15).to(torch.float16).to(torch.float32)
     return scale, (-torch.round(w_min / scale)).clamp(0, 15)
 
@@ -89,8 +117,8 @@ def _round_awq(column: torch.Tensor, params) -> torch.Tensor:
 def _fp8_fit(block_rows: int):
     def fit(values: torch.Tensor) -> torch.Tensor:
         """A scale per row: the absolute maximum of its block of block_rows rows (one row per channel) / 448."""
-        amax = values.reshape(values.size(0) // block_rows, -1).abs().amax(dim=1)
-        return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).repeat_interleave(block_rows)
+        amax = values.reshape(*values.shape[:-2], values.size(-2) // block_rows, -1).abs().amax(dim=-1)
+        return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).repeat_interleave(block_rows, dim=-1)
     return fit
 
 
@@ -141,13 +169,14 @@ def check_group_size(fmt: str, group_size: int, shapes: dict[str, tuple[int, int
 
 
 def quantize_checkpoint(src_dir: str, out_dir: str, fmt: str, group_size: int = 128,
-                        hessians: dict[str, torch.Tensor] | None = None) -> str:
+                        hessians: dict[str, torch.Tensor] | None = None,
+                        factors: dict[str, torch.Tensor] | None = None) -> str:
     """Writes src_dir's float safetensors checkpoint, quantized, into out_dir (with its config, tokenizer and other
-    files). hessians (calibrate.collect_hessians): GPTQ's rounding instead of round-to-nearest. Returns out_dir."""
+    files). hessians (calibrate.collect_hessians): GPTQ's rounding instead of round-to-nearest; factors
+    (calibrate.inverse_factors of those hessians), if the caller makes several formats from them: otherwise each
+    is computed here, once per layer's input. Returns out_dir."""
     from safetensors import safe_open
     from safetensors.torch import save_file
-
-    from nanovllm.utils.calibrate import inverse_factor
     if fmt not in FORMATS:
         raise ValueError(f"--quantize {fmt!r} is not supported; supported: {list(FORMATS)}")
     files = sorted(f for f in os.listdir(src_dir) if f.endswith(".safetensors"))
@@ -159,19 +188,17 @@ def quantize_checkpoint(src_dir: str, out_dir: str, fmt: str, group_size: int = 
                          f"pass a float checkpoint")
     check_group_size(fmt, group_size, _linear_shapes(src_dir, files))
     hessians = hessians or {}
-    factors = {}  # id(hessian) -> its inverse_factor: q/k/v and gate/up share one Hessian tensor (calibrate.py)
     os.makedirs(out_dir, exist_ok=True)
     weight_map = {}
     for file in files:
         tensors = {}
         with safe_open(os.path.join(src_dir, file), "pt", "cpu") as f:
-            for name in f.keys():
-                tensor, hessian = f.get_tensor(name), hessians.get(name)
-                if hessian is not None and id(hessian) not in factors:
-                    factors[id(hessian)] = inverse_factor(hessian)
-                parts = quantize_weight(name, tensor, fmt, group_size, hessian, factors.get(id(hessian))) \
-                    if name.endswith(QUANTIZED_SUFFIXES) else {name: tensor}
-                tensors.update(parts)
+            for batch in _batches(f, hessians):
+                if batch[0][0].endswith(QUANTIZED_SUFFIXES):
+                    weights = [{name: f.get_tensor(name) for name in names} for names in batch]
+                    tensors.update(_quantize_batch(weights, fmt, group_size, hessians, factors or {}))
+                else:
+                    tensors[batch[0][0]] = f.get_tensor(batch[0][0])
         save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
     _copy_other_files(src_dir, out_dir)
@@ -180,6 +207,39 @@ def quantize_checkpoint(src_dir: str, out_dir: str, fmt: str, group_size: int = 
     config["quantization_config"] = quantization_config(fmt, group_size)
     _write_json(os.path.join(out_dir, "config.json"), config)
     return out_dir
+
+
+def _batches(f, hessians: dict[str, torch.Tensor]) -> list[list[list[str]]]:
+    """A shard's tensor names in batches of groups: the linear weights that share one Hessian tensor (q/k/v, gate/up:
+    calibrate.py) in one group, groups of one shape (a projection of each layer) in one batch of at most
+    GPTQ_BATCH_BYTES of Hessian factors, every other tensor in a batch of its own."""
+    groups: dict = {}
+    for name in f.keys():
+        hessian = hessians.get(name) if name.endswith(QUANTIZED_SUFFIXES) else None
+        groups.setdefault(name if hessian is None else id(hessian), []).append(name)
+    alike: dict = {}
+    for names in groups.values():
+        shapes = tuple(tuple(f.get_slice(name).get_shape()) for name in names)
+        key = (names[0] in hessians, *shapes) if names[0].endswith(QUANTIZED_SUFFIXES) else names[0]
+        alike.setdefault(key, []).append(names)
+    batches = []
+    for key, same in alike.items():
+        size = max(1, GPTQ_BATCH_BYTES // (4 * key[1][1] ** 2)) if isinstance(key, tuple) else 1
+        batches += [same[i:i + size] for i in range(0, len(same), size)]
+    return batches
+
+
+def _quantize_batch(batch: list[dict[str, torch.Tensor]], fmt: str, group_size: int, hessians: dict,
+                    factors: dict) -> dict[str, torch.Tensor]:
+    from nanovllm.utils.calibrate import inverse_factor
+    names = [next(iter(weights)) for weights in batch]
+    if names[0] not in hessians:
+        return quantize_groups(batch, fmt, group_size)
+    batch_hessians, batch_factors = [hessians[name] for name in names], []
+    for name, hessian in zip(names, batch_hessians):
+        factor = factors.get(name)
+        batch_factors.append(inverse_factor(hessian) if factor is None else factor)  # one per group: one input
+    return quantize_groups(batch, fmt, group_size, batch_hessians, batch_factors)
 
 
 def _linear_shapes(src_dir: str, files: list[str]) -> dict[str, tuple[int, int]]:
