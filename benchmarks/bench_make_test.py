@@ -47,9 +47,10 @@ def run_suite(threads: str, workers: str, pytest_args: list[str]) -> dict:
     last_line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     counts = {name.rstrip("s") if name.startswith("error") else name: int(n)
               for n, name in SUMMARY_COUNT.findall(last_line)}
+    failures = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
     return dict(threads=threads, omp_num_threads=env.get("OMP_NUM_THREADS", "unset (conftest: 1)"),
                 workers=workers, exit_code=proc.returncode, wall_s=round(wall_s, 1), cpu_s=round(cpu_s, 1),
-                loadavg_1min=round(load_before, 2), **counts)
+                loadavg_1min=round(load_before, 2), **counts, failures=failures)
 
 
 def main():

@@ -40,6 +40,8 @@ HELP = {
     "max_num_batched_tokens": "token budget per step; longer prompts are prefilled in chunks; 8192 on a GPU (or "
                               "budget) under 70 GiB",
     "max_num_seqs": "sequences per batch; 256 on a GPU (or budget) under 70 GiB",
+    "mlp_chunk_tokens": "a larger step runs its MLP in slices of this many rows (less activation memory, more KV); "
+                        "2048 on a GPU (or budget) under 70 GiB, else whole",
     "kv_disk_path": "a directory for a disk tier below the host pool: prefix KV kept across restarts",
     "kv_disk_gib": "cap on the disk tier directory's files in GiB",
     "quantization": "the checkpoint's quantization: default (or 'auto') its config.json's quantization_config; "
