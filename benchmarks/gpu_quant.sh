@@ -7,6 +7,8 @@
 #            a 4,096-token step
 #   large    bench.py --num-seqs 1024 --kv-cache-dtype fp8 for the three (targets 1.25x / 0.95x bf16; ~70-95 s each)
 #   profile  bench.py --profile-decode / --profile-mixed for the three: where a batch-1 and a large step's time goes
+#   sweep    bench_quant_kernels.py --sweep-w4: the 4-bit decode tiles at 1-16 rows (~2 min); prints the
+#            W4_DECODE_TILES its winners make (nanovllm/kernels/quant_plans.py)
 #
 #   bash benchmarks/gpu_quant.sh                      # kernels batch1 mem large, within 480 s
 #   bash benchmarks/gpu_quant.sh profile              # the kernel profiles (~3 min)
@@ -80,12 +82,14 @@ for part in "${PARTS[@]}"; do
         step "profile-$shape" 90 python bench.py --shape "$shape" --kv-cache-dtype fp8 --skip-run \
           --profile-decode 1:1000 1024:1000 --profile-mixed 0:8192
       done ;;
+    sweep)
+      step sweep 200 python benchmarks/bench_quant_kernels.py --sweep-w4 --budget-s 100 --json "$LOG_DIR/w4_sweep.json" ;;
     large)
       for shape in qwen3-8b qwen3-8b-fp8 qwen3-8b-awq; do
         step "large-$shape" 120 python bench.py --shape "$shape" --num-seqs 1024 --kv-cache-dtype fp8
       done ;;
     *)
-      SUMMARY+=("$part: unknown part (kernels batch1 mem profile large)") ;;
+      SUMMARY+=("$part: unknown part (kernels batch1 mem profile large sweep)") ;;
   esac
 done
 
@@ -98,6 +102,7 @@ for line in "${SUMMARY[@]}"; do
   [ -f "$log" ] || continue
   case $name in
     kernels) sed -n '/^copy bandwidth/,/^max |y/p' "$log" | head -n 80 | cut -c1-260; grep -h "^ERR" "$log" ;;
+    sweep) tail -n 60 "$log" | cut -c1-260 ;;
     profile-*) grep -hE "ms per step back to back" "$log" ;;
     *) bench_lines "$log" ;;
   esac
