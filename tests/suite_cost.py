@@ -20,8 +20,8 @@ import pytest
 # no worker starts a three-minute module while the other is finishing. A stale list costs balance, never a test.
 HEAVIEST_MODULES_FIRST = [
     "test_quant_perplexity.py",  # GPTQ of four formats and five perplexity runs on SmolLM2: 96 CPU-s alone
-    "test_triton_compile.py", "test_server.py", "test_tensor_parallel.py", "test_engine_e2e.py",
-    "test_triton_interpreter.py", "test_fp8_accuracy.py", "test_docs_snippets.py", "test_gguf_engine.py",
+    "test_triton_compile.py", "test_server.py", "test_fp8_accuracy.py", "test_tensor_parallel.py",
+    "test_engine_e2e.py", "test_docs_snippets.py", "test_triton_interpreter.py", "test_gguf_engine.py",
 ]
 
 
