@@ -11,6 +11,7 @@ A number sets OMP_NUM_THREADS; "auto" leaves the count to the engine (nanovllm/u
 torch's own default (one thread per core of the affinity mask), what the engine ran with before it chose.
 """
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -19,6 +20,23 @@ import time
 
 PROMPT = "Write a short story about a lighthouse keeper."
 BUSY_LOOP = "while 1: pass"
+
+
+def print_machine():
+    print(f"# {os.uname().nodename}, usable cores {len(os.sched_getaffinity(0))}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')} UTC", flush=True)
+
+
+@contextlib.contextmanager
+def machine_load(load: str):
+    """"idle": nothing of ours beside the measurement; "busy": BUSY_LOOP on one core until the block ends."""
+    busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) if load == "busy" else None
+    try:
+        yield
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
 
 
 def child(threads: str, num_tokens: int):
@@ -65,18 +83,12 @@ def main():
     args = parser.parse_args()
     if args.child is not None:
         return child(args.child, args.num_tokens)
-    print(f"# {os.uname().nodename}, usable cores {len(os.sched_getaffinity(0))}, "
-          f"{time.strftime('%Y-%m-%d %H:%M')} UTC")
+    print_machine()
     for load in args.loads:
-        busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) if load == "busy" else None
-        try:
+        with machine_load(load):
             for _ in range(args.repeats):
                 for threads in args.threads:  # interleaved, so a change in the machine's load hits every count
                     print(json.dumps(dict(load=load, **measure(threads, args.num_tokens))), flush=True)
-        finally:
-            if busy is not None:
-                busy.kill()
-                busy.wait()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.bench_cpu_threads import BUSY_LOOP
+from benchmarks.bench_cpu_threads import machine_load, print_machine
 
 SUMMARY_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 
@@ -61,17 +61,11 @@ def main():
     parser.add_argument("--workers", default="auto", help="pytest-xdist's -n (the Makefile's WORKERS)")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments, after --, e.g. -- -k tiny")
     args = parser.parse_args()
-    print(f"# {os.uname().nodename}, usable cores {len(os.sched_getaffinity(0))}, "
-          f"{time.strftime('%Y-%m-%d %H:%M')} UTC", flush=True)
+    print_machine()
     for load in args.loads:
-        busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) if load == "busy" else None
-        try:
+        with machine_load(load):
             for threads in args.threads:
                 print(json.dumps(dict(load=load, **run_suite(threads, args.workers, args.pytest_args))), flush=True)
-        finally:
-            if busy is not None:
-                busy.kill()
-                busy.wait()
 
 
 if __name__ == "__main__":

@@ -305,11 +305,8 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_ptr, 
         next_words = tl.load(w_rows + offs_next[None, :], other=0,
                              mask=n_ok[:, None] & (offs_next[None, :] < k_end // 8))
         x_cols = x_ptr + offs_w * 8
-        kg = k0 // GROUP_K
-        s = tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn + kg, mask=n_ok, other=0.0).to(tl.float32)
-        bias = -16.0 * s  # sum(x q) s + sum(x) mn = 16 s sum(x (1 + q / 16)) + (mn - 16 s) sum(x)
-        if HAS_MINS:
-            bias += tl.load(m_ptr + offs_n.to(tl.int64) * stride_mn + kg, mask=n_ok, other=0.0).to(tl.float32)
+        # sum(x q) s + sum(x) mn = 16 s sum(x (1 + q / 16)) + (mn - 16 s) sum(x)
+        s, bias = _group_params(s_ptr, m_ptr, offs_n, k0 // GROUP_K, N, stride_sn, stride_mn, 1, HAS_MINS, 16.0)
         part, x_sum = _int4_row_dot(words, x_cols, 0, M)
         acc0 += (16.0 * s)[:, None] * part + bias[:, None] * x_sum[None, :]
         if TWO_ROWS:

@@ -16,7 +16,7 @@ products, which already take ROWS * BLOCK_N * BLOCK_K / 8 values a program.
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.quant_gemm import _reduce_splits_if_last, _split_steps
+from nanovllm.kernels.quant_gemm import _group_params, _reduce_splits_if_last, _split_steps
 
 
 @triton.jit
@@ -64,11 +64,8 @@ def _int4_gemv_rows_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_
         offs_next = offs_w + BLOCK_K // 8
         next_words = tl.load(w_rows + offs_next[None, :], other=0,
                              mask=n_ok[:, None] & (offs_next[None, :] < k_end // 8))
-        kg = k0 // GROUP_K
-        s = tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn + kg, mask=n_ok, other=0.0).to(tl.float32)
-        bias = -16.0 * s  # sum(x q) s + sum(x) mn = 16 s sum(x (1 + q / 16)) + (mn - 16 s) sum(x)
-        if HAS_MINS:
-            bias += tl.load(m_ptr + offs_n.to(tl.int64) * stride_mn + kg, mask=n_ok, other=0.0).to(tl.float32)
+        # sum(x q) s + sum(x) mn = 16 s sum(x (1 + q / 16)) + (mn - 16 s) sum(x)
+        s, bias = _group_params(s_ptr, m_ptr, offs_n, k0 // GROUP_K, N, stride_sn, stride_mn, 1, HAS_MINS, 16.0)
         part, x_sum = _int4_rows_dot(words, x_ptr + offs_w * 8, offs_r, M, stride_xm)
         acc += (16.0 * s)[None, :] * part + x_sum[:, None] * bias[None, :]
         words = next_words
