@@ -7,6 +7,8 @@ The kernels run on inputs that are views into buffers padded with NaN (x, scales
 words), so a load past a row, a group or a split's last K step shows as NaN or a wrong value. Their bound is the
 scale-after-dot kernels' (tests/test_quant_kernels.py's docstring): one output rounding, eps of the largest output.
 """
+import dataclasses
+
 import pytest
 
 pytest.importorskip("triton")
@@ -89,22 +91,25 @@ def test_decode_kernels_match_the_contract_dequantization():
         "multi_row": True, "block_m": 8, "block_n": 32, "block_k": 64}
 
 
-def test_default_table_keeps_the_decode_plans():
-    """The table as shipped reproduces the plans before it: the CUDA-core kernel at 1-2 rows (128 columns, 4 warps,
-    1 stage), the 16-row dot tile of 64 columns at 3-16 rows (4 warps, 4 stages), 4 programs per SM; and 17+ rows
-    the generic tiles."""
+def test_default_table_is_the_sweeps_winners():
+    """The table as shipped (benchmarks/sweep_w4.py's winners on an H200): the CUDA-core kernel at 1-2 rows (128
+    columns, 4 warps, 1 stage); at 3-16 rows the 16-row dot tile of 64 columns (4 warps, 4 stages) with the weights
+    as the dot's first operand (swap_ab: wgmma takes them from registers), 1.5x the plain dot's rate there; 4
+    programs per SM; and 17+ rows the generic tiles."""
     for M in range(1, 33):
         plan = qp.plan_weight_only(M, 6144, 4096, 128, qp.H100_LIMITS, quant_gemm.KIND_INT4)
         generic = qp.plan_weight_only(M, 6144, 4096, 128, qp.H100_LIMITS, None)
         if M <= 2:
             splits, steps = qp.split_k(M, 6144, 4096, 1, 128, 128, qp.H100_LIMITS, 4)
             assert plan == qp.TilePlan(1, 128, 128, splits, steps, 4, 1, False, True, cuda_cores=True), M
+        elif M <= 16:
+            assert not generic.swap_ab and plan == dataclasses.replace(generic, swap_ab=True), M
         else:
             assert plan == generic, M
     assert qp.CUDA_CORE_MAX_ROWS[quant_gemm.KIND_INT4] == 2
     sm89 = qp.DeviceLimits(128, 101376)
-    assert qp.plan_weight_only(8, 4096, 4096, 128, sm89, quant_gemm.KIND_INT4) == qp.plan_weight_only(
-        8, 4096, 4096, 128, sm89, None)  # 64-column K steps where shared memory is small
+    assert qp.plan_weight_only(8, 4096, 4096, 128, sm89, quant_gemm.KIND_INT4) == dataclasses.replace(
+        qp.plan_weight_only(8, 4096, 4096, 128, sm89, None), swap_ab=True)  # 64-column K steps: small shared memory
 
 
 def test_multi_row_plans_round_rows_up_to_a_power_of_two(monkeypatch):

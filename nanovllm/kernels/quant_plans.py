@@ -58,7 +58,7 @@ class DecodeTiles:
 W4_DECODE_TILES = (
     DecodeTiles(max_rows=2, kernel="gemv", block_n=128, block_k=128, num_warps=4,
                 programs_per_sm=_DECODE_PROGRAMS_PER_SM),
-    DecodeTiles(max_rows=16, kernel="dot", block_n=64, block_k=128, num_warps=4,
+    DecodeTiles(max_rows=16, kernel="dot_swapped", block_n=64, block_k=128, num_warps=4,
                 programs_per_sm=_DECODE_PROGRAMS_PER_SM, num_stages=4),
 )
 # gemv: TWO_ROWS; rows: registers; the dots: SCALE_AFTER_DOT_MAX_ROWS
