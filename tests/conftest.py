@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import importlib.util
 import os
 import random
@@ -46,6 +47,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, transformers, the test modules) lives for the whole session: frozen, it is
+    no longer walked by the gc.collect that each engine's close runs (a tiny engine's close: 0.17 -> 0.06 CPU-s)."""
+    gc.freeze()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    gc.unfreeze()  # the interpreter's exit frees them as usual (nanobind, under triton, reports objects it leaks)
 
 
 @pytest.fixture
