@@ -58,6 +58,9 @@ pytest_runtest_makereport
 pytest_runtest_protocol
 pytest_runtest_logreport
 pytest_terminal_summary
+pytest_collection_finish
+pytest_sessionfinish
+exitstatus
 # pytest reads module-level pytestmark; fixtures used for their setup and teardown only
 pytestmark
 serves_good

@@ -15,6 +15,7 @@ import torch
 
 from conftest import close_llm
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+from nanovllm.engine import structured_outputs
 from nanovllm.engine.structured_outputs import GRAMMAR_ERROR, GrammarCompiler, without_additional_properties
 from nanovllm.layers.token_bitmask import TokenBitmask, unpack_bits
 from structured_schemas import all_schemas
@@ -156,6 +157,26 @@ def test_a_borrowed_tokenizer_under_a_wider_vocabulary(tok_model_dir):
     allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little"))
     assert tokenizer.eos_token_id in allowed and allowed.max() < len(tokenizer)
     assert all(tokenizer.decode([t]).isdigit() for t in allowed if t != tokenizer.eos_token_id)
+
+
+def test_requests_copy_their_constraints_templates_in_turn(tok_model_dir, monkeypatch):
+    """A constraint compiles at most NUM_MASK_THREADS templates (llguidance's copies of one matcher share its lexer
+    behind one lock, so their masks would fill one at a time), the first at check; requests take copies of them in
+    turn, and every copy starts where the grammar starts (no template is ever advanced)."""
+    from transformers import AutoTokenizer
+    monkeypatch.setattr(structured_outputs, "NUM_MASK_THREADS", 3)
+    tokenizer = AutoTokenizer.from_pretrained(tok_model_dir)
+    compiler, constraint = GrammarCompiler(tokenizer, len(tokenizer), set()), StructuredOutputsParams(regex="[0-9]+")
+    compiler.check(constraint)
+    compile_one, num_compiled = compiler._compile, []
+    monkeypatch.setattr(compiler, "_compile", lambda structured: num_compiled.append(1) or compile_one(structured))
+    compiler.check(constraint)  # cached: no compile
+    matchers = [compiler.matcher(constraint) for _ in range(7)]
+    templates = compiler._templates[constraint.key]
+    assert (len(num_compiled), len(templates.matchers), templates.num_taken) == (2, 3, 7)
+    for matcher in matchers:
+        assert not matcher.is_accepting() and matcher.consume_tokens(tokenizer.encode("7")) and matcher.is_accepting()
+    assert not any(template.is_accepting() for template in templates.matchers)
 
 
 # ---------------------------------------------------------------- generation

@@ -11,6 +11,7 @@ token's mask needs the token before it, so a constrained step cannot sample befo
 what overlaps the forward is the read-back and the mask, as in vLLM.
 """
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -25,6 +26,8 @@ from nanovllm.sampling_params import StructuredOutputsParams
 # matcher in that state allows EOS only, which would never end a request with ignore_eos)
 GRAMMAR_ERROR = "grammar_error"
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept (least recently used dropped): a server sees few distinct schemas
+# llguidance's mask threads: its own default (80% of the cores, at most 32), counted on the cores this process may use
+NUM_MASK_THREADS = max(1, min(32, len(os.sched_getaffinity(0)) * 4 // 5))
 
 
 def grammar_text(structured: StructuredOutputsParams) -> str:
@@ -58,17 +61,20 @@ def without_additional_properties(schema):
 
 
 class GrammarCompiler:
-    """Grammars compiled for one tokenizer and logits width, cached by the constraint's key: each holds an unused
-    matcher (the template) that a request's matcher is deep-copied from, so a schema is compiled once.
-    NOTE: a template is never advanced; only its copies consume tokens."""
+    """Grammars compiled for one tokenizer and logits width, cached by the constraint's key. A request's matcher is a
+    deep copy of one of its grammar's templates (never advanced matchers), taken in turn, so a schema is compiled
+    at most NUM_MASK_THREADS times, never per request. Why several: llguidance's copies of one matcher share its
+    lexer (and the lexer states it has built) behind one lock that each mask computation holds, so the masks of
+    copies of one template fill one at a time on the parallel executor; copies of NUM_MASK_THREADS templates fill
+    side by side. The first requests of a grammar compile a template each; later ones copy."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]):
         self.hf_tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width: the bitmask covers it, tokens past the tokenizer's masked
         self.eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer = None  # built on the first constraint (about 0.3 s for a 50k vocabulary)
-        self._templates: OrderedDict = OrderedDict()  # key -> LLMatcher, least recently used first
-        self._lock = threading.Lock()  # guards _templates
+        self._templates: OrderedDict = OrderedDict()  # key -> GrammarTemplates, least recently used first
+        self._lock = threading.Lock()  # guards _templates and each entry's turn
 
     def ll_tokenizer(self):
         if self._ll_tokenizer is None:
@@ -86,24 +92,28 @@ class GrammarCompiler:
                                                 eos_token=eos_token_ids or None)
         return self._ll_tokenizer
 
-    def matcher(self, structured: StructuredOutputsParams):
-        """A fresh matcher for the constraint; ValueError naming the field when it does not compile."""
-        return self.template(structured).deep_copy()
+    def check(self, structured: StructuredOutputsParams):
+        """Compile the constraint's first template unless cached: ValueError naming the field when it does not
+        compile. Thread-safe: the server checks in its requests' worker threads while the engine loop takes
+        matchers (a compile runs outside the lock)."""
+        self._template(structured, first=True)
 
-    def template(self, structured: StructuredOutputsParams):
-        """The constraint's compiled, never advanced matcher (compiled on first use). Thread-safe: the server
-        compiles in its requests' worker threads while the engine loop takes matchers (the compile itself runs
-        outside the lock)."""
+    def matcher(self, structured: StructuredOutputsParams):
+        """A fresh matcher for the constraint (a copy of the template whose turn it is)."""
+        return self._template(structured, first=False).deep_copy()
+
+    def _template(self, structured: StructuredOutputsParams, first: bool):
         key = structured.key
         with self._lock:
-            template = self._templates.get(key)
-        if template is None:
-            template = self._compile(structured)
-        with self._lock:
-            self._templates[key] = template
+            templates = self._templates.setdefault(key, GrammarTemplates())
             self._templates.move_to_end(key)
             if len(self._templates) > MAX_CACHED_GRAMMARS:
                 self._templates.popitem(last=False)
+            template = templates.first() if first else templates.take_turn()
+        if template is None:  # not compiled yet: the constraint's first request, or a turn without its template
+            template = self._compile(structured)
+            with self._lock:
+                templates.add(template)
         return template
 
     def _compile(self, structured: StructuredOutputsParams):
@@ -120,6 +130,28 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValueError(f"{field} is invalid: {matcher.get_error()}")
         return matcher
+
+
+class GrammarTemplates:
+    """One constraint's templates (compiled, never advanced matchers), at most NUM_MASK_THREADS, and the count of
+    matchers taken, which says whose turn is next."""
+
+    def __init__(self):
+        self.matchers: list = []
+        self.num_taken = 0
+
+    def first(self):
+        return self.matchers[0] if self.matchers else None
+
+    def take_turn(self):
+        """The template whose turn it is; None where that turn has no template yet (the caller compiles one)."""
+        turn = self.num_taken % NUM_MASK_THREADS
+        self.num_taken += 1
+        return self.matchers[turn] if turn < len(self.matchers) else None
+
+    def add(self, matcher):
+        if len(self.matchers) < NUM_MASK_THREADS:
+            self.matchers.append(matcher)
 
 
 class StructuredOutputs:
@@ -144,7 +176,7 @@ class StructuredOutputs:
     def check(self, structured: StructuredOutputsParams | None):
         """Compile (and cache) a request's constraint before it is queued: ValueError naming the field."""
         if structured is not None:
-            self.compiler.template(structured)
+            self.compiler.check(structured)
 
     def add(self, seq: Sequence):
         structured = seq.sampling_params.structured_outputs
@@ -186,7 +218,7 @@ class StructuredOutputs:
         else:
             if self._executor is None:
                 import llguidance
-                self._executor = llguidance.LLExecutor()
+                self._executor = llguidance.LLExecutor(NUM_MASK_THREADS)
             llg_numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], masks)
         self.num_fills += 1
         self.fill_seconds += time.perf_counter() - start
