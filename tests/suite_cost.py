@@ -19,7 +19,7 @@ import pytest
 # module-scoped engine or server is built once, and the modules go out in collection order: these first, so that
 # no worker starts a three-minute module while the other is finishing. A stale list costs balance, never a test.
 HEAVIEST_MODULES_FIRST = [
-    "test_quant_perplexity.py",  # GPTQ of four formats and five perplexity runs on SmolLM2: 96 CPU-s alone
+    "test_quant_perplexity.py",  # GPTQ of four formats and five perplexity runs on SmolLM2: 84 CPU-s alone
     "test_triton_compile.py", "test_server.py", "test_fp8_accuracy.py", "test_tensor_parallel.py",
     "test_engine_e2e.py", "test_docs_snippets.py", "test_triton_interpreter.py", "test_gguf_engine.py",
 ]

@@ -5,9 +5,11 @@ float32 dequantization of the Q4_1 GGUF; every format below quantizes those weig
 
 Asserted: the native GGUF has the reference's perplexity (the same weights), on the first window alone (511 scored
 tokens: the two runs compute that window alike, so any token the GGUF's kernels score differently shows, and the
-GGUF's run and parse cost a quarter); FP8, block or per channel, costs at most 1% (the issue's bound); 4-bit groups
-cost less than 25% (a broken packing costs orders of magnitude more). The numbers are printed (pytest -s) and
-recorded in docs/benchmarks.md.
+GGUF's run and parse cost a quarter); FP8, block or per channel, costs at most 1% (the issue's bound) over all
+2,048 tokens; 4-bit groups cost less than 25% (a broken packing costs orders of magnitude more) over the first two
+windows (1,023 scored tokens) against the fp32 run's same two: the bound is a sanity bound, far from the measured
+costs on any one window (G=64: +16.8% to +21.1% per window, G=32: +5.7% to +13.5%), and the half saves two
+1,024-token runs (~9 CPU-s). The numbers are printed (pytest -s) and recorded in docs/benchmarks.md.
 
 SmolLM2's hidden size, 576, is a multiple of 64 but not of 128: its FP8 blocks are 64 x 64 and its 4-bit groups 64
 or 32 (128 does not divide its layers' inputs).
@@ -26,9 +28,10 @@ ENGINE = dict(device="cpu", dtype="float32", swap_space=0, enforce_eager=True, n
 # (~1 CPU-s a run saved); the fp32 run keeps a step per window, as the GGUF's one-window run computes its window
 ONE_STEP = dict(ENGINE, max_num_batched_tokens=NUM_WINDOWS * WINDOW_TOKENS,
                 num_kvcache_blocks=NUM_WINDOWS * WINDOW_TOKENS // 16 + 8)
-# format name -> (--quantize, --group-size); None: the model as it is
-FORMATS = {"fp8 block 64x64": ("fp8", 64), "fp8 per-channel": ("fp8-channel", 128),
-           "w4 AWQ G=64": ("w4", 64), "w4 AWQ G=32": ("w4", 32)}
+W4_WINDOWS = 2  # the 4-bit formats' windows (the module docstring says why fewer)
+# format name -> (--quantize, --group-size, windows scored: the first ones)
+FORMATS = {"fp8 block 64x64": ("fp8", 64, NUM_WINDOWS), "fp8 per-channel": ("fp8-channel", 128, NUM_WINDOWS),
+           "w4 AWQ G=64": ("w4", 64, W4_WINDOWS), "w4 AWQ G=32": ("w4", 32, W4_WINDOWS)}
 # round-to-nearest alone costs more (measured with this test's code, docs/benchmarks.md): fp8 block 64x64 +1.84%,
 # per channel +1.56%, w4 G=64 +29.9%, G=32 +22.2%; so the formats here are rounded with GPTQ (calibrate.py), on
 # calibration tokens from the end of the same text, disjoint from the scored ones at its start
@@ -62,7 +65,8 @@ def perplexity(nlls: list[list[float]]) -> float:
 
 
 @pytest.fixture(scope="module")
-def perplexities(smollm2_dir, tmp_path_factory) -> dict[str, float]:
+def costs(smollm2_dir, tmp_path_factory) -> dict[str, float]:
+    """Format name -> its perplexity / the fp32 weights' perplexity on the same windows."""
     from transformers import AutoTokenizer
 
     from nanovllm.utils.calibrate import collect_hessians, inverse_factors
@@ -72,34 +76,34 @@ def perplexities(smollm2_dir, tmp_path_factory) -> dict[str, float]:
     hessians = collect_hessians(smollm2_dir)
     factors = inverse_factors(hessians)  # factored once, not once per format: the same checkpoints
     root = tmp_path_factory.mktemp("quantized")
-    models = {"unquantized (fp32)": smollm2_dir}
-    for name, (fmt, group_size) in FORMATS.items():
+    models = {}
+    for name, (fmt, group_size, num_windows) in FORMATS.items():
         models[name] = quantize_checkpoint(smollm2_dir, str(root / f"{fmt}-{group_size}"), fmt, group_size, hessians,
-                                           factors)
+                                           factors), num_windows
     del hessians, factors  # 0.8 GB: not held through the engine runs
-    nlls = {name: window_nlls(model, windows, ENGINE if model == smollm2_dir else ONE_STEP)
-            for name, model in models.items()}
-    result = {name: perplexity(values) for name, values in nlls.items()}
-    result["fp32, first window"] = perplexity(nlls["unquantized (fp32)"][:1])
-    result["GGUF Q4_1 (native), first window"] = perplexity(window_nlls(find_gguf(), windows[:1]))
-    base = result["unquantized (fp32)"]
-    print(f"\nperplexity of SmolLM2-135M-Instruct on {NUM_WINDOWS * WINDOW_TOKENS} tokens of pydoc_data.topics:")
-    for name, value in result.items():  # the first-window rows against the first window's fp32
-        reference = result["fp32, first window"] if name.endswith("first window") else base
-        print(f"  {name:<34} {value:8.4f}  {100 * (value / reference - 1):+7.3f}%")
+    fp32 = window_nlls(smollm2_dir, windows)
+    nlls = {name: window_nlls(model, windows[:num_windows], ONE_STEP) for name, (model, num_windows) in models.items()}
+    nlls["GGUF Q4_1 (native)"] = window_nlls(find_gguf(), windows[:1])
+    print(f"\nperplexity of SmolLM2-135M-Instruct on the first windows of {WINDOW_TOKENS} tokens of "
+          f"pydoc_data.topics, against the fp32 weights' on the same windows:")
+    result = {}
+    for name, values in {"unquantized (fp32)": fp32, **nlls}.items():
+        value, reference = perplexity(values), perplexity(fp32[:len(values)])
+        result[name] = value / reference
+        print(f"  {name:<22} {len(values)} windows {value:8.4f}  {100 * (result[name] - 1):+7.3f}%")
     return result
 
 
-def test_the_native_gguf_has_the_perplexity_of_its_float32_weights(perplexities):
-    assert perplexities["GGUF Q4_1 (native), first window"] == pytest.approx(perplexities["fp32, first window"],
-                                                                               rel=1e-5)
+def test_the_native_gguf_has_the_perplexity_of_its_float32_weights(costs):
+    assert costs["GGUF Q4_1 (native)"] == pytest.approx(1, rel=1e-5)
 
 
 @pytest.mark.parametrize("name", ["fp8 block 64x64", "fp8 per-channel"])
-def test_fp8_weights_cost_at_most_one_percent(perplexities, name):
-    assert perplexities[name] <= 1.01 * perplexities["unquantized (fp32)"]
+def test_fp8_weights_cost_at_most_one_percent(costs, name):
+    assert FORMATS[name][2] == NUM_WINDOWS  # the issue's bound, over all the windows
+    assert costs[name] <= 1.01
 
 
 @pytest.mark.parametrize("name", ["w4 AWQ G=64", "w4 AWQ G=32"])
-def test_4_bit_groups_cost_less_than_a_quarter(perplexities, name):
-    assert perplexities[name] < 1.25 * perplexities["unquantized (fp32)"]
+def test_4_bit_groups_cost_less_than_a_quarter(costs, name):
+    assert costs[name] < 1.25
