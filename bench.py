@@ -233,7 +233,8 @@ def run(llm, args):
         print(f"GPU time in decode steps {gpu[0]:.2f} s, in prefill/mixed steps {gpu[1]:.2f} s")
     if llm.runner.device.type == "cuda":
         from nanovllm.engine.memory_profile import non_torch_bytes, stack_limit_bytes
-        print(f"CUDA's own memory after the run: {non_torch_bytes(llm.runner.device) / 2**30:.2f} GiB "
+        outside_torch = non_torch_bytes(llm.runner.config, llm.runner.device)
+        print(f"CUDA's own memory after the run: {outside_torch / 2**30:.2f} GiB "
               f"(per-thread stack limit {stack_limit_bytes(llm.runner.device)} B)")
     print(decode_traffic_bound(llm, timer))
     if llm.runner.device.type == "cuda":

@@ -19,16 +19,25 @@ from nanovllm.layers.logprobs import logprobs_of
 from nanovllm.layers.quantization.method import quant_matmul
 from nanovllm.layers.sampler import SamplingTensors
 from nanovllm.utils.context import AttentionMetadata, reset_context, set_context
+from nanovllm.utils.nvml import process_gpu_bytes
 from nanovllm.utils.switches import SWITCHES
 
 logger = logging.getLogger(__name__)
 
 
-def non_torch_bytes(device: torch.device) -> int:
-    """GPU memory this process holds outside PyTorch's allocator: the CUDA context, loaded kernels, NCCL buffers
-    (and any other process's memory on the same GPU, which a budget counts as taken)."""
+def non_torch_bytes(config, device: torch.device) -> int:
+    """GPU memory outside PyTorch's allocator that the card or the budget must hold: the CUDA context, loaded
+    kernels, NCCL buffers. Under gpu_memory_budget_gib, this process's alone where NVML lists it: a budget is the
+    engine's own, so engines that share a GPU with a budget each (pytest-xdist's workers, for one) do not count
+    each other's memory against it. Otherwise, or where NVML cannot say, all of the GPU's memory that is not this
+    process's PyTorch memory, other processes' included: the card counts them as taken."""
+    reserved = torch.cuda.memory_reserved(device)
+    if config.gpu_memory_budget_gib is not None:
+        own = process_gpu_bytes(f"GPU-{torch.cuda.get_device_properties(device).uuid}")
+        if own is not None:
+            return max(0, own - reserved)
     free, total = torch.cuda.mem_get_info(device)
-    return total - free - torch.cuda.memory_reserved(device)
+    return total - free - reserved
 
 
 CU_LIMIT_STACK_SIZE = 0  # the driver API's CUlimit
@@ -82,14 +91,21 @@ def card_bytes(config, device: torch.device) -> int:
 
 def apply_budget(config, device: torch.device):
     """Cap PyTorch's allocator so that torch's memory plus CUDA's own stays inside gpu_memory_budget_gib. Called
-    before anything is allocated and again after profiling, when the kernels loaded by then count too."""
+    before anything is allocated and again after profiling, when the kernels loaded by then count too. ValueError
+    where the budget leaves nothing for PyTorch, or is more than this process can get beside other processes."""
     if config.gpu_memory_budget_gib is None or device.type != "cuda":
         return
-    total = torch.cuda.mem_get_info(device)[1]
-    torch_bytes = card_bytes(config, device) - non_torch_bytes(device)
+    free, total = torch.cuda.mem_get_info(device)
+    budget, outside_torch = card_bytes(config, device), non_torch_bytes(config, device)
+    torch_bytes = budget - outside_torch
     if torch_bytes <= 0:
         raise ValueError(f"gpu_memory_budget_gib={config.gpu_memory_budget_gib} leaves nothing for PyTorch: CUDA "
-                         f"already holds {non_torch_bytes(device) / GiB:.2f} GiB; raise gpu_memory_budget_gib")
+                         f"already holds {outside_torch / GiB:.2f} GiB; raise gpu_memory_budget_gib")
+    reachable = free + torch.cuda.memory_reserved(device) + outside_torch
+    if budget > reachable:
+        raise ValueError(f"gpu_memory_budget_gib={config.gpu_memory_budget_gib} is more than this process can get "
+                         f"on {device}: {free / GiB:.2f} GiB free, other processes hold the rest of its "
+                         f"{total / GiB:.2f} GiB; lower gpu_memory_budget_gib")
     torch.cuda.set_per_process_memory_fraction(min(1.0, torch_bytes / total), device)
 
 
@@ -133,7 +149,7 @@ def profile_memory(runner) -> dict:
     apply_budget(config, device)
     return dict(card_bytes=card_bytes(config, device), weights_bytes=weights_bytes,
                 activation_peak_bytes=activation_peak, graph_pool_bytes=graph_pools,
-                non_torch_bytes=non_torch_bytes(device))
+                non_torch_bytes=non_torch_bytes(config, device))
 
 
 def _peak_bytes(runner, num_tokens: int, seq_len: int, num_rows: int, sample: bool) -> int:
