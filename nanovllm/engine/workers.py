@@ -11,6 +11,7 @@ or reports an error, it stops the others and aborts rank 0's NCCL process group,
 the worker's traceback reaches the caller. A step left half done on any rank leaves the ranks out of step, so the
 pool is then shut down for good (every later call raises its failure).
 """
+import copy
 import multiprocessing as mp
 import multiprocessing.connection
 import signal
@@ -18,6 +19,7 @@ import socket
 import threading
 import time
 import traceback
+from types import SimpleNamespace
 
 from nanovllm.config import Config
 from nanovllm.utils.distributed import abort_process_group
@@ -30,6 +32,15 @@ def free_init_method() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def worker_config(config: Config) -> Config:
+    """A copy of the config for the workers, its Hugging Face config a plain namespace of the same instance
+    attributes (what pickling it would carry; the engine reads only those, with getattr). Unpickling transformers'
+    config class in a spawned worker would import transformers: 2+ CPU-seconds of every rank's start."""
+    copied = copy.copy(config)
+    copied.hf_config = SimpleNamespace(**vars(config.hf_config))
+    return copied
 
 
 def _worker_main(config: Config, rank: int, conn, error_conn, init_method: str):
@@ -75,6 +86,7 @@ class WorkerPool:
 
     def __init__(self, config: Config, init_method: str):
         ctx = mp.get_context("spawn")
+        config = worker_config(config)
         self.conns, self.error_conns, self.procs = [], [], []
         for rank in range(1, config.tensor_parallel_size):
             parent, child = ctx.Pipe()
