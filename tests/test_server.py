@@ -33,6 +33,9 @@ VOCAB_SIZE = 49152  # SmolLM2's
 NUM_TOKENS = 8  # per completion in the concurrency tests; ignore_eos makes every answer exactly this long
 IGNORE_EOS = {"ignore_eos": True}  # vLLM's extension, sent through the openai client's extra_body
 # per prompt, penalties that change its greedy NUM_TOKENS tokens (repetition_penalty is vLLM's extension)
+# one client for the module's plain HTTP calls: httpx.get() builds a client, and its TLS context, per call (22 ms of
+# CPU each, most of the cost of the /metrics and /health polls)
+HTTP = httpx.Client()
 PENALTIES = {PROMPTS[0]: {"presence_penalty": 1.5, "frequency_penalty": 1.0}, PROMPTS[3]: {"repetition_penalty": 1.3}}
 
 
@@ -86,7 +89,7 @@ def wait_for(predicate, what: str, timeout_s: float = 20.0):
 
 
 def metrics(base_url: str) -> dict[str, float]:
-    text = httpx.get(f"{base_url}/metrics").text
+    text = HTTP.get(f"{base_url}/metrics").text
     lines = [line.split() for line in text.splitlines() if line and not line.startswith("#")]
     return {name.removeprefix("nanovllm_"): float(value) for name, value in lines}
 
@@ -104,8 +107,8 @@ def assert_all_blocks_free(base_url: str):
 
 def test_models_health_and_metrics_format(base_url, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
-    text = httpx.get(f"{base_url}/metrics").text
+    assert HTTP.get(f"{base_url}/health").json() == {"status": "ok"}
+    text = HTTP.get(f"{base_url}/metrics").text
     assert "# TYPE nanovllm_aborted_requests_total counter" in text
     assert "# TYPE nanovllm_num_requests_swapped gauge" in text
     m = metrics(base_url)
@@ -327,7 +330,7 @@ def test_an_unknown_model_gets_404(client):
 
 def test_a_request_without_model_goes_to_the_served_model(base_url, reference):
     """vLLM's default: `model` may be left out; the answer names the served model."""
-    r = httpx.post(f"{base_url}/v1/completions", timeout=60, headers={"Authorization": f"Bearer {API_KEY}"},
+    r = HTTP.post(f"{base_url}/v1/completions", timeout=60, headers={"Authorization": f"Bearer {API_KEY}"},
                    json={"prompt": PROMPTS[2], "max_tokens": NUM_TOKENS, "temperature": 0, **IGNORE_EOS})
     assert r.status_code == 200, r.text
     assert r.json()["model"] == MODEL and r.json()["choices"][0]["text"] == reference[PROMPTS[2]]
@@ -340,7 +343,7 @@ def test_a_request_without_model_goes_to_the_served_model(base_url, reference):
     (b'[1, 2]', "valid dictionary", "body"),
 ])
 def test_malformed_bodies_get_400(base_url, body, message, param):
-    r = httpx.post(f"{base_url}/v1/completions", content=body, timeout=10,
+    r = HTTP.post(f"{base_url}/v1/completions", content=body, timeout=10,
                    headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
@@ -416,13 +419,13 @@ def test_wrong_or_missing_api_key_gets_401(base_url):
             c.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     assert e.value.response.json()["error"]["code"] == "invalid_api_key"
     for path in ("/v1/models", "/v1/completions", "/v1/chat/completions"):
-        r = httpx.request("GET" if path == "/v1/models" else "POST", f"{base_url}{path}", content=b"{not json")
+        r = HTTP.request("GET" if path == "/v1/models" else "POST", f"{base_url}{path}", content=b"{not json")
         assert r.status_code == 401, (path, r.text)  # checked before the body is even read
-    assert httpx.get(f"{base_url}/health").status_code == 200  # health and metrics stay open for probes
-    assert httpx.get(f"{base_url}/metrics").status_code == 200
+    assert HTTP.get(f"{base_url}/health").status_code == 200  # health and metrics stay open for probes
+    assert HTTP.get(f"{base_url}/metrics").status_code == 200
     for header, status in ((f"bearer {API_KEY}", 200), (f"BEARER  {API_KEY}", 200), (f"Basic {API_KEY}", 401),
                            (f"Bearer {API_KEY}x", 401), (API_KEY, 401)):  # the scheme is case-insensitive
-        r = httpx.get(f"{base_url}/v1/models", headers={"Authorization": header})
+        r = HTTP.get(f"{base_url}/v1/models", headers={"Authorization": header})
         assert r.status_code == status, (header, r.text)
 
 
@@ -449,15 +452,15 @@ def test_cli_serve_tiny_model_without_tokenizer(qwen3_dir):
         wait_for(lambda: proc.poll() is not None or _is_up(port), "the server to come up", timeout_s=120)
         assert proc.poll() is None, proc.stdout.read()
         url = f"http://127.0.0.1:{port}/v1"
-        r = httpx.post(f"{url}/completions", json={"model": "tiny", "prompt": [5, 17, 42], "max_tokens": 5,
+        r = HTTP.post(f"{url}/completions", json={"model": "tiny", "prompt": [5, 17, 42], "max_tokens": 5,
                                                    "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text
         assert r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
         for path, body in (("completions", {"prompt": "Hi"}), ("chat/completions", {"messages": [
                 {"role": "user", "content": "Hi"}]})):
-            r = httpx.post(f"{url}/{path}", json={"model": "tiny", **body})
+            r = HTTP.post(f"{url}/{path}", json={"model": "tiny", **body})
             assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"], r.text
-        r = httpx.post(f"{url}/completions", json={"model": "tiny", "prompt": [VOCAB]})
+        r = HTTP.post(f"{url}/completions", json={"model": "tiny", "prompt": [VOCAB]})
         assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"], r.text
     finally:
         proc.terminate()
@@ -507,7 +510,7 @@ def test_sigterm_fails_open_streams_at_once_and_exits(smollm2_dir):
 
 def _is_up(port: int) -> bool:
     try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+        return HTTP.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
 
