@@ -88,11 +88,18 @@ def test_async_stop_strings_and_eos_on_smollm2(smollm2_dir):
     """12 tokens are enough: the stop word (the fourth of the second answer) comes within them, and the other two
     answers run on past it, the asynchronous engine one step ahead."""
     prompts = ["The capital of France is", "Once upon a time", "List three colors:"]
-    base, _ = generate(smollm2_dir, prompts, SamplingParams(temperature=0, max_tokens=12),
-                       **smollm2_llm_kwargs(async_scheduling=False))
-    stop = base[1][2].split()[3]  # a word from the middle of the second answer
-    params = SamplingParams(temperature=0, max_tokens=12, stop=[stop])
-    sync, got, _ = sync_and_async(smollm2_dir, prompts, params, smollm2_llm_kwargs())
+    # one synchronous engine gives the answers without and with the stop word: the prompts are shorter than a KV
+    # block, so the second run takes no prefix-cache hit and computes just what a fresh engine would
+    llm = LLM(smollm2_dir, **smollm2_llm_kwargs(async_scheduling=False))
+    try:
+        base = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+        stop = base[1]["text"].split()[3]  # a word from the middle of the second answer
+        params = SamplingParams(temperature=0, max_tokens=12, stop=[stop])
+        sync = [(o["token_ids"], o["finish_reason"], o["text"]) for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.stats()["prefix_cache_hit_tokens"] == 0
+    finally:
+        close_llm(llm)
+    got, _ = generate(smollm2_dir, prompts, params, **smollm2_llm_kwargs(async_scheduling=True))
     assert got == sync and got[1][1] == "stop" and stop not in got[1][2]
 
 

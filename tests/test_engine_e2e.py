@@ -183,11 +183,17 @@ STORY_TOKENS = 32
 
 
 @pytest.fixture(scope="class")
-def story(smol_llm, smollm2_dir):
-    """A greedy chat answer of SmolLM2; the stop strings are picked from its text."""
+def smol_tok(smollm2_dir):
+    """SmolLM2's tokenizer, loaded once for the class (0.3-0.9 CPU-s a load)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="class")
+def story(smol_llm, smol_tok):
+    """A greedy chat answer of SmolLM2; the stop strings are picked from its text."""
+    tok = smol_tok
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "Tell me a short story about a cat and a dog."}],
         tokenize=False, add_generation_prompt=True,
@@ -235,12 +241,10 @@ class TestStopStrings:
         late, early = words[-2], words[len(words) // 3]
         self.check(llm, prompt, text, [late, early])
 
-    def test_stop_string_completed_by_the_last_allowed_token(self, llm, story, smollm2_dir):
+    def test_stop_string_completed_by_the_last_allowed_token(self, llm, story, smol_tok):
         """The token that completes the stop string is also the last max_tokens allows: the text is still cut
         and the reason is "stop", not "length" (vLLM checks the last token too)."""
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(smollm2_dir)
+        tok = smol_tok
         prompt, ref = story
         w = self.middle_word(ref["text"])
         n = next(n for n in range(1, STORY_TOKENS + 1)
@@ -249,12 +253,10 @@ class TestStopStrings:
         assert out["finish_reason"] == "stop" and out["text"] == ref["text"][:ref["text"].index(w)], (w, n, out)
         assert out["token_ids"] == ref["token_ids"][:n]
 
-    def test_min_tokens_skips_stop_strings_that_end_within_them(self, llm, story, smollm2_dir):
+    def test_min_tokens_skips_stop_strings_that_end_within_them(self, llm, story, smol_tok):
         """A stop string whose first match ends within the first min_tokens tokens is matched only where it
         ends after them (vLLM checks only the text that later tokens add)."""
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(smollm2_dir)
+        tok = smol_tok
         prompt, ref = story
         text, ids = ref["text"], ref["token_ids"]
         w = re.findall(r" [A-Za-z]{3,}", text)[0]  # an early word
@@ -276,11 +278,9 @@ class TestStopStrings:
         end = ref["text"].index(w) + len(w)
         assert out["finish_reason"] == "stop" and out["text"] == ref["text"][:end], (w, out)
 
-    def test_a_stop_tokens_text_is_left_out_unless_included(self, llm, story, smollm2_dir):
+    def test_a_stop_tokens_text_is_left_out_unless_included(self, llm, story, smol_tok):
         """As in vLLM: the stop token stays in token_ids, and its text is not in `text`."""
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(smollm2_dir)
+        tok = smol_tok
         prompt, ref = story
         k = 8
         stop_id = ref["token_ids"][k]

@@ -37,7 +37,7 @@ def free_init_method() -> str:
 def worker_config(config: Config) -> Config:
     """A copy of the config for the workers, its Hugging Face config a plain namespace of the same instance
     attributes (what pickling it would carry; the engine reads only those, with getattr). Unpickling transformers'
-    config class in a spawned worker would import transformers: 2+ CPU-seconds of every rank's start."""
+    config class in a spawned worker would import transformers: about a CPU-second of every rank's start."""
     copied = copy.copy(config)
     copied.hf_config = SimpleNamespace(**vars(config.hf_config))
     return copied
