@@ -1,7 +1,8 @@
 """Every code block in README.md and docs/*.md runs as written, or says why it does not.
 
 How a block is treated:
-- ```python blocks run in a subprocess from the repository root. One that talks to http://127.0.0.1:PORT runs
+- ```python blocks run from the repository root: in the test's process, as a script in a fresh namespace (in a
+  subprocess when it starts processes: STARTS_PROCESSES). One that talks to http://127.0.0.1:PORT runs
   against the server a reader following the page would have running: the last `nanovllm serve` line above it
   (plain `nanovllm serve` if there is none), with PORT replaced by a free port.
 - ```bash / ```sh / ```shell blocks run line by line when every line is a command the test knows how to run:
@@ -40,6 +41,8 @@ MARKER_KINDS = {"no-run", "gpu"}
 LOCAL_URL = re.compile(r"(?:127\.0\.0\.1|localhost):(\d+)")
 PLACEHOLDER = re.compile(r"/path/to/\S+")
 COMMAND_START = re.compile(r"^\s*(\$ |nanovllm |python3? |pip |make |docker |git )")
+# a python snippet that starts processes runs in a subprocess, every other one in the test's process
+STARTS_PROCESSES = re.compile(r"tensor_parallel_size|multiprocessing|subprocess|concurrent\.futures|os\.fork")
 SNIPPET_TIMEOUT_S = 600
 SERVER_START_TIMEOUT_S = 300
 
@@ -252,7 +255,24 @@ def run_python_snippet(block: Block, servers: Servers, tmp_path: Path):
         text = LOCAL_URL.sub(lambda m: m.group(0).replace(m.group(1), str(port)), text)
     path = tmp_path / "snippet.py"
     path.write_text(text)
-    run_checked([sys.executable, str(path)])
+    if STARTS_PROCESSES.search(text):
+        run_checked([sys.executable, str(path)])
+    else:
+        run_in_this_process(text, path)
+
+
+def run_in_this_process(text: str, path: Path):
+    """The snippet as a script runs it: compiled from its own file, in a fresh namespace named "__main__" (so every
+    name it uses must come from its own imports), from the repository root. A subprocess would add 3-4 CPU-s of
+    importing torch and transformers again to each snippet, and nothing a reader's run has that this one lacks; a
+    snippet that starts processes (a spawned child re-imports the main module, which only a real script has) runs
+    in a subprocess instead (STARTS_PROCESSES)."""
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        exec(compile(text, str(path), "exec"), {"__name__": "__main__", "__file__": str(path)})
+    finally:
+        os.chdir(cwd)
 
 
 def run_shell_snippet(block: Block, servers: Servers):
