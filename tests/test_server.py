@@ -530,7 +530,7 @@ def test_multi_turn_chat_history_comes_back_from_the_host_tier(base_url, client)
 
     from_gpu_cache = ask_turn2()
     before = metrics(base_url)
-    for i in range(4):  # ~800 tokens of unrelated prompts: more than the 64 x 8-token GPU blocks
+    for i in range(3):  # 3 x 205 prompt tokens + 4: 81 blocks of unrelated prompts, more than the 64 GPU blocks
         client.completions.create(model=MODEL, prompt=f"Story {i}: " + "once more " * 100, max_tokens=4,
                                   temperature=0)
     from_host_tier = ask_turn2()
