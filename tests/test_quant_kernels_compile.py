@@ -68,4 +68,5 @@ def test_every_quant_kernel_compiles_within_shared_memory(cc, shared_limit_bytes
     proc = run_compile_script(COMPILE_ALL, [cc, shared_limit_bytes, num_sms], timeout_s=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["_dequant_int_kernel", "_fp8_gemm_kernel", "_fp8_gemv_kernel", "_int4_gemv_kernel",
-                                   "_quantize_act_kernel", "_sum_splits_kernel", "_wo_gemm_kernel"]
+                                   "_quantize_act_kernel", "_sum_splits_kernel", "_w4_swapped_gemm_kernel",
+                                   "_wo_gemm_kernel"]
