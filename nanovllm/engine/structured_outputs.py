@@ -11,7 +11,6 @@ token's mask needs the token before it, so a constrained step cannot sample befo
 what overlaps the forward is the read-back and the mask, as in vLLM.
 """
 import json
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -21,13 +20,15 @@ import numpy as np
 
 from nanovllm.core.sequence import Sequence
 from nanovllm.sampling_params import StructuredOutputsParams
+from nanovllm.utils.cpu_threads import usable_cores
 
 # finish_reason of a request whose grammar rejected its sampled token, so that no token can follow (the mask of a
 # matcher in that state allows EOS only, which would never end a request with ignore_eos)
 GRAMMAR_ERROR = "grammar_error"
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept (least recently used dropped): a server sees few distinct schemas
-# llguidance's mask threads: its own default (80% of the cores, at most 32), counted on the cores this process may use
-NUM_MASK_THREADS = max(1, min(32, len(os.sched_getaffinity(0)) * 4 // 5))
+# llguidance's mask threads: its own default (80% of the cores, at most 32), counted on the cores this process may
+# use (its affinity mask and cgroup quota) rather than the machine's
+NUM_MASK_THREADS = max(1, min(32, usable_cores() * 4 // 5))
 
 
 def grammar_text(structured: StructuredOutputsParams) -> str:
