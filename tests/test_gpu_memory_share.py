@@ -38,6 +38,9 @@ def test_nvml_gives_this_processs_memory_or_none():
     assert process_gpu_bytes(UUID, StandInNvml([(other, 9 * GiB)])) is None  # a container's PIDs: not listed
     assert process_gpu_bytes(UUID, StandInNvml([(me, NVML_VALUE_NOT_AVAILABLE)])) is None
     assert process_gpu_bytes(UUID, StandInNvml([(me, GiB)], known_uuid="GPU-other")) is None
+    old_driver = StandInNvml([(me, GiB)])
+    old_driver.nvmlDeviceGetComputeRunningProcesses_v3 = None  # no such symbol: getattr's default
+    assert process_gpu_bytes(UUID, old_driver) is None
     assert ctypes.sizeof(process_gpu_bytes.__globals__["ProcessInfo"]) == 24  # nvmlProcessInfo_t's layout
 
 

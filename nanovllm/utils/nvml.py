@@ -35,8 +35,9 @@ def process_gpu_bytes(device_uuid: str, lib=None) -> int | None:
     handle = ctypes.c_void_p()
     if lib.nvmlDeviceGetHandleByUUID(device_uuid.encode(), ctypes.byref(handle)) != NVML_SUCCESS:
         return None
+    list_processes = getattr(lib, "nvmlDeviceGetComputeRunningProcesses_v3", None)  # drivers from 2022 on
     count, infos = ctypes.c_uint(MAX_PROCESSES), (ProcessInfo * MAX_PROCESSES)()
-    if lib.nvmlDeviceGetComputeRunningProcesses_v3(handle, ctypes.byref(count), infos) != NVML_SUCCESS:
+    if list_processes is None or list_processes(handle, ctypes.byref(count), infos) != NVML_SUCCESS:
         return None
     pid = os.getpid()
     used = [info.used_gpu_memory for info in infos[:count.value] if info.pid == pid]
