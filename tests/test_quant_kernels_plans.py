@@ -18,7 +18,10 @@ from nanovllm.kernels import quant_gemm  # noqa: E402
 from nanovllm.kernels import quant_matmul as qm  # noqa: E402
 from nanovllm.kernels import quant_plans  # noqa: E402
 
-RAGGED_M = list(range(1, 71)) + [100, 300]
+# Each family's first and last row counts and one between (1-2 CUDA-core rows, 3-16, 17-32, 33-64 and 65+ row
+# tiles under LIMITS), and 100 and 300 across several 128-row tiles: inside a family the kernels differ only in the
+# row mask's cut, so every row count between two of these runs the same code as its neighbours
+RAGGED_M = [1, 2, 3, 9, 16, 17, 25, 32, 33, 47, 64, 65, 100, 300]
 
 PLANS_SCRIPT = """
 import json
