@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
-from test_quant_kernels import interpret  # noqa: E402
+from test_quant_kernels import interpret_all, script_result  # noqa: E402
 
 from nanovllm.kernels import quant_gemm  # noqa: E402
 from nanovllm.kernels import quant_matmul as qm  # noqa: E402
@@ -67,8 +67,14 @@ print(json.dumps(res))
 """
 
 
-def test_every_plan_family_at_ragged_rows_and_ragged_splits():
-    results = interpret(PLANS_SCRIPT.replace("MS", repr(RAGGED_M)))
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict]:
+    """The module's two kernel scripts, run once in one interpreter process."""
+    return interpret_all({"plans": PLANS_SCRIPT.replace("MS", repr(RAGGED_M)), "dequant": DEQUANT_SCRIPT})
+
+
+def test_every_plan_family_at_ragged_rows_and_ragged_splits(interpreted):
+    results = script_result(interpreted, "plans")
     eps = 2 ** -7
     for res in results:
         bound = eps * res["max_ref"] + (0.0 if res["scale_after_dot"] else eps * res["abs_dot"])
@@ -141,11 +147,11 @@ print(json.dumps(res))
 """
 
 
-def test_large_m_dequantizes_the_weight_exactly_then_multiplies():
+def test_large_m_dequantizes_the_weight_exactly_then_multiplies(interpreted):
     """From DEQUANT_GEMM_MIN_ROWS rows on, int_linear is F.linear on the weight dequantized by the contract's
     formula and rounded once to x's dtype: the dequantized weight (in fp32) equals the reference's bit for bit, and the
     product is within a dequantized tile's bound (eps of the output and of sum |x| |w|)."""
-    for res in interpret(DEQUANT_SCRIPT):
+    for res in script_result(interpreted, "dequant"):
         eps = 2 ** -7 if res["dtype"] == "torch.bfloat16" else 2 ** -10
         assert res["exact"] and res["chunked_equal"], res
         assert res["shape"] == [res["M"], res["N"]], res
