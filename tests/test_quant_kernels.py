@@ -22,6 +22,7 @@ import sys
 
 import pytest
 import torch
+from scripts_in_one_process import run_scripts, script_result
 
 pytest.importorskip("triton")
 
@@ -173,37 +174,11 @@ def interpret(script: str) -> list:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# Runs several scripts, each in a fresh namespace, in one interpreter process: the process's start (torch, triton
-# and the kernels imported: ~1.7 CPU-s) is paid once. A script that raises leaves its traceback for its own test.
-SCRIPTS_RUNNER = """
-import contextlib, io, json, sys, traceback
-results = {}
-for name, script in json.loads(sys.stdin.read()).items():
-    out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out):
-            exec(compile(script, name, "exec"), {"__name__": "__main__"})
-        results[name] = {"result": json.loads(out.getvalue().strip().splitlines()[-1])}
-    except BaseException:
-        results[name] = {"error": traceback.format_exc()[-3000:]}
-print(json.dumps(results))
-"""
-
-
 def interpret_all(scripts: dict[str, str]) -> dict[str, dict]:
-    """{name: script} -> {name: {"result": the script's last printed line as JSON} or {"error": its traceback}}.
-    The scripts leave no module state changed that a later one reads (each seeds its own generators)."""
+    """Several scripts under the interpreter in one subprocess (tests/scripts_in_one_process.py)."""
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", SCRIPTS_RUNNER], input=json.dumps(scripts), check=False,
-                          capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def script_result(results: dict[str, dict], name: str):
-    assert "error" not in results[name], results[name]["error"]
-    return results[name]["result"]
+    return run_scripts(scripts, env)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ import pytest
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
-from test_quant_kernels import interpret_all, script_result  # noqa: E402
+from scripts_in_one_process import script_result  # noqa: E402
+from test_quant_kernels import interpret_all  # noqa: E402
 
 from nanovllm.kernels import quant_gemm  # noqa: E402
 from nanovllm.kernels import quant_matmul as qm  # noqa: E402
