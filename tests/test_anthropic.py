@@ -164,7 +164,8 @@ def test_a_forced_tool_use_and_its_result_make_a_round_trip_streamed_and_not(cli
         {"role": "assistant", "content": [block.model_dump() for block in message.content]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use.id,
                                       "content": str(tool_use.input["a"] + tool_use.input["b"])}]}]
-    final = client.messages.create(messages=history, tool_choice={"type": "none"}, **kw)
+    # the answer's first 8 tokens show it is text
+    final = client.messages.create(messages=history, tool_choice={"type": "none"}, **{**kw, "max_tokens": 8})
     assert final.stop_reason in ("end_turn", "max_tokens") and [b.type for b in final.content] == ["text"]
     counted = client.messages.count_tokens(model=kw["model"], messages=history, tools=kw["tools"],
                                            thinking=kw["thinking"])

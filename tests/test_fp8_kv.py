@@ -1,13 +1,11 @@
 """FP8 KV cache (kv_cache_dtype="fp8" / "fp8_e4m3" / "fp8_e5m2"): the block layout and its scales, the torch
 backend on the CPU (the real engine: swap, host prefix cache), the Triton kernels in the interpreter, bad input.
 The accuracy bound (perplexity within 1% of auto KV) is in tests/test_logprobs.py."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from scripts_in_one_process import run_scripts, script_result
 
 from conftest import close_llm, greedy, random_prompts, run_with_forced_swaps, tiny_llm_kwargs
 from nanovllm.layers.kv_layout import KVLayout, dequantize_fp8, hadamard, quantize_fp8
@@ -220,22 +218,23 @@ print(json.dumps(res))
 """
 
 
-def _run(script: str) -> dict:
+@pytest.fixture(scope="module")
+def kernel_scripts() -> dict[str, dict]:
+    """The module's two kernel scripts, in one subprocess (tests/scripts_in_one_process.py); under Triton's
+    interpreter without a GPU."""
+    pytest.importorskip("triton", reason="needs triton (the test-triton extra)")
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_scripts({"kernels": KERNELS, "rope_store": ROPE_STORE}, env)
 
 
 @pytest.mark.subprocess
-def test_triton_fp8_kernels_match_the_torch_backend():
+def test_triton_fp8_kernels_match_the_torch_backend(kernel_scripts):
     """The store kernel writes the torch backend's bytes (on a GPU exactly; Triton's interpreter rounds a value
     that carries into the next binade, and e5m2, wrongly, so there a few bytes differ), and the decode and prefill
     kernels read FP8 values and scales in place as the torch backend's dequantized reference does."""
-    pytest.importorskip("triton", reason="needs triton (the test-triton extra)")
-    res = _run(KERNELS)
+    res = script_result(kernel_scripts, "kernels")
     exact = torch.cuda.is_available()
     for kvd in ("fp8_e4m3", "fp8_e5m2"):
         differ = res.pop(kvd + "/store_bytes_differ")
@@ -290,13 +289,12 @@ print(json.dumps(res))
 
 
 @pytest.mark.subprocess
-def test_fused_rope_store_writes_fp8_as_the_unfused_path():
+def test_fused_rope_store_writes_fp8_as_the_unfused_path(kernel_scripts):
     """The fused (norm +) rope + store kernel with an FP8 cache returns q rotated and stores rotated, quantized k
     and quantized v as the torch path (rope, then rotation, then the torch backend's store) does: no stored value
     off by more than one e4m3 step on a GPU (the rotation's rounding may flip an FP8 rounding), and in the
     interpreter, whose FP8 conversion gets a rounding that carries into the next binade wrong, at most 3%."""
-    pytest.importorskip("triton", reason="needs triton (the test-triton extra)")
-    res = _run(ROPE_STORE)
+    res = script_result(kernel_scripts, "rope_store")
     for dtype in ("torch.float32", "torch.float16"):
         assert res.pop(dtype + "/other_layer_untouched"), res
         assert res.pop(dtype + "/q") < 2e-3, res

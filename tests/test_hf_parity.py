@@ -286,7 +286,16 @@ def smol_tokenizer(smollm2_dir):
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
-def test_smollm2_greedy_matches_hf(smollm2_dir, smol_tokenizer):
+@pytest.fixture(scope="module")
+def smol_llm(smollm2_dir):
+    """One SmolLM2 engine for the module's two SmolLM2 tests: greedy outputs do not depend on what the engine ran
+    before (prefix-cache hits give the same tokens, test_prefix_cache_hits_match_hf), and the greedy test, the first
+    to use it, starts from an empty cache."""
+    with LLM(smollm2_dir, **smollm2_llm_kwargs()) as llm:
+        yield llm
+
+
+def test_smollm2_greedy_matches_hf(smollm2_dir, smol_tokenizer, smol_llm):
     texts = SMOL_TEXTS + [chat(smol_tokenizer, "What is the capital of France?")]
     ids = [smol_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     # rendering the chat template then tokenizing equals the template's own tokenization
@@ -297,20 +306,19 @@ def test_smollm2_greedy_matches_hf(smollm2_dir, smol_tokenizer):
     assert ids[-1] == list(templ)
     # strings and token ids in one batch
     prompts = texts + [ids[0]]
-    with LLM(smollm2_dir, **smollm2_llm_kwargs()) as llm:
-        outs = llm.generate(prompts, greedy(SMOL_NEW), use_tqdm=False)
-    assert_matches_hf(smollm2_dir, ids + [ids[0]], outs, SMOL_NEW, what="SmolLM2")
+    outs = smol_llm.generate(prompts, greedy(SMOL_NEW), use_tqdm=False)
+    # the last prompt is the first's ids: its output equals the first's, which is checked against transformers
+    assert_matches_hf(smollm2_dir, ids, outs[:-1], SMOL_NEW, what="SmolLM2")
     assert outs[0]["token_ids"] == outs[-1]["token_ids"]
     for out in outs[:4]:
         assert out["text"].strip(), out
 
 
-def test_smollm2_chat_answers_paris(smollm2_dir, smol_tokenizer):
+def test_smollm2_chat_answers_paris(smollm2_dir, smol_tokenizer, smol_llm):
     from nanovllm import SamplingParams
 
     prompt = chat(smol_tokenizer, "What is the capital of France?")
-    with LLM(smollm2_dir, **smollm2_llm_kwargs()) as llm:
-        [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+    [out] = smol_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
     assert "Paris" in out["text"], out
     assert out["finish_reason"] == "stop", out  # stopped at <|im_end|> (EOS)
     assert "<|im_end|>" not in out["text"], out
@@ -320,12 +328,12 @@ def test_smollm2_chat_answers_paris(smollm2_dir, smol_tokenizer):
     assert eos in ref, ref
     n = len(out["token_ids"])
     assert out["token_ids"] == ref[:n] and ref.index(eos) in (n - 1, n), (out["token_ids"], ref)
-    with LLM(smollm2_dir, **smollm2_llm_kwargs()) as llm:  # vLLM's LLM.chat renders the same prompt
-        question = [{"role": "user", "content": "What is the capital of France?"}]
-        [alone] = llm.chat(question, SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
-        both = llm.chat([question, question + [{"role": "assistant", "content": "Paris."}]],
-                        SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-        with pytest.raises(ValueError, match="must be a non-empty list"):
-            llm.chat([], use_tqdm=False)
+    # vLLM's LLM.chat renders the same prompt
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    [alone] = smol_llm.chat(question, SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+    both = smol_llm.chat([question, question + [{"role": "assistant", "content": "Paris."}]],
+                         SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="must be a non-empty list"):
+        smol_llm.chat([], use_tqdm=False)
     assert alone["token_ids"] == out["token_ids"] and len(both) == 2
     assert both[0]["token_ids"] == out["token_ids"][:4] and both[1]["token_ids"] != both[0]["token_ids"]

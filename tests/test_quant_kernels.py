@@ -22,6 +22,7 @@ import sys
 
 import pytest
 import torch
+from scripts_in_one_process import run_scripts, script_result
 
 pytest.importorskip("triton")
 
@@ -173,12 +174,26 @@ def interpret(script: str) -> list:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def interpret_all(scripts: dict[str, str]) -> dict[str, dict]:
+    """Several scripts under the interpreter in one subprocess (tests/scripts_in_one_process.py)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    return run_scripts(scripts, env)
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict]:
+    """The module's kernel scripts, run once in one interpreter process."""
+    return interpret_all({"int": INT_SCRIPT, "fp8": FP8_SCRIPT, "act": ACT_SCRIPT, "split": SPLIT_SCRIPT,
+                          "ops": OPS_SCRIPT})
+
+
 def _eps(dtype_name: str) -> float:
     return EPS[getattr(torch, dtype_name.removeprefix("torch."))]
 
 
-def test_int_linear_matches_the_contract_dequantization():
-    results = interpret(INT_SCRIPT)
+def test_int_linear_matches_the_contract_dequantization(interpreted):
+    results = script_result(interpreted, "int")
     cases = INT_CASES + [(40, 50, 256, 64, 4, "", "", "", f"explicit tile {i}") for i in range(4)]
     for (M, N, *_, what), res in zip(cases, results, strict=True):
         eps = _eps(res["dtype"])
@@ -197,8 +212,8 @@ def test_int_linear_matches_the_contract_dequantization():
     assert not by_what["per-channel group = K, not a power of two"]["per_element"]
 
 
-def test_fp8_linear_matches_the_contract_dequantization():
-    results = interpret(FP8_SCRIPT)
+def test_fp8_linear_matches_the_contract_dequantization(interpreted):
+    results = script_result(interpreted, "fp8")
     for (*_, what), res in zip(FP8_CASES, results, strict=True):
         eps = _eps(res["dtype"])
         dequantized = not res["w8a8"] and not res["scale_after_dot"]
@@ -218,6 +233,7 @@ from nanovllm.kernels import quant_w8a8
 res = []
 x = torch.randn(7, 320, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
 x[2, 64:128] = 0  # an all-zero group: scale 1e-12 / 448, values 0
+default_chunk_cols = quant_w8a8._QUANT_CHUNK_COLS
 for group_cols, chunk_cols, column_major, pad in [(320, 16384, False, 1), (320, 128, False, 1),
                                                   (64, 16384, False, 1), (64, 128, True, 4), (32, 64, False, 1)]:
     quant_w8a8._QUANT_CHUNK_COLS = chunk_cols  # several chunks a row: both per-token passes and the per-group loop
@@ -227,12 +243,13 @@ for group_cols, chunk_cols, column_major, pad in [(320, 16384, False, 1), (320, 
     res.append(dict(equal=torch.equal(back, quantize_act_ref(x, group_cols)), rows=xq.shape[0],
                     scales_shape=list(xs.shape), scales_stride=list(xs.stride()),
                     pad_zero=bool((xq[7:].float() == 0).all()), num_groups=num_groups))
+quant_w8a8._QUANT_CHUNK_COLS = default_chunk_cols  # as it was, for the scripts run after this one
 print(json.dumps(res))
 """
 
 
-def test_activation_quantization_matches_the_reference_bit_for_bit():
-    res = interpret(ACT_SCRIPT)
+def test_activation_quantization_matches_the_reference_bit_for_bit(interpreted):
+    res = script_result(interpreted, "act")
     assert [r["equal"] for r in res] == [True] * 5
     assert [r["scales_shape"] for r in res] == [[7, 1], [7, 1], [7, 5], [8, 5], [7, 10]]
     assert res[3]["rows"] == 8 and res[3]["pad_zero"] and res[3]["scales_stride"] == [1, 8]  # cuBLASLt's layout
@@ -264,8 +281,8 @@ print(json.dumps(res))
 """
 
 
-def test_split_k_reduced_in_the_kernel_equals_the_second_launch_bit_for_bit():
-    res = interpret(SPLIT_SCRIPT)
+def test_split_k_reduced_in_the_kernel_equals_the_second_launch_bit_for_bit(interpreted):
+    res = script_result(interpreted, "split")
     assert [(r["splits"] > 1, r["cuda_cores"]) for r in res] == [(True, True), (True, True), (True, False)]
     assert all(r["equal"] and r["locks_zero"] for r in res), res
 
@@ -295,8 +312,8 @@ print(json.dumps(res))
 """
 
 
-def test_custom_ops_pass_opcheck_and_compile_without_graph_breaks():
-    res = interpret(OPS_SCRIPT)  # opcheck raises on a schema, fake-tensor or dispatch problem
+def test_custom_ops_pass_opcheck_and_compile_without_graph_breaks(interpreted):
+    res = script_result(interpreted, "ops")  # opcheck raises on a schema, fake-tensor or dispatch problem
     assert res == {"leading_dims": [2, 3, 24], "empty": [0, 24], "compiled_equal": True}
 
 

@@ -12,13 +12,17 @@ import pytest
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
-from test_quant_kernels import interpret  # noqa: E402
+from scripts_in_one_process import script_result  # noqa: E402
+from test_quant_kernels import interpret_all  # noqa: E402
 
 from nanovllm.kernels import quant_gemm  # noqa: E402
 from nanovllm.kernels import quant_matmul as qm  # noqa: E402
 from nanovllm.kernels import quant_plans  # noqa: E402
 
-RAGGED_M = list(range(1, 71)) + [100, 300]
+# Each family's first and last row counts and one between (1-2 CUDA-core rows, 3-16, 17-32, 33-64 and 65+ row
+# tiles under LIMITS), and 100 and 300 across several 128-row tiles: inside a family the kernels differ only in the
+# row mask's cut, so every row count between two of these runs the same code as its neighbours
+RAGGED_M = [1, 2, 3, 9, 16, 17, 25, 32, 33, 47, 64, 65, 100, 300]
 
 PLANS_SCRIPT = """
 import json
@@ -64,8 +68,14 @@ print(json.dumps(res))
 """
 
 
-def test_every_plan_family_at_ragged_rows_and_ragged_splits():
-    results = interpret(PLANS_SCRIPT.replace("MS", repr(RAGGED_M)))
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict]:
+    """The module's two kernel scripts, run once in one interpreter process."""
+    return interpret_all({"plans": PLANS_SCRIPT.replace("MS", repr(RAGGED_M)), "dequant": DEQUANT_SCRIPT})
+
+
+def test_every_plan_family_at_ragged_rows_and_ragged_splits(interpreted):
+    results = script_result(interpreted, "plans")
     eps = 2 ** -7
     for res in results:
         bound = eps * res["max_ref"] + (0.0 if res["scale_after_dot"] else eps * res["abs_dot"])
@@ -138,11 +148,11 @@ print(json.dumps(res))
 """
 
 
-def test_large_m_dequantizes_the_weight_exactly_then_multiplies():
+def test_large_m_dequantizes_the_weight_exactly_then_multiplies(interpreted):
     """From DEQUANT_GEMM_MIN_ROWS rows on, int_linear is F.linear on the weight dequantized by the contract's
     formula and rounded once to x's dtype: the dequantized weight (in fp32) equals the reference's bit for bit, and the
     product is within a dequantized tile's bound (eps of the output and of sum |x| |w|)."""
-    for res in interpret(DEQUANT_SCRIPT):
+    for res in script_result(interpreted, "dequant"):
         eps = 2 ** -7 if res["dtype"] == "torch.bfloat16" else 2 ** -10
         assert res["exact"] and res["chunked_equal"], res
         assert res["shape"] == [res["M"], res["N"]], res

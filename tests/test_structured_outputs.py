@@ -274,26 +274,38 @@ def test_async_and_sync_scheduling_give_the_same_tokens(tok_model_dir):
         jsonschema.validate(json.loads(sample[2]), schemas[1])
 
 
+PREEMPTED_SCHEMAS = all_schemas()[::6]
+PREEMPTED_PROMPTS = [f"Request {i}: " + "answer in JSON, " * 6 for i in range(len(PREEMPTED_SCHEMAS))]  # ~5 blocks
+
+
+def preempted_batch(tok_model_dir, **overrides) -> tuple[list, dict]:
+    """The constrained batch's (text, finish_reason) per request, and the engine's stats."""
+    params = [constrained(json=s, disable_any_whitespace=True) for s in PREEMPTED_SCHEMAS]
+    engine = LLM(tok_model_dir, **llm_kwargs(swap_space=0.05, **overrides))
+    try:
+        outs = engine.generate(PREEMPTED_PROMPTS, params, use_tqdm=False)
+        return [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs], engine.stats()
+    finally:
+        close_llm(engine)
+
+
+@pytest.fixture(scope="module")
+def unpressured_batch(tok_model_dir) -> list:
+    """The batch on an engine with room for all: nothing preempted, so one run serves both preemption modes."""
+    results, stats = preempted_batch(tok_model_dir, num_kvcache_blocks=4096)
+    assert stats["preemptions_recompute"] == stats["preemptions_swap"] == 0, stats
+    return results
+
+
 @pytest.mark.slow  # 2-6 CPU-seconds: out of `make test-fast`
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-def test_preempted_constrained_requests_give_the_unpressured_tokens(tok_model_dir, preemption_mode):
+def test_preempted_constrained_requests_give_the_unpressured_tokens(tok_model_dir, unpressured_batch,
+                                                                     preemption_mode):
     """A KV cache too small for the batch preempts constrained requests mid-grammar; their matchers keep what they
     consumed, and the tokens are those of an engine with room for all."""
-    schemas = all_schemas()[::6]
-    params = [constrained(json=s, disable_any_whitespace=True) for s in schemas]
-    prompts = [f"Request {i}: " + "answer in JSON, " * 6 for i in range(len(schemas))]  # ~5 blocks, unshared
-    results = {}
-    for blocks in (4096, 40):
-        engine = LLM(tok_model_dir, **llm_kwargs(num_kvcache_blocks=blocks, preemption_mode=preemption_mode,
-                                                 swap_space=0.05))
-        try:
-            outs = engine.generate(prompts, params, use_tqdm=False)
-            results[blocks] = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
-            stats = engine.stats()
-        finally:
-            close_llm(engine)
+    results, stats = preempted_batch(tok_model_dir, num_kvcache_blocks=40, preemption_mode=preemption_mode)
     assert stats["preemptions_" + preemption_mode] > 0
-    assert results[40] == results[4096]
+    assert results == unpressured_batch
 
 
 def test_logprobs_are_of_the_masked_distribution_and_penalties_apply(llm):
