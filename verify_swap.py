@@ -224,14 +224,15 @@ def _check_process(conn, name: str, model: str, gpu_memory_gib: float | None):
     conn.send(run_one(name, model, gpu_memory_gib))
 
 
-# what every check imports: the forkserver imports it once, before any check forks from it
+# what every check imports: the forkserver imports it once, before any check forks from it. The check processes are
+# not daemonic: tp2 starts tensor-parallel workers of its own
 PRELOAD = ["__main__", "nanovllm.llm", "transformers.models.auto.configuration_auto"]
 
 
 def run_in_own_process(ctx, name: str, args) -> dict:
     """A check in a fresh process forked from the forkserver; a timeout (deadlock) or a crash fails it."""
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_check_process, args=(send, name, args.model, args.gpu_memory_gib), daemon=True)
+    proc = ctx.Process(target=_check_process, args=(send, name, args.model, args.gpu_memory_gib))
     proc.start()
     send.close()
     reported = recv.poll(args.timeout)
