@@ -1,5 +1,5 @@
-"""Swap vs recompute under KV pressure, with dummy weights. Each mode runs in its own process (forked from a
-forkserver that imported the engine once, so a mode does not pay torch's and transformers' imports again).
+"""Swap vs recompute under KV pressure, with dummy weights. Each mode runs in its own process
+(nanovllm.utils.fresh_process: it does not pay the engine's imports again).
 
     python bench_swap.py --scenario rtx4070              # Qwen3-0.6B shape, 256 seqs, 4 GiB of GPU KV
     python bench_swap.py --scenario h800                 # Qwen3-8B shape, 1024 seqs, 55 GiB of GPU KV
@@ -22,7 +22,6 @@ no_host_tier (recompute, no host pool) and host_tier (64 GiB host pool: prefix c
 """
 import argparse
 import json
-import multiprocessing
 import os
 import random
 import sys
@@ -36,6 +35,7 @@ from benchmarks.bench_restart import print_restart_table, run_restart
 from benchmarks.bench_timeline import Timeline, plot
 from nanovllm.config import KV_CACHE_DTYPES
 from nanovllm.core.request_metrics import latency_summary
+from nanovllm.utils.fresh_process import start_fresh_process
 from nanovllm.utils.presets import preset_dir
 
 GiB = 1 << 30
@@ -360,11 +360,8 @@ def run_child(scenario: str, mode: str, extra_argv=(), *, args) -> dict | None:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     argv = ["--run-mode", scenario, mode, path] + [a for a in sys.argv[1:] if a != "--plot"]
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["__main__", "nanovllm.llm", "transformers.models.auto.configuration_auto"])
     try:
-        proc = ctx.Process(target=_run_mode_process, args=(_strip_scenario(argv) + list(extra_argv),))
-        proc.start()
+        proc = start_fresh_process(_run_mode_process, (_strip_scenario(argv) + list(extra_argv),))
         proc.join()
         if proc.exitcode:
             print(f"{scenario}/{mode} failed with exit code {proc.exitcode}")

@@ -1,7 +1,6 @@
 """Checks that the CPU swap tier works on this machine. Each check runs in its own process (a process that exits
-frees its GPU memory) and prints PASS or FAIL; CUDA-only checks are skipped without a GPU. The processes fork from
-a forkserver that has imported the engine once (it never touches CUDA), so a check does not pay torch's and
-transformers' imports again.
+frees its GPU memory; nanovllm.utils.fresh_process: it does not pay the engine's imports again) and prints PASS or
+FAIL; CUDA-only checks are skipped without a GPU.
 
     python verify_swap.py [MODEL_DIR]     # default: the Qwen3-0.6B shape with dummy weights
 """
@@ -13,6 +12,8 @@ import os
 import random
 import sys
 import time
+
+from nanovllm.utils.fresh_process import start_fresh_process
 
 CHECKS = ["kv_roundtrip", "resume_mid_decode", "heavy_swap", "counters", "bandwidth", "tp2", "fp8_kv_roundtrip",
           "fp8_resume_mid_decode"]
@@ -224,16 +225,10 @@ def _check_process(conn, name: str, model: str, gpu_memory_gib: float | None):
     conn.send(run_one(name, model, gpu_memory_gib))
 
 
-# what every check imports: the forkserver imports it once, before any check forks from it. The check processes are
-# not daemonic: tp2 starts tensor-parallel workers of its own
-PRELOAD = ["__main__", "nanovllm.llm", "transformers.models.auto.configuration_auto"]
-
-
-def run_in_own_process(ctx, name: str, args) -> dict:
-    """A check in a fresh process forked from the forkserver; a timeout (deadlock) or a crash fails it."""
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_check_process, args=(send, name, args.model, args.gpu_memory_gib))
-    proc.start()
+def run_in_own_process(name: str, args) -> dict:
+    """A check in a fresh process (nanovllm.utils.fresh_process); a timeout (deadlock) or a crash fails it."""
+    recv, send = multiprocessing.Pipe(duplex=False)
+    proc = start_fresh_process(_check_process, (send, name, args.model, args.gpu_memory_gib))
     send.close()
     reported = recv.poll(args.timeout)
     result = recv.recv() if reported else None
@@ -261,15 +256,13 @@ def main():
     import torch
     cuda = torch.cuda.is_available()
     print(f"verify_swap: model={args.model} device={'cuda: ' + torch.cuda.get_device_name() if cuda else 'cpu'}")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
     failed = 0
     for name in args.only or CHECKS:
         if name in CUDA_ONLY and not cuda:
             print(f"SKIP {name}: needs CUDA")
             continue
         start = time.perf_counter()
-        result = run_in_own_process(ctx, name, args)
+        result = run_in_own_process(name, args)
         seconds = time.perf_counter() - start
         skipped = str(result["detail"]).startswith("SKIP")
         status = "SKIP" if skipped else "PASS" if result["ok"] else "FAIL"
