@@ -3,8 +3,8 @@
 `pytest --cpu-durations N` lists the N tests that cost the most CPU time (0: all) and the suite's sum. Wall time
 lies on a shared machine (a test waits for cores other jobs hold); CPU time does not. Each phase (setup, call,
 teardown) is charged the process's CPU time (all its threads) plus that of the child processes it waited for (the
-CLI's and the server's subprocesses) and of those still running (a forkserver, nanovllm.utils.fresh_process, and
-what it waited for). A session fixture is charged to the first test that uses it.
+CLI's and the server's subprocesses) and, once the process has started a forkserver (nanovllm.utils.fresh_process),
+of the children still running, with what they waited for. A session fixture is charged to the first test that uses it.
 
 Under pytest-xdist, HEAVIEST_MODULES_FIRST orders the modules the workers take (pyproject.toml's addopts).
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 import time
 
 import pytest
@@ -64,7 +65,10 @@ def _running_children_cpu_seconds() -> float:
     """The CPU time of this process's children still running, with that of the children they waited for. A
     forkserver outlives the tests that use it and is never waited for: without this, what it and the processes
     forked from it spend would be charged to no test. A child counted here while running and later waited for is
-    counted once: the phase that waits gains its total and loses what it had here. Linux's /proc; 0 elsewhere."""
+    counted once: the phase that waits gains its total and loses what it had here. Linux's /proc; 0 elsewhere, and
+    0 until this process has started a forkserver (the scan of /proc costs 1.5 ms, which every test would pay)."""
+    if "multiprocessing.forkserver" not in sys.modules:
+        return 0.0
     me, total = str(os.getpid()), 0
     for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
         try:
