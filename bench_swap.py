@@ -1,4 +1,5 @@
-"""Swap vs recompute under KV pressure, with dummy weights. Each mode runs in its own subprocess.
+"""Swap vs recompute under KV pressure, with dummy weights. Each mode runs in its own process
+(nanovllm.utils.fresh_process: it does not pay the engine's imports again).
 
     python bench_swap.py --scenario rtx4070              # Qwen3-0.6B shape, 256 seqs, 4 GiB of GPU KV
     python bench_swap.py --scenario h800                 # Qwen3-8B shape, 1024 seqs, 55 GiB of GPU KV
@@ -23,7 +24,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +35,7 @@ from benchmarks.bench_restart import print_restart_table, run_restart
 from benchmarks.bench_timeline import Timeline, plot
 from nanovllm.config import KV_CACHE_DTYPES
 from nanovllm.core.request_metrics import latency_summary
+from nanovllm.utils.fresh_process import start_fresh_process
 from nanovllm.utils.presets import preset_dir
 
 GiB = 1 << 30
@@ -132,7 +133,7 @@ def print_chat_table(results: list[dict]):
 
 
 def run_mode(scenario: str, mode: str, num_seqs: int, args) -> dict:
-    """Runs inside the subprocess: one engine, one mode, the whole workload."""
+    """Runs inside the mode's process: one engine, one mode, the whole workload."""
     from bench import seed_workload
     from nanovllm import LLM, SamplingParams
     s = SCENARIOS[scenario]
@@ -349,16 +350,21 @@ def run_in_child(args):
         json.dump(run, f)
 
 
+def _run_mode_process(argv: list[str]):
+    run_in_child(parse_args(argv))
+
+
 def run_child(scenario: str, mode: str, extra_argv=(), *, args) -> dict | None:
     """One mode in a process of its own (--run-mode, this command's other options and extra_argv): its result, or
     None when it failed. Its row is printed as soon as it finishes."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
-    cmd = [sys.executable, __file__, "--run-mode", scenario, mode, path] + [a for a in sys.argv[1:] if a != "--plot"]
+    argv = ["--run-mode", scenario, mode, path] + [a for a in sys.argv[1:] if a != "--plot"]
     try:
-        proc = subprocess.run(_strip_scenario(cmd) + list(extra_argv))
-        if proc.returncode:
-            print(f"{scenario}/{mode} failed with exit code {proc.returncode}")
+        proc = start_fresh_process(_run_mode_process, (_strip_scenario(argv) + list(extra_argv),))
+        proc.join()
+        if proc.exitcode:
+            print(f"{scenario}/{mode} failed with exit code {proc.exitcode}")
             return None
         with open(path) as f:
             r = json.load(f)

@@ -1,16 +1,19 @@
-"""Checks that the CPU swap tier works on this machine. Each check runs in its own subprocess (a process that
-exits frees its GPU memory) and prints PASS or FAIL; CUDA-only checks are skipped without a GPU.
+"""Checks that the CPU swap tier works on this machine. Each check runs in its own process (a process that exits
+frees its GPU memory; nanovllm.utils.fresh_process: it does not pay the engine's imports again) and prints PASS or
+FAIL; CUDA-only checks are skipped without a GPU.
 
     python verify_swap.py [MODEL_DIR]     # default: the Qwen3-0.6B shape with dummy weights
 """
 import argparse
 import glob
 import json
+import multiprocessing
 import os
 import random
-import subprocess
 import sys
 import time
+
+from nanovllm.utils.fresh_process import start_fresh_process
 
 CHECKS = ["kv_roundtrip", "resume_mid_decode", "heavy_swap", "counters", "bandwidth", "tp2", "fp8_kv_roundtrip",
           "fp8_resume_mid_decode"]
@@ -206,36 +209,50 @@ def _first_mismatch(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def run_one(name: str, model: str) -> int:
+def run_one(name: str, model: str, gpu_memory_gib: float | None) -> dict:
+    """One check in this process: {"ok": ..., "detail": ...}."""
     import torch
-    global MODEL
-    MODEL = model
+    global MODEL, GPU_MEMORY_GIB
+    MODEL, GPU_MEMORY_GIB = model, gpu_memory_gib
     cuda = torch.cuda.is_available()
     try:
-        detail = globals()[f"check_{name}"](model, cuda)
+        return {"ok": True, "detail": globals()[f"check_{name}"](model, cuda)}
     except AssertionError as e:
-        print(json.dumps({"ok": False, "detail": str(e)}))
-        return 1
-    print(json.dumps({"ok": True, "detail": detail}))
-    return 0
+        return {"ok": False, "detail": str(e)}
+
+
+def _check_process(conn, name: str, model: str, gpu_memory_gib: float | None):
+    conn.send(run_one(name, model, gpu_memory_gib))
+
+
+def run_in_own_process(name: str, args) -> dict:
+    """A check in a fresh process (nanovllm.utils.fresh_process); a timeout (deadlock) or a crash fails it."""
+    recv, send = multiprocessing.Pipe(duplex=False)
+    proc = start_fresh_process(_check_process, (send, name, args.model, args.gpu_memory_gib))
+    send.close()
+    reported = recv.poll(args.timeout)
+    result = recv.recv() if reported else None
+    proc.join(5 if reported else 0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    if not reported:
+        return {"ok": False, "detail": f"timed out after {args.timeout} s (deadlock?)" if proc.exitcode == -9
+                else f"its process ended (exit code {proc.exitcode}) before it reported; its stderr is above"}
+    return result
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", default=None)
     parser.add_argument("--only", nargs="*", default=None, choices=CHECKS)
-    parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=int, default=600, help="seconds per check (a deadlock fails)")
     parser.add_argument("--gpu-memory-gib", type=float, default=None,
                         help="run every check as if the GPU had this many GiB (gpu_memory_budget_gib)")
     args = parser.parse_args()
-    global GPU_MEMORY_GIB
-    GPU_MEMORY_GIB = args.gpu_memory_gib
     if args.model is None:
         from nanovllm.utils.presets import preset_dir
         args.model = preset_dir("qwen3-0.6b")
-    if args.run_one:
-        sys.exit(run_one(args.run_one, args.model))
     import torch
     cuda = torch.cuda.is_available()
     print(f"verify_swap: model={args.model} device={'cuda: ' + torch.cuda.get_device_name() if cuda else 'cpu'}")
@@ -245,21 +262,13 @@ def main():
             print(f"SKIP {name}: needs CUDA")
             continue
         start = time.perf_counter()
-        try:
-            budget = [] if args.gpu_memory_gib is None else ["--gpu-memory-gib", str(args.gpu_memory_gib)]
-            proc = subprocess.run([sys.executable, __file__, args.model, "--run-one", name, *budget],
-                                  capture_output=True, text=True, timeout=args.timeout)
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-            result = json.loads(lines[-1]) if lines else {"ok": False, "detail": proc.stderr.strip()[-2000:]}
-        except subprocess.TimeoutExpired:
-            result = {"ok": False, "detail": f"timed out after {args.timeout} s (deadlock?)"}
+        result = run_in_own_process(name, args)
         seconds = time.perf_counter() - start
         skipped = str(result["detail"]).startswith("SKIP")
         status = "SKIP" if skipped else "PASS" if result["ok"] else "FAIL"
         failed += status == "FAIL"
         print(f"{status} {name} ({seconds:.1f} s): {result['detail']}", flush=True)
     sys.exit(1 if failed else 0)
-
 
 if __name__ == "__main__":
     main()

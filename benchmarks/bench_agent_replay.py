@@ -12,10 +12,10 @@ so their histories together outgrow the GPU's KV: what the host tier keeps, the 
 
 The model: a preset's shape with dummy weights (load_format="dummy"), or `tiny` (2 layers, for a CPU smoke run),
 and a word-level tokenizer built here with a Qwen3-style chat template (tools, <tool_call>, <think>): one token per
-word, so the prompt lengths are what the workload says. The server runs in this process (uvicorn on a loopback port)
-and each mode in its own subprocess. Per request it reads the prompt tokens from message_start, the tokens computed
-from /metrics (nanovllm_prefill_tokens before and after: requests run one at a time) and the time to the first event
-after the ping.
+word, so the prompt lengths are what the workload says. Each mode runs in its own process
+(nanovllm.utils.fresh_process), with the server in that process (uvicorn on a loopback port). Per request it reads
+the prompt tokens from message_start, the tokens computed from /metrics (nanovllm_prefill_tokens before and after:
+requests run one at a time) and the time to the first event after the ping.
 
 GPU (the issue's run):
   python -m benchmarks.bench_agent_replay --shape qwen3-1.7b --gpu-memory-gib 8
@@ -26,14 +26,15 @@ CPU smoke run (tests/test_bench_agent_replay.py):
 import argparse
 import json
 import os
+import multiprocessing
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 
 from benchmarks.agent_session import NUM_TOOLS, agent_session, build_model_dir
+from nanovllm.utils.fresh_process import start_fresh_process
 
 MODES = ["no_host_tier", "host_tier"]
 
@@ -54,7 +55,7 @@ def engine_options(mode: str, args) -> dict:
 
 
 def run_mode(mode: str, args) -> dict:
-    """In the subprocess: an engine, the server in this process, the whole replay."""
+    """In the mode's process: an engine, the server in this process, the whole replay."""
     import httpx
     import uvicorn
 
@@ -150,28 +151,37 @@ def parse_args(argv=None):
                    help="KV blocks of 16 tokens on the CPU (--device cpu): fewer than the sessions' histories need")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # the subprocess's one mode
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args(argv)
 
 
+def _mode_process(conn, mode: str, argv: list[str]):
+    conn.send(run_mode(mode, parse_args(argv)))
+
+
+def run_mode_in_own_process(mode: str, argv: list[str]) -> dict:
+    recv, send = multiprocessing.Pipe(duplex=False)
+    preload = ["httpx", "uvicorn", "nanovllm.entrypoints.server"]
+    proc = start_fresh_process(_mode_process, (send, mode, argv), preload)
+    send.close()
+    try:
+        result = recv.recv()
+    except EOFError:  # the process ended without a result
+        result = None
+    proc.join()
+    if result is None:
+        raise RuntimeError(f"mode {mode} failed (exit code {proc.exitcode}; its traceback is on stderr)")
+    return result
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.mode is not None:
-        print("RESULT " + json.dumps(run_mode(args.mode, args)), flush=True)
-        return 0
     argv = list(sys.argv[1:] if argv is None else argv)
     results = []
     for mode in args.modes.split(","):
         if mode not in MODES:
             raise ValueError(f"--modes: {mode!r} is not one of {', '.join(MODES)}")
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_agent_replay", *argv, "--mode", mode],
-                              stdout=subprocess.PIPE, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            print(proc.stdout[-4000:], file=sys.stderr)
-            raise RuntimeError(f"mode {mode} failed (exit code {proc.returncode})")
-        results.append(json.loads(lines[-1][len("RESULT "):]))
+        results.append(run_mode_in_own_process(mode, argv))
     print(f"agent replay: {args.num_sessions} sessions x {args.num_turns} turns, {NUM_TOOLS} tools, "
           f"shape {args.shape}, token scale {args.token_scale}")
     for r in results:

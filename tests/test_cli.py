@@ -227,6 +227,18 @@ def test_the_cli_and_the_server_import_no_cycle():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_a_bad_model_or_prompt_is_refused_before_torch_imports(tmp_path):
+    """`generate` checks its prompts, options and model directory before it imports torch (1.5 CPU-s): a typo is
+    answered at once."""
+    code = ("import sys; from nanovllm.entrypoints import cli; "
+            "codes = [cli.main(['generate', 'hi', '--model', sys.argv[1]]), cli.main(['generate', '', '--model', "
+            "sys.argv[1]])]; print(codes, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "missing")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.split() == ["[2,", "2]", "False"], done.stdout + done.stderr
+    assert "is not a directory" in done.stderr and "prompt #0 is empty" in done.stderr, done.stderr
+
+
 def test_entrypoint_files_and_functions_stay_small():
     for root, _, files in os.walk(ENTRYPOINTS):
         for name in files:

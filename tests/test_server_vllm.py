@@ -16,7 +16,7 @@ from nanovllm.entrypoints.server import build_app  # noqa: E402
 
 MODEL = "smollm2"
 PROMPTS = ["The capital of France is", "Once upon a time"]
-NUM_TOKENS = 5
+NUM_TOKENS = 3
 SEED = 11
 SAMPLING = {"temperature": 1.0, "max_tokens": NUM_TOKENS, "seed": SEED}
 

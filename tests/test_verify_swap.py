@@ -1,5 +1,5 @@
-"""`verify_swap.py MODEL` on a CPU-only machine: the CPU checks run (each in its own subprocess) and pass; the
-CUDA-only ones say SKIP."""
+"""`verify_swap.py MODEL` on a CPU-only machine: the CPU checks run (each in its own process, forked from a
+forkserver that imported the engine once) and pass; the CUDA-only ones say SKIP."""
 import os
 import subprocess
 import sys

@@ -133,13 +133,14 @@ def _device(config) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from nanovllm import LLM, SamplingParams
+    from nanovllm import SamplingParams
     from nanovllm.config import Config
     prompts = parse_prompts(args)
     params = SamplingParams(**sampling_options(args))
     model, kwargs = resolve_model(args.model), engine_kwargs(args)
     config = Config(model, **kwargs)  # the engine options, checked before the weights load
     token_ids = tokenize_prompts(model, config, prompts, args.chat)
+    from nanovllm import LLM  # torch: imported once the prompts, the options and the model are known good
     with LLM(model, **size_caches_for_the_work(config, kwargs, token_ids, params.max_tokens)) as llm:
         outputs = llm.generate(token_ids, params, use_tqdm=False)
         for prompt, out in zip(prompts, outputs):
