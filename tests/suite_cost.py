@@ -17,16 +17,24 @@ import time
 
 import pytest
 
-# The test modules that cost the most CPU time (pytest --cpu-durations, summed per module), heaviest first. Under
-# pytest-xdist (`--dist loadfile --no-loadscope-reorder`, pyproject.toml) each module runs whole on one worker, so a
-# module-scoped engine or server is built once, and the modules go out in collection order: these first, so that
-# no worker starts a three-minute module while the other is finishing. A stale list costs balance, never a test.
+# The test modules that cost the most CPU time (pytest --cpu-durations, summed per module), heaviest first: every
+# module of 4 CPU-s or more. Under pytest-xdist (`--dist loadfile --no-loadscope-reorder`, pyproject.toml) each
+# module runs whole on one worker, so a module-scoped engine or server is built once, and the modules go out in
+# this order, then the rest in collection order: the last to go out cost a few CPU-s at most, so neither worker
+# waits long for the other at the end. A stale list costs balance, never a test.
 HEAVIEST_MODULES_FIRST = [
-    "test_quant_perplexity.py",  # GPTQ of four formats and five perplexity runs on SmolLM2: 84 CPU-s alone
+    "test_quant_perplexity.py",  # GPTQ of four formats and five perplexity runs on SmolLM2: 83 CPU-s alone
     "test_triton_compile.py",  # 72 CPU-s with Triton's cache empty (a fresh machine), 4 with it warm
-    "test_server.py", "test_fp8_accuracy.py", "test_engine_e2e.py", "test_tensor_parallel.py",
-    "test_triton_interpreter.py", "test_hostile_server.py", "test_hf_parity.py", "test_docs_snippets.py",
-    "test_gguf_engine.py",
+    "test_server.py", "test_fp8_accuracy.py", "test_engine_e2e.py", "test_triton_interpreter.py",
+    "test_tensor_parallel.py",
+    "test_quant_kernels_compile.py",  # 22 CPU-s with Triton's cache empty, 4 with it warm
+    "test_hostile_server.py", "test_hf_parity.py", "test_logprobs.py", "test_gguf_engine.py", "test_docs_snippets.py",
+    "test_structured_outputs.py", "test_async_scheduling.py", "test_quant_formats.py", "test_quant_kernels.py",
+    "test_disk_tier.py", "test_tool_server.py", "test_cli_chat.py", "test_quant_decode_kernels.py", "test_fp8_kv.py",
+    "test_bench_agent_replay.py", "test_sampler.py", "test_anthropic.py", "test_vllm_script.py",
+    "test_verify_swap.py",  # its checks' forkserver (~4 CPU-s) is no child --cpu-durations waits for
+    "test_quant_kernels_plans.py", "test_sweep_w4.py", "test_tp_failure.py", "test_hostile_engine.py",
+    "test_server_vllm.py", "test_bench_restart.py", "test_bench.py",
 ]
 
 
