@@ -10,7 +10,6 @@ Under pytest-xdist, HEAVIEST_MODULES_FIRST orders the modules the workers take (
 """
 from __future__ import annotations
 
-import os
 import resource
 import sys
 import time
@@ -73,20 +72,19 @@ def _running_children_cpu_seconds() -> float:
     """The CPU time of this process's children still running, with that of the children they waited for. A
     forkserver outlives the tests that use it and is never waited for: without this, what it and the processes
     forked from it spend would be charged to no test. A child counted here while running and later waited for is
-    counted once: the phase that waits gains its total and loses what it had here. Linux's /proc; 0 elsewhere, and
-    0 until this process has started a forkserver (the scan of /proc costs 1.5 ms, which every test would pay)."""
+    counted once: the phase that waits gains its total and loses what it had here. 0 until this process has started
+    a forkserver (listing the children costs about a millisecond, which every test would pay)."""
     if "multiprocessing.forkserver" not in sys.modules:
         return 0.0
-    me, total = str(os.getpid()), 0
-    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+    import psutil
+    total = 0.0
+    for child in psutil.Process().children():
         try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-        except (OSError, IndexError):
-            continue  # not a process, or one that ended meanwhile
-        if fields[1] == me:  # the parent's pid; then utime, stime, cutime, cstime in clock ticks
-            total += sum(int(x) for x in fields[11:15])
-    return total / os.sysconf("SC_CLK_TCK")
+            times = child.cpu_times()
+        except psutil.Error:  # one that ended meanwhile
+            continue
+        total += times.user + times.system + times.children_user + times.children_system
+    return total
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -11,7 +11,7 @@ import torch
 
 from nanovllm.core.memory_plan import GiB
 from nanovllm.engine import memory_profile
-from nanovllm.utils.nvml import NVML_VALUE_NOT_AVAILABLE, process_gpu_bytes
+from nanovllm.utils.nvml import NVML_VALUE_NOT_AVAILABLE, ProcessInfo, process_gpu_bytes
 
 UUID = "GPU-5e1f0c2a-0000-4000-8000-000000000001"
 
@@ -41,7 +41,7 @@ def test_nvml_gives_this_processs_memory_or_none():
     old_driver = StandInNvml([(me, GiB)])
     old_driver.nvmlDeviceGetComputeRunningProcesses_v3 = None  # no such symbol: getattr's default
     assert process_gpu_bytes(UUID, old_driver) is None
-    assert ctypes.sizeof(process_gpu_bytes.__globals__["ProcessInfo"]) == 24  # nvmlProcessInfo_t's layout
+    assert ctypes.sizeof(ProcessInfo) == 24  # nvmlProcessInfo_t's layout
 
 
 @pytest.fixture

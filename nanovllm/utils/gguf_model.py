@@ -47,6 +47,12 @@ def is_gguf_file(path) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
+def file_version(path: str) -> tuple[str, int, int]:
+    """(absolute path, mtime in ns, size): the key of what is kept from a file, so a rewritten file is read again."""
+    stat = os.stat(path)
+    return os.path.abspath(path), stat.st_mtime_ns, stat.st_size
+
+
 def load_gguf_config(path: str):
     """The Hugging Face config that transformers builds from the GGUF's metadata. A copy of the last file's: `nanovllm
     generate` builds a Config to check its options and the engine another, and each build from the file reads every
@@ -55,8 +61,7 @@ def load_gguf_config(path: str):
     if importlib.util.find_spec("gguf") is None:
         raise ValueError(f"model={path!r} is a GGUF file, and reading one needs the gguf package: pip install gguf "
                          f"(or the project's [convert] extra)")
-    stat = os.stat(path)
-    return copy.deepcopy(_gguf_config(os.path.abspath(path), stat.st_mtime_ns, stat.st_size))
+    return copy.deepcopy(_gguf_config(*file_version(path)))
 
 
 @functools.lru_cache(maxsize=1)
@@ -85,8 +90,7 @@ def load_gguf_tokenizer(path: str):
     has none (then prompts are token ids, as for a directory without tokenizer files). A copy of the last file's:
     `nanovllm generate` tokenizes its prompts before the engine loads its own, and a build from the file reads the
     vocabulary again (0.55 CPU-s for SmolLM2; a copy 0.09)."""
-    stat = os.stat(path)
-    return copy.deepcopy(_gguf_tokenizer(os.path.abspath(path), stat.st_mtime_ns, stat.st_size))
+    return copy.deepcopy(_gguf_tokenizer(*file_version(path)))
 
 
 @functools.lru_cache(maxsize=1)
@@ -154,8 +158,7 @@ def open_gguf(path: str):
     (the vocabulary is read string by string), so the last file's reader is kept: Config reads the tensor types,
     the loader the tensors, from one parse; `close_gguf` lets it go. ValueError naming the file when it is shorter
     than its tensors need or otherwise unreadable."""
-    stat = os.stat(path)
-    return _reader(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+    return _reader(*file_version(path))
 
 
 def close_gguf():
