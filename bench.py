@@ -329,6 +329,8 @@ def main():
     parser.add_argument("--repeat", type=int, default=1, help="with --variants: rounds over the variants")
     parser.add_argument("--gpu-memory-gib", type=float, default=None,
                         help="run as if the GPU had this many GiB (gpu_memory_budget_gib)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="the share of the GPU (or of --gpu-memory-gib) the engine may use")
     parser.add_argument("--quantize-lm-head", default=None, choices=["int8"],
                         help="the LM head (and embedding) in int8 (quantize_lm_head)")
     args = parser.parse_args()
@@ -343,7 +345,8 @@ def main():
               attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
               preemption_mode="recompute", async_scheduling=args.async_scheduling,
               kvcache_block_size=args.kvcache_block_size, kv_cache_dtype=args.kv_cache_dtype,
-              gpu_memory_budget_gib=args.gpu_memory_gib, quantize_lm_head=args.quantize_lm_head)
+              gpu_memory_budget_gib=args.gpu_memory_gib,
+              gpu_memory_utilization=args.gpu_memory_utilization, quantize_lm_head=args.quantize_lm_head)
     print_memory(llm)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     if not args.skip_run:
