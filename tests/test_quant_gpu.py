@@ -47,11 +47,18 @@ def max_error(out: dict, ref_dir: str) -> float:
     return error
 
 
+# steps of at most 32 rows: FP8 weights keep bfloat16 activations there; from 33 rows on (quant_matmul's
+# FP8_ACT_QUANT_MIN_ROWS) the activations are rounded to FP8 too (W8A8), which the bound below, made for weight-only
+# errors, does not allow for; test_quant_kernels_gpu.py bounds the W8A8 GEMM against FP8-rounded activations
+WEIGHT_ONLY_STEPS = dict(max_num_batched_tokens=32)
+
+
 @pytest.mark.parametrize("case", ["awq-g32", "gptq8-asym-g64", "ct-w4-asym-g64", "fp8-block128", "ct-fp8-channel"])
 def test_quantized_checkpoint_on_cuda(quant_root, bases, case):
     quant_dir, ref_dir = quant_pair(quant_root, bases, case)
     assert max_error(run(quant_dir, dtype="float32"), ref_dir) < FLOAT32_TOLERANCE
-    quantized, unquantized = run(quant_dir, dtype="bfloat16"), run(ref_dir, dtype="bfloat16")
+    quantized = run(quant_dir, dtype="bfloat16", **WEIGHT_ONLY_STEPS)
+    unquantized = run(ref_dir, dtype="bfloat16", **WEIGHT_ONLY_STEPS)
     assert max_error(quantized, ref_dir) <= 2 * max_error(unquantized, ref_dir) + 0.02
 
 

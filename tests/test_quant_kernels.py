@@ -22,6 +22,7 @@ import sys
 
 import pytest
 import torch
+from interpreter_support import skip_unless_the_interpreter_loops
 from scripts_in_one_process import run_scripts, script_result
 
 pytest.importorskip("triton")
@@ -166,6 +167,7 @@ print(json.dumps(res))
 
 
 def interpret(script: str) -> list:
+    skip_unless_the_interpreter_loops()
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=900,
@@ -176,6 +178,7 @@ def interpret(script: str) -> list:
 
 def interpret_all(scripts: dict[str, str]) -> dict[str, dict]:
     """Several scripts under the interpreter in one subprocess (tests/scripts_in_one_process.py)."""
+    skip_unless_the_interpreter_loops()
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     return run_scripts(scripts, env)

@@ -28,11 +28,19 @@ def _fp8_tensor_cores() -> bool:
     return torch.cuda.get_device_capability() >= (8, 9)
 
 
-def _check(y, x, w, scale_after_dot: bool, x_ref=None):
-    """The bounds of tests/test_quant_kernels.py, as a fraction of the largest output."""
+# FP8 tensor cores (sm_89, sm_90) add their products in 22-bit floats (13 mantissa bits) over runs of up to 128
+# before fp32 takes the sum (cuBLASLt's and CUTLASS's default accumulation, Triton's FP8 dot likewise), so a W8A8
+# output also carries a few 2^-13 of its |products|' sum; on an H100: 0.129 at 33 rows with per-channel weight
+# scales, 1.3e-3 of the 97.6 that sum reached, past the one output rounding (0.091) that bounds the bf16 paths
+FP8_TENSOR_CORE_SUM_EPS = 2 ** -8
+
+
+def _check(y, x, w, scale_after_dot: bool, x_ref=None, sum_eps: float = 0.0):
+    """The bounds of tests/test_quant_kernels.py, as a fraction of the largest output (plus sum_eps of the largest
+    sum of |products|: FP8_TENSOR_CORE_SUM_EPS for the FP8 tensor cores)."""
     eps = EPS[y.dtype]
     res = errors(y.cpu(), x.cpu(), w.cpu(), None if x_ref is None else x_ref.cpu())
-    bound = eps * res["max_ref"] + (0.0 if scale_after_dot else eps * res["abs_dot"])
+    bound = eps * res["max_ref"] + (0.0 if scale_after_dot else eps * res["abs_dot"]) + sum_eps * res["abs_dot"]
     assert res["err"] <= 1.01 * bound, res
 
 
@@ -67,7 +75,7 @@ def test_fp8_linear_matches_the_reference(M, block):
     y = qm.fp8_linear(x.cuda(), qweight.cuda(), scales.cuda(), block)
     w = dequant_fp8(qweight, scales, *block)
     if qm._w8a8_applies(x.cuda(), K, block[1]):  # per-token (and per-bk-column) FP8 activations
-        _check(y, x, w, True, quantize_act_ref(x, block[1] if scales.shape[1] > 1 else K))
+        _check(y, x, w, True, quantize_act_ref(x, block[1] if scales.shape[1] > 1 else K), FP8_TENSOR_CORE_SUM_EPS)
         res = errors(y.cpu(), x, w)
         assert res["err"] <= 2 ** -4 * res["abs_dot"], res
     else:

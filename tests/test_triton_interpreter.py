@@ -2,13 +2,13 @@
 (nanovllm/kernels/sampling.py), SiLU-and-mul (nanovllm/kernels/activation.py), the decode attention kernel's
 grid orders and split plans, and the prefill kernel with its default and old tiles. The interpreter needs
 TRITON_INTERPRET=1 before triton is imported: each check runs in a subprocess."""
-import functools
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from interpreter_support import skip_unless_the_interpreter_loops
 
 pytest.importorskip("triton", reason="needs triton (the test-triton extra)")
 
@@ -42,34 +42,8 @@ print(json.dumps(res))
 """
 
 
-LOOP_OVER_A_LOADED_BOUND = """
-import torch, triton, triton.language as tl
-@triton.jit
-def k(n_ptr, out_ptr):
-    acc = 0
-    for i in range(0, tl.load(n_ptr + tl.program_id(0))):
-        acc += i
-    tl.store(out_ptr, acc)
-out = torch.zeros(1, dtype=torch.int32)
-k[(1,)](torch.tensor([4], dtype=torch.int32), out)
-assert out.item() == 6, out
-"""
-
-
-@functools.lru_cache(maxsize=None)
-def interpreter_loops_over_loaded_bounds() -> bool:
-    """The kernels loop over a row's context up to a loaded length. Triton 3.6's interpreter turns such a bound into
-    an index with int() on a one-element array, which NumPy 2.4 refuses; later Triton interpreters do not."""
-    proc = subprocess.run([sys.executable, "-c", LOOP_OVER_A_LOADED_BOUND], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
-    # only that failure skips: any other makes the tests run, and fail with their own error
-    return "only 0-dimensional arrays can be converted to Python scalars" not in proc.stderr
-
-
 def interpret(script: str) -> dict:
-    if not interpreter_loops_over_loaded_bounds():
-        pytest.skip("this Triton's interpreter cannot loop up to a loaded bound with this NumPy (Triton 3.6 with "
-                    "NumPy 2.4); the kernels are tested on CUDA by tests/test_triton_kernels.py")
+    skip_unless_the_interpreter_loops()
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
