@@ -1,6 +1,9 @@
-"""Whether this machine's Triton interpreter can run the project's kernels, for the modules that run them on the
-CPU (tests/test_triton_interpreter.py, tests/test_quant_kernels.py and those that use its `interpret`)."""
+"""Triton's interpreter for the modules that run kernels on the CPU (tests/test_triton_interpreter.py,
+tests/test_quant_kernels.py, tests/test_quant_decode_kernels.py, tests/test_sweep_w4.py): its environment, a script
+run under it, and whether this machine's interpreter can run the project's kernels at all. The interpreter needs
+TRITON_INTERPRET=1 before triton is imported, so each script runs in a subprocess."""
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -37,3 +40,18 @@ def skip_unless_the_interpreter_loops():
         pytest.skip("this Triton's interpreter cannot loop up to a loaded bound with this NumPy (Triton 3.6 with "
                     "NumPy 2.4); on CUDA the kernels are tested by tests/test_triton_kernels.py and "
                     "tests/test_quant_kernels_gpu.py")
+
+
+def interpreter_env() -> dict:
+    """The environment of a script under the interpreter; tests/ is on its path (the scripts import its helpers)."""
+    return {**os.environ, "TRITON_INTERPRET": "1",
+            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+
+
+def interpret(script: str):
+    """Run script under the interpreter (skipped where it cannot loop); returns the JSON of its last stdout line."""
+    skip_unless_the_interpreter_loops()
+    proc = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=900,
+                          env=interpreter_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

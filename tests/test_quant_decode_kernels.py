@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
-from test_quant_kernels import interpret  # noqa: E402
+from interpreter_support import interpret  # noqa: E402
 from triton_standin import run_compile_script  # noqa: E402
 
 from nanovllm.kernels import quant_gemm  # noqa: E402

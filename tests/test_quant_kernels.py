@@ -15,14 +15,11 @@ The interpreter computes bf16 dots and int-to-bf16 casts wrongly and rounds some
 the kernels run their dots in fp32 there and let torch round the activations to e4m3 (quant_matmul.py); the GPU
 file checks the real instructions.
 """
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from interpreter_support import skip_unless_the_interpreter_loops
+from interpreter_support import interpreter_env, skip_unless_the_interpreter_loops
 from scripts_in_one_process import run_scripts, script_result
 
 pytest.importorskip("triton")
@@ -166,22 +163,10 @@ print(json.dumps(res))
 """
 
 
-def interpret(script: str) -> list:
-    skip_unless_the_interpreter_loops()
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=900,
-                          env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def interpret_all(scripts: dict[str, str]) -> dict[str, dict]:
     """Several scripts under the interpreter in one subprocess (tests/scripts_in_one_process.py)."""
     skip_unless_the_interpreter_loops()
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    return run_scripts(scripts, env)
+    return run_scripts(scripts, interpreter_env())
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from test_quant_kernels import interpret  # noqa: E402
+from interpreter_support import interpret  # noqa: E402
 
 SWEEP_SCRIPT = """
 import contextlib, io, json, sys

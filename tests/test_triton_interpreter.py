@@ -2,13 +2,9 @@
 (nanovllm/kernels/sampling.py), SiLU-and-mul (nanovllm/kernels/activation.py), the decode attention kernel's
 grid orders and split plans, and the prefill kernel with its default and old tiles. The interpreter needs
 TRITON_INTERPRET=1 before triton is imported: each check runs in a subprocess."""
-import json
-import os
-import subprocess
-import sys
 
 import pytest
-from interpreter_support import skip_unless_the_interpreter_loops
+from interpreter_support import interpret
 
 pytest.importorskip("triton", reason="needs triton (the test-triton extra)")
 
@@ -40,14 +36,6 @@ overflow[2:, 2345] = 4e33  # finite, but x * log2(e) / T overflows float32 at T 
 res["overflow"] = sample_tempered(overflow, torch.tensor([1.0, 0.7, 1e-5, 1e-5]), seed=5).tolist()
 print(json.dumps(res))
 """
-
-
-def interpret(script: str) -> dict:
-    skip_unless_the_interpreter_loops()
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.subprocess
