@@ -45,8 +45,17 @@ class FakeFileSystem:
         monkeypatch.setattr(disk_space, "free_disk_bytes", lambda path: max(0, self.limit_bytes - self.used_bytes()))
 
     def used_bytes(self) -> int:
-        return self.other_bytes + sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(self.root)
+        """The files' sizes now. The I/O threads rename and evict files while this walks: one that is gone before
+        its size is read counts as nothing (its ENOENT used to fail the write that asked, without a retry)."""
+        return self.other_bytes + sum(_size_or_zero(os.path.join(d, f)) for d, _, files in os.walk(self.root)
                                       for f in files)
+
+
+def _size_or_zero(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return 0
 
 
 def block_bytes_for(block_hash: int) -> np.ndarray:
