@@ -255,21 +255,28 @@ def _store_rows(out_ptr, final_ptr, lock_ptr, y0, y1, offs_n, M, N, stride_om, n
 
 
 @triton.jit
+def _nibble_over_16_plus_1(words, s: tl.constexpr):
+    """The float 1 + q / 16 of nibble s (bits 4s..4s+3) of each int32 word: the nibble moved to mantissa bits 19-22
+    and or-ed with the bits of 1.0, a shift and one and-or, exact."""
+    if 4 * s <= 19:
+        bits = words << (19 - 4 * s)
+    else:
+        bits = words >> (4 * s - 19)
+    return ((bits & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _int4_row_dot(words, x_cols, row, M):
     """(sum over s of (1 + q_s / 16) * x[8 w + s], sum over s of x[8 w + s]): [BLOCK_N, BLOCK_K // 8] and
-    [BLOCK_K // 8], fp32, for x_cols pointing at x[8 w] of the step's words w in row `row` (0 past M). The float
-    1 + q / 16 is nibble q moved to mantissa bits 19-22 and or-ed with the bits of 1.0: a shift and one and-or,
-    exact, and its product with a bf16/fp16 x is exact too; the caller takes sum(x q) = 16 * (first - second).
+    [BLOCK_K // 8], fp32, for x_cols pointing at x[8 w] of the step's words w in row `row` (0 past M). The product
+    of 1 + q / 16 (_nibble_over_16_plus_1) with a bf16/fp16 x is exact; the caller takes sum(x q) =
+    16 * (first - second).
     Each thread keeps its words' eight values to itself: no reduction across threads until the end of the kernel."""
     part = tl.zeros(words.shape, dtype=tl.float32)
     x_sum = tl.zeros(x_cols.shape, dtype=tl.float32)
     row_ok = tl.full(x_cols.shape, row, tl.int32) < M  # a tensor: the interpreter takes no scalar mask
     for s in tl.static_range(8):
-        if 4 * s <= 19:
-            bits = words << (19 - 4 * s)
-        else:
-            bits = words >> (4 * s - 19)
-        f = ((bits & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q / 16
+        f = _nibble_over_16_plus_1(words, s)
         x = tl.load(x_cols + s, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_K // 8]
         part += f * x[None, :]
         x_sum += x

@@ -1,7 +1,7 @@
 """4-bit weight-only decode of a few rows (2-16) on the CUDA cores: y[:M] = x[:M] @ dequant(W).T, each packed word
 loaded and unpacked once for all ROWS rows of the program (quant_gemm._int4_gemv_kernel unpacks once for at most
-two). Layout and formula: quant_matmul.py's docstring; the float 1 + q / 16 built from bits and the scale applied
-to per-step sums: quant_gemm._int4_row_dot.
+two). Layout and formula: quant_matmul.py's docstring; the float 1 + q / 16 built from bits
+(quant_gemm._nibble_over_16_plus_1) and the scale applied to per-step sums: quant_gemm._int4_row_dot.
 
 Where it can win, and where not: per packed word it costs ~16 integer ops to unpack eight values, then eight fmas
 per row. At 75% of an H100's copy bandwidth (~0.55e12 words a second) four rows need ~25e12 ops a second of the
@@ -16,7 +16,7 @@ products, which already take ROWS * BLOCK_N * BLOCK_K / 8 values a program.
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.quant_gemm import _group_params, _reduce_splits_if_last, _split_steps
+from nanovllm.kernels.quant_gemm import _group_params, _nibble_over_16_plus_1, _reduce_splits_if_last, _split_steps
 
 
 @triton.jit
@@ -29,11 +29,7 @@ def _int4_rows_dot(words, x_cols, offs_r, M, stride_xm):
     part = tl.zeros([offs_r.shape[0], words.shape[0], words.shape[1]], dtype=tl.float32)
     x_sum = tl.zeros(x_ptrs.shape, dtype=tl.float32)
     for s in tl.static_range(8):
-        if 4 * s <= 19:
-            bits = words << (19 - 4 * s)
-        else:
-            bits = words >> (4 * s - 19)
-        f = ((bits & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q / 16, [BLOCK_N, BLOCK_K // 8]
+        f = _nibble_over_16_plus_1(words, s)  # [BLOCK_N, BLOCK_K // 8]
         x = tl.load(x_ptrs + s, mask=row_ok, other=0.0).to(tl.float32)  # [ROWS, BLOCK_K // 8]
         part += f[None, :, :] * x[:, None, :]
         x_sum += x
