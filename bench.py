@@ -333,6 +333,8 @@ def main():
                         help="the share of the GPU (or of --gpu-memory-gib) the engine may use")
     parser.add_argument("--quantize-lm-head", default=None, choices=["int8"],
                         help="the LM head (and embedding) in int8 (quantize_lm_head)")
+    parser.add_argument("--offload-embedding", action="store_true",
+                        help="the input embedding in pinned host memory (offload_embedding; untied models)")
     args = parser.parse_args()
     if args.variants and _VARIANT_CHILD not in os.environ:
         return run_variants(args.variants, args.repeat)
@@ -346,7 +348,8 @@ def main():
               preemption_mode="recompute", async_scheduling=args.async_scheduling,
               kvcache_block_size=args.kvcache_block_size, kv_cache_dtype=args.kv_cache_dtype,
               gpu_memory_budget_gib=args.gpu_memory_gib,
-              gpu_memory_utilization=args.gpu_memory_utilization, quantize_lm_head=args.quantize_lm_head)
+              gpu_memory_utilization=args.gpu_memory_utilization, quantize_lm_head=args.quantize_lm_head,
+              offload_embedding=args.offload_embedding)
     print_memory(llm)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     if not args.skip_run:

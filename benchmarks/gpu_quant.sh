@@ -6,6 +6,7 @@
 #            qwen3-4b-fp8 (>= 3 GiB), then two diagnostics: 4B FP8 with the int8 (tied) embedding, 8B AWQ with
 #            a 4,096-token step
 #   mem97    the two int8-head starts of mem at --gpu-memory-utilization 0.97
+#   memhost  the 8B AWQ starts of mem with --offload-embedding (its embedding in pinned host memory)
 #   large    bench.py --num-seqs 1024 --kv-cache-dtype fp8 for the three (targets 1.25x / 0.95x bf16; ~70-95 s each)
 #   profile  bench.py --profile-decode / --profile-mixed for the three: where a batch-1 and a large step's time goes
 #   sweep    bench_quant_kernels.py --sweep-w4: the 4-bit decode tiles at 1-16 rows (~2 min); prints the
@@ -83,6 +84,13 @@ for part in "${PARTS[@]}"; do
         step "mem97-$shape-int8head" 60 python bench.py --shape "$shape" --gpu-memory-gib 8 --max-num-seqs 256 \
           --num-seqs 16 --kv-cache-dtype fp8 --quantize-lm-head int8 --gpu-memory-utilization 0.97
       done ;;
+    memhost)
+      # the untied 8B's embedding in pinned host memory (offload_embedding), at 0.9, with and without the int8
+      # head: the KV each gains over mem's same starts, and their tok/s beside them (what the gather costs)
+      step memhost-qwen3-8b-awq 60 python bench.py --shape qwen3-8b-awq --gpu-memory-gib 8 --max-num-seqs 256 \
+        --num-seqs 16 --kv-cache-dtype fp8 --offload-embedding
+      step memhost-qwen3-8b-awq-int8head 60 python bench.py --shape qwen3-8b-awq --gpu-memory-gib 8 \
+        --max-num-seqs 256 --num-seqs 16 --kv-cache-dtype fp8 --quantize-lm-head int8 --offload-embedding ;;
     profile)
       # batch 1 (where each kernel's share of a 4-6 ms step shows), then the large steps of the 1,024-sequence run
       for shape in qwen3-8b qwen3-8b-fp8 qwen3-8b-awq; do
@@ -96,7 +104,7 @@ for part in "${PARTS[@]}"; do
         step "large-$shape" 120 python bench.py --shape "$shape" --num-seqs 1024 --kv-cache-dtype fp8
       done ;;
     *)
-      SUMMARY+=("$part: unknown part (kernels batch1 mem mem97 profile large sweep)") ;;
+      SUMMARY+=("$part: unknown part (kernels batch1 mem mem97 memhost profile large sweep)") ;;
   esac
 done
 

@@ -131,6 +131,11 @@ class Config:
     # "int8": the LM head's weight (and the input embedding's, one tensor when tied) rounded to int8 at load, with
     # a float32 scale per vocabulary row: half the bytes read by every step's head (1.2 GB of bf16 on Qwen3-8B)
     quantize_lm_head: str | None = None
+    # True: the input embedding stays in pinned host memory and the GPU reads a step's rows from there over PCIe
+    # (nanovllm/kernels/host_embedding.py): its GPU memory goes to the KV cache (Qwen3-8B's: 1.2 GB of bf16). Needs
+    # an embedding apart from the LM head (untied), which reads every row each step; on a CPU device every weight
+    # is in host memory already and it changes nothing
+    offload_embedding: bool = False
     # --- vLLM's LLM(...) options
     tokenizer: str | None = None  # a tokenizer directory other than the model's (None: the model's own)
     trust_remote_code: bool = False  # True is refused: this engine runs only its own model code
@@ -166,7 +171,7 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
                 raise ValueError(f"{name}={value!r} must be a finite number")
-        for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
+        for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling", "offload_embedding"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "async_scheduling" and value is None):
                 raise ValueError(f"{name}={value!r} must be True or False")
@@ -192,6 +197,10 @@ class Config:
         self._check_model_shape()
         self._check_kv_cache_dtype()
         self._check_quantization()
+        if self.offload_embedding and getattr(self.hf_config, "tie_word_embeddings", False):
+            raise ValueError("offload_embedding=True needs an embedding apart from the LM head: this model ties them "
+                             "(tie_word_embeddings), and the head reads every row each step, so the table stays on "
+                             "the GPU; pass offload_embedding=False")
 
     def _check_quantization(self):
         """The checkpoint's quantization_config read and checked against the model's shapes, before any weight

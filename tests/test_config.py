@@ -84,7 +84,8 @@ def test_integer_options_must_be_positive_ints(qwen3_dir, name, value):
 @pytest.mark.parametrize("name, value, message", [
     ("swap_space", "1", "must be a finite number"), ("gpu_memory_utilization", float("nan"), "must be a finite number"),
     ("enable_prefix_caching", "no", "must be True or False"), ("enforce_eager", 1, "must be True or False"),
-    ("async_scheduling", "no", "must be True or False"), ("seed", "x", "must be an int")])
+    ("async_scheduling", "no", "must be True or False"), ("offload_embedding", 1, "must be True or False"),
+    ("seed", "x", "must be an int")])
 def test_mistyped_options_are_value_errors(qwen3_dir, name, value, message):
     """async_scheduling="no" is a true string: it used to switch asynchronous scheduling on."""
     with pytest.raises(ValueError, match=f"{name}={value!r} {message}"):
@@ -117,3 +118,10 @@ def test_an_intermediate_size_that_does_not_split_over_the_ranks_is_refused(tmp_
     with pytest.raises(ValueError, match="intermediate_size=130 is not divisible by tensor_parallel_size=3"):
         Config(_write_llama(tmp_path, intermediate_size=130, num_attention_heads=3, num_key_value_heads=3,
                             hidden_size=48), tensor_parallel_size=3)
+
+
+def test_an_offloaded_embedding_needs_an_untied_head(qwen3_dir, llama_dir):
+    """A tied head reads every row of the table each step: it cannot stay in host memory."""
+    with pytest.raises(ValueError, match=r"offload_embedding=True needs an embedding apart from the LM head"):
+        Config(qwen3_dir, offload_embedding=True)  # tie_word_embeddings=True
+    assert Config(llama_dir, offload_embedding=True).offload_embedding

@@ -24,7 +24,8 @@ with LLM(model, **kwargs) as llm:
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0),
                         use_tqdm=False)
     lps = [[None] + [next(iter(e.values())).logprob for e in o["prompt_logprobs"][1:]] for o in outs]
-    print(json.dumps({"token_ids": [o["token_ids"] for o in outs], "prompt_logprobs": lps}))
+    print(json.dumps({"token_ids": [o["token_ids"] for o in outs], "prompt_logprobs": lps,
+                      "weights_bytes": llm.memory_breakdown["weights"]}))
 """
 
 
@@ -71,3 +72,16 @@ def test_int8_lm_head_on_cuda(bases):
                                                        run(bases["llama"], dtype="float32")["prompt_logprobs"])
                             for a, b in zip(x[1:], y[1:]))
     assert error <= 2 * unquantized_error + 0.02
+
+
+@pytest.mark.parametrize("quantize_lm_head", [None, "int8"])
+def test_an_offloaded_embedding_changes_nothing_but_the_gpu_memory(bases, quantize_lm_head):
+    """offload_embedding: the GPU gathers the untied Llama's embedding rows from pinned host memory, under CUDA
+    graphs and async scheduling. The same tokens and logprobs, exactly, and the table's bytes off the GPU."""
+    on_gpu = run(bases["llama"], dtype="bfloat16", quantize_lm_head=quantize_lm_head)
+    on_host = run(bases["llama"], dtype="bfloat16", quantize_lm_head=quantize_lm_head, offload_embedding=True)
+    assert on_host["token_ids"] == on_gpu["token_ids"] and on_host["prompt_logprobs"] == on_gpu["prompt_logprobs"]
+    with open(os.path.join(bases["llama"], "config.json")) as f:
+        hf = json.load(f)
+    row_bytes = hf["hidden_size"] + 4 if quantize_lm_head == "int8" else 2 * hf["hidden_size"]  # + a float32 scale
+    assert on_gpu["weights_bytes"] - on_host["weights_bytes"] == pytest.approx(hf["vocab_size"] * row_bytes, abs=1024)

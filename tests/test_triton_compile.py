@@ -26,7 +26,7 @@ TARGET_CC, SHARED_LIMIT_BYTES = int(sys.argv[1]), int(sys.argv[2])
 compiled = compile_instead_of_launching(TARGET_CC, SHARED_LIMIT_BYTES)
 
 from nanovllm.kernels import activation, rope_store, sampling
-from nanovllm.kernels import decode_attention, prefill_attention, store_kv
+from nanovllm.kernels import decode_attention, host_embedding, prefill_attention, store_kv
 
 T = 5
 CASES = [  # dtype, head_dim, block_size, (num_heads, num_kv_heads): the engine's shapes, then the edge cases
@@ -81,6 +81,9 @@ for kv_cache_dtype in ("fp8_e4m3", "fp8_e5m2"):  # FP8 caches: uint8 blocks view
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
     activation.silu_and_mul(torch.randn(T, 2 * 3072, dtype=dtype))
     sampling.sample_tempered(torch.randn(3, 151936, dtype=dtype), torch.ones(3), seed=1)
+ids = torch.tensor([1, 2], dtype=torch.int64)  # the offloaded embedding, its model-dtype and int8 tables
+host_embedding.gather_rows(ids, torch.zeros(8, 4096, dtype=torch.bfloat16), None, 0, torch.bfloat16)
+host_embedding.gather_rows(ids, torch.zeros(8, 4096, dtype=torch.int8), torch.ones(8, 1), 0, torch.bfloat16)
 print(" ".join(sorted(compiled)))
 """
 
@@ -91,5 +94,5 @@ def test_every_triton_kernel_compiles_within_shared_memory(cc, shared_limit_byte
     proc = run_compile_script(COMPILE_ALL, [cc, shared_limit_bytes], timeout_s=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["_chunk_stats_kernel", "_decode_kernel", "_decode_reduce_kernel",
-                                   "_prefill_kernel", "_rope_store_kernel", "_row_sample_kernel",
+                                   "_gather_rows_kernel", "_prefill_kernel", "_rope_store_kernel", "_row_sample_kernel",
                                    "_silu_and_mul_kernel", "_store_kvcache_kernel"]

@@ -78,6 +78,38 @@ def test_triton_silu_and_mul_matches_torch():
     assert res["empty"] == [0, 4]
 
 
+HOST_EMBEDDING = """
+import json
+import torch
+import torch.nn.functional as F
+from nanovllm.kernels.host_embedding import gather_rows
+from nanovllm.layers.embed_head import quantize_rows_int8
+torch.manual_seed(0)
+res = {}
+table = torch.randn(50, 1500).to(torch.bfloat16)  # 1,500 columns: one full block of 1,024 and a partial one
+ids = torch.tensor([3, 0, 49, 3, 17])
+for id_dtype in (torch.int64, torch.int32):
+    res[str(id_dtype)] = torch.equal(gather_rows(ids.to(id_dtype), table, None, 0, torch.bfloat16),
+                                     F.embedding(ids, table))
+q, scales = quantize_rows_int8(table)  # what the layer does: q * scale in float32, then the model's dtype
+want = F.embedding(ids, q).float() * F.embedding(ids, scales)
+# in float32: the interpreter's float32 -> bfloat16 truncates where CUDA rounds (tests/test_quant_gpu.py runs that)
+res["int8"] = torch.equal(gather_rows(ids, q, scales, 0, torch.float32), want)
+shard = table[20:40].contiguous()  # a tensor-parallel rank's rows 20..39: other ranks' ids read zeros
+got = gather_rows(torch.tensor([19, 20, 39, 40, 25]), shard, None, 20, torch.bfloat16)
+res["shard"] = torch.equal(got[[1, 2, 4]], table[[20, 39, 25]]) and not got[[0, 3]].any().item()
+res["empty"] = list(gather_rows(torch.zeros(0, dtype=torch.int64), table, None, 0, torch.bfloat16).shape)
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.subprocess
+def test_host_embedding_gather_is_the_embedding_lookup():
+    """nanovllm/kernels/host_embedding.py (offload_embedding): the same rows, exactly, as F.embedding."""
+    assert interpret(HOST_EMBEDDING) == {"torch.int64": True, "torch.int32": True, "int8": True, "shard": True,
+                                         "empty": [0, 1500]}
+
+
 DECODE_HELPERS = """
 def reference(q, k_cache, v_cache, lens, tables):  # decode attention in float32 torch, [B, H, D]; empty row: zeros
     B, H, D = q.shape

@@ -100,7 +100,8 @@ class ModelRunner:
             torch.manual_seed(config.seed)
             with self.device:
                 model = DecoderForCausalLM(config.hf_config, family, config.quant_spec, config.quantize_lm_head,
-                                           config.mlp_chunk_tokens)
+                                           config.mlp_chunk_tokens,
+                                           embedding_on_host=config.offload_embedding and self.device.type == "cuda")
         finally:
             torch.set_default_dtype(default_dtype)
         load_model_weights(model, config.model, config.load_format, config.seed)

@@ -47,6 +47,8 @@ HELP = {
     "quantization": "the checkpoint's quantization: default (or 'auto') its config.json's quantization_config; "
                     "awq, gptq, compressed-tensors or fp8 must agree with it",
     "quantize_lm_head": "'int8': the LM head (and input embedding) as int8 with a scale per vocabulary row",
+    "offload_embedding": "keep the input embedding in pinned host memory, read over PCIe a step's rows at a time "
+                         "(its GPU memory goes to the KV cache; untied embeddings only)",
     "generation_config": "sampling defaults for unset options: 'auto' from the model's generation_config.json, "
                          "'vllm' none, or a directory holding one",
 }

@@ -33,13 +33,17 @@ def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int, int8_weight: bool = False):
+    def __init__(self, num_embeddings: int, embedding_dim: int, int8_weight: bool = False, on_host: bool = False):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.num_embeddings = num_embeddings
         self.num_per_rank = (num_embeddings + self.tp_size - 1) // self.tp_size
         self.vocab_start = self.num_per_rank * self.tp_rank
-        self.weight = nn.Parameter(torch.empty(self.num_per_rank, embedding_dim), requires_grad=False)
+        # on_host (Config.offload_embedding, on a GPU): the table is made and loaded in host memory, never on the
+        # GPU, and pinned once loaded (pin_host_table), where the GPU's gather reads it
+        self.on_host = on_host
+        self.weight = nn.Parameter(torch.empty(self.num_per_rank, embedding_dim, device="cpu" if on_host else None),
+                                   requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.int8_weight = int8_weight
         self.dtype = self.weight.dtype  # the model's: what the embedding returns, also from int8 rows
@@ -60,6 +64,13 @@ class VocabParallelEmbedding(nn.Module):
             self.weight = nn.Parameter(q, requires_grad=False)
             self.scales = nn.Parameter(scales, requires_grad=False)
 
+    def pin_host_table(self):
+        """Once loaded (and rounded to int8, if asked): a host table into pinned memory, which the GPU can read."""
+        if self.on_host and not self.weight.is_pinned():
+            self.weight = nn.Parameter(self.weight.data.pin_memory(), requires_grad=False)
+            if self.scales is not None:
+                self.scales = nn.Parameter(self.scales.data.pin_memory(), requires_grad=False)
+
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.scales is None:
             return F.embedding(ids, self.weight)
@@ -67,12 +78,17 @@ class VocabParallelEmbedding(nn.Module):
         return rows.to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+        if self.weight.device != x.device:  # a host table: the GPU gathers the rows, other ranks' ids as zeros
+            from nanovllm.kernels.host_embedding import gather_rows
+            y = gather_rows(x, self.weight, self.scales, self.vocab_start, self.dtype)
+        elif self.tp_size == 1:
             return self.lookup(x)
-        local = x - self.vocab_start
-        mask = (local >= 0) & (local < self.num_per_rank)
-        y = self.lookup(local.clamp(0, self.num_per_rank - 1)) * mask.unsqueeze(-1)
-        dist.all_reduce(y)
+        else:
+            local = x - self.vocab_start
+            mask = (local >= 0) & (local < self.num_per_rank)
+            y = self.lookup(local.clamp(0, self.num_per_rank - 1)) * mask.unsqueeze(-1)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
         return y
 
 

@@ -138,9 +138,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, hf, family: str, quant_spec: QuantSpec | None = None, int8_vocab: bool = False):
+    def __init__(self, hf, family: str, quant_spec: QuantSpec | None = None, int8_vocab: bool = False,
+                 embedding_on_host: bool = False):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size, int8_vocab)
+        self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size, int8_vocab, embedding_on_host)
         # one cos/sin table for all layers: a copy per layer cost 28 x 20 MiB (0.55 GiB) at Qwen3's 40,960
         # positions, memory that the KV of an 8 GiB card went without
         rotary_emb = RotaryEmbedding(head_dim_of(hf), hf.max_position_embeddings, rope_parameters(hf)["rope_theta"])
@@ -166,10 +167,10 @@ class DecoderForCausalLM(nn.Module):
     }
 
     def __init__(self, hf, family: str, quant_spec: QuantSpec | None = None, quantize_lm_head: str | None = None,
-                 mlp_chunk_tokens: int | None = None):
+                 mlp_chunk_tokens: int | None = None, embedding_on_host: bool = False):
         super().__init__()
         int8_vocab = quantize_lm_head == "int8"  # the LM head and the input embedding as int8 (embed_head.py)
-        self.model = DecoderModel(hf, family, quant_spec, int8_vocab)
+        self.model = DecoderModel(hf, family, quant_spec, int8_vocab, embedding_on_host)
         for layer in self.model.layers:
             layer.mlp_chunk_tokens = mlp_chunk_tokens
         self.quant_spec = quant_spec  # None: unquantized; the loader asks it which checkpoint tensors no layer reads
@@ -182,9 +183,11 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def process_weights_after_loading(self):
-        """Once the weights are in: the vocabulary weights to int8 when asked; a tied head shares the embedding's."""
+        """Once the weights are in: the vocabulary weights to int8 when asked, a host embedding pinned; a tied head
+        shares the embedding's."""
         embed = self.model.embed_tokens
         embed.quantize_weight()
+        embed.pin_host_table()
         if self.tie_word_embeddings:
             self.lm_head.weight, self.lm_head.scales = embed.weight, embed.scales
         else:

@@ -126,12 +126,18 @@ def _map_name(name: str, packed: dict) -> tuple[str, object]:
 def init_dummy_weights(model: nn.Module, seed: int):
     """Random weights from config.json alone, for benchmarks: normal(0, 0.02), norms at 1; quantized layers get
     random values of their layout with about the same spread (QuantLinearMethod.init_dummy)."""
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    generators = {}  # device -> its generator: an offloaded embedding is drawn in host memory (offload_embedding)
+
+    def generator(device: torch.device) -> torch.Generator:
+        if device not in generators:
+            generators[device] = torch.Generator(device=device).manual_seed(seed)
+        return generators[device]
+
     quantized = set()
     for prefix, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         if method is not None and method.is_quantized:
-            method.init_dummy(module, generator)
+            method.init_dummy(module, generator(next(module.parameters()).device))
             quantized.update(f"{prefix}.{name}" for name, _ in module.named_parameters(recurse=False))
     for name, param in model.named_parameters():
         if name in quantized and not name.endswith(".bias"):
@@ -139,6 +145,6 @@ def init_dummy_weights(model: nn.Module, seed: int):
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         else:
-            param.data.normal_(0.0, 0.02, generator=generator)
+            param.data.normal_(0.0, 0.02, generator=generator(param.device))
     if hasattr(model, "process_weights_after_loading"):
         model.process_weights_after_loading()
