@@ -28,7 +28,7 @@ from nanovllm_offload.offload_manager import OffloadManager
 class InFlightStep:
     """A launched step whose tokens are not read back yet."""
     rows: list  # Scheduler.advance's rows: which sequence takes which sampled token (Scheduler.resolve)
-    sampled: SampledTokens  # rank 0's sampled tokens, still on the device
+    sampled: SampledTokens  # rank 0's sampled tokens, still on the device (a constrained step's: maybe not sampled)
     logprob_rows: LogprobRows | None  # who owns the step's logprob rows; None when no sequence asked for logprobs
 
 
@@ -137,6 +137,8 @@ class EngineCore:
         self._check_progress(out)
         plan, sample_seqs = self._plan(out)
         logprob_rows = add_logprob_rows(plan, out, sample_seqs) if self._logprob_seq_ids else None
+        if self._in_flight is not None:  # a constrained step's sampler, deferred while its masks filled, goes first
+            self._in_flight.sampled.complete()
         # execute: launch this step, then read the previous one back while this one runs
         finished = []  # structured outputs: a constrained step reads back the previous one before it samples
         sampled = self.executor.launch(plan, sample_seqs,

@@ -160,7 +160,8 @@ class ModelRunner:
                grammar_mask=None) -> "SampledTokens":
         """Like run, without waiting: the sampled tokens come back through the returned handle, so the host can
         schedule the next step while this one runs on the GPU. grammar_mask (rank 0, structured outputs): the
-        step's StepMask (nanovllm/engine/structured_outputs.py), whose masks the host fills while the forward runs."""
+        step's StepMask (nanovllm/engine/structured_outputs.py), whose masks the host fills while the forward runs;
+        the sampler then waits for them, so it is left to the handle's `complete` (SampledTokens)."""
         if self.copy_engine is not None:
             self.copy_engine.issue_step_copies(plan.swap_out, plan.swap_in, plan.new_gpu_block_ids, plan.block_tables,
                                                plan.store_id, plan.load_id)
@@ -175,8 +176,23 @@ class ModelRunner:
             return SampledTokens(None)
         if logits is None:
             return SampledTokens(None, prompt_logprobs)
-        if grammar_mask is not None:  # structured outputs: the host builds the masks while the forward runs
-            logits = self._apply_grammar(logits, grammar_mask)
+        if grammar_mask is None:
+            return SampledTokens(*self._sample(plan, sample_seqs, logits, prompt_logprobs))
+        # structured outputs: the host fills the masks while the forward runs (begun before it on a CPU), and the
+        # sampler, which waits for them, is launched by SampledTokens.complete once the next step is scheduled
+        if not grammar_mask.is_begun:
+            grammar_mask.begin(self._token_bitmask().host_masks())
+        return SampledTokens(sample=lambda: self._sample_constrained(plan, sample_seqs, logits, prompt_logprobs,
+                                                                     grammar_mask))
+
+    @torch.inference_mode()  # it runs after launch has returned
+    def _sample_constrained(self, plan: StepPlan, sample_seqs: list[Sequence], logits: torch.Tensor,
+                            prompt_logprobs: tuple[torch.Tensor, ...] | None, grammar_mask):
+        return self._sample(plan, sample_seqs, self._apply_grammar(logits, grammar_mask), prompt_logprobs)
+
+    def _sample(self, plan: StepPlan, sample_seqs: list[Sequence], logits: torch.Tensor,
+                prompt_logprobs: tuple[torch.Tensor, ...] | None):
+        """(the sampled tokens, the logprob rows: the sample rows' then the prompt rows') of the step's logits."""
         rows = to_device(plan.sample_logprob_rows, torch.int64, self.device) if plan.sample_logprob_rows else None
         # the logprob rows' raw logits (an index copy: the sampler masks and biases `logits` in place, and logprobs
         # are of the model's own distribution, vLLM's raw_logprobs), turned into logprobs in chunks once sampled
@@ -189,7 +205,7 @@ class ModelRunner:
         if raw_rows is not None:
             sample_logprobs = logprobs_of(raw_rows, sampling.last_sampled[rows], plan.num_top_logprobs)
             prompt_logprobs = _cat_rows(sample_logprobs, prompt_logprobs)
-        return SampledTokens(sampling.last_sampled, prompt_logprobs)
+        return sampling.last_sampled, prompt_logprobs
 
     def _token_bitmask(self) -> TokenBitmask:
         if self.token_bitmask is None:
@@ -197,10 +213,7 @@ class ModelRunner:
         return self.token_bitmask
 
     def _apply_grammar(self, logits: torch.Tensor, step_mask) -> torch.Tensor:
-        """The step's masks (StepMask: begun here once the forward is launched, unless before it on a CPU) applied
-        to their rows' logits in place."""
-        if not step_mask.is_begun:
-            step_mask.begin(self._token_bitmask().host_masks())
+        """The step's masks (a begun StepMask), once filled, applied to their rows' logits in place."""
         rows = step_mask.rows()
         return logits if rows is None else self.token_bitmask.apply(logits, rows)
 

@@ -70,15 +70,32 @@ class StepInputs:
 
 class SampledTokens:
     """Token ids sampled by a launched step, and the logprob rows it computed (chosen_and_top's three tensors,
-    sample rows then prompt rows), on their way to the host: pinned copies and an event on CUDA."""
+    sample rows then prompt rows), on their way to the host: pinned copies and an event on CUDA.
+    A constrained step's sampler waits for its masks, which fill on the host while the forward runs: it is passed
+    as `sample` (returning the two) and launched by `complete`, so that the engine schedules the next step while
+    the masks fill. It must be complete before the next step's forward is launched (that forward reads its tokens);
+    tolist completes it too."""
 
-    def __init__(self, sampled: torch.Tensor | None, logprobs: tuple[torch.Tensor, ...] | None = None):
+    def __init__(self, sampled: torch.Tensor | None = None, logprobs: tuple[torch.Tensor, ...] | None = None,
+                 sample=None):
         self.event = None
-        self.host, self.logprobs = sampled, logprobs
+        self.host = self.logprobs = None
         # when the tokens were computed: the time their sequences' metrics get. On the CPU the step ran before
         # launch returned, and the host reads it back only after computing the next one (asynchronous scheduling):
         # that read's time would shift every token by a step and make the last gap ~0
         self.ready_time: float | None = None
+        self._sample = sample
+        if sample is None:
+            self._take(sampled, logprobs)
+
+    def complete(self):
+        """Launch the deferred sampler, if there is one and it has not run."""
+        if self._sample is not None:
+            sample, self._sample = self._sample, None
+            self._take(*sample())
+
+    def _take(self, sampled: torch.Tensor | None, logprobs: tuple[torch.Tensor, ...] | None):
+        self.host, self.logprobs = sampled, logprobs
         if not any(t is not None and t.is_cuda for t in (sampled, *(logprobs or ()))):
             self.ready_time = time.perf_counter()
             return
@@ -94,6 +111,7 @@ class SampledTokens:
         return host.copy_(t, non_blocking=True)
 
     def tolist(self) -> list[int]:
+        self.complete()
         if self.event is not None:
             self.event.synchronize()
             self.ready_time = self.ready_time or time.perf_counter()
