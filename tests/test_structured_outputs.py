@@ -278,6 +278,24 @@ def test_async_and_sync_scheduling_give_the_same_tokens(tok_model_dir):
         jsonschema.validate(json.loads(sample[2]), schemas[1])
 
 
+def test_a_constrained_steps_sampler_waits_until_the_next_step_is_scheduled(llm, monkeypatch):
+    """The masks fill while the host schedules the next step: a constrained step's sampler is launched after the next
+    schedule and before the next forward (a free step samples at once). Events in order, for one request of four
+    tokens under asynchronous scheduling."""
+    events = []
+    core, runner = llm.core, llm.executor.runner
+    for owner, name, event in [(core.scheduler, "schedule", "schedule"), (runner, "_sample", "sample"),
+                               (runner, "forward", "forward")]:
+        original = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _f=original, _e=event, **k: events.append(_e) or _f(*a, **k))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate(["Go:"], [params], use_tqdm=False)
+    assert events[:6] == ["schedule", "forward", "sample", "schedule", "forward", "sample"]
+    events.clear()
+    llm.generate(["Go:"], [constrained(max_tokens=4, regex="[a-z]{9}")], use_tqdm=False)
+    assert events[:7] == ["schedule", "forward", "schedule", "sample", "forward", "schedule", "sample"], events
+
+
 PREEMPTED_SCHEMAS = all_schemas()[::6]
 PREEMPTED_PROMPTS = [f"Request {i}: " + "answer in JSON, " * 6 for i in range(len(PREEMPTED_SCHEMAS))]  # ~5 blocks
 
