@@ -78,7 +78,7 @@ class VocabParallelEmbedding(nn.Module):
         return rows.to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.device != x.device:  # a host table: the GPU gathers the rows, other ranks' ids as zeros
+        if self.on_host:  # the GPU gathers the rows from the host table, other ranks' ids as zeros
             from nanovllm.kernels.host_embedding import gather_rows
             y = gather_rows(x, self.weight, self.scales, self.vocab_start, self.dtype)
         elif self.tp_size == 1:
