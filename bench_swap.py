@@ -229,8 +229,9 @@ def _check_progress(counts: dict, is_empty: bool, what: str):
         raise RuntimeError(f"{what}: no progress")
 
 
-def print_simulation(scenario: str, results: list[dict]):
-    print(f"\n## {scenario} (simulated scheduling, no model): {SCENARIOS[scenario]}")
+def print_simulation(scenario: str, results: list[dict], shape: str | None):
+    described = dict(SCENARIOS[scenario], **({"shape": shape} if shape else {}))  # --shape named in the heading
+    print(f"\n## {scenario} (simulated scheduling, no model): {described}")
     head = ("mode", "block", "GPU blocks", "steps", "decode steps", "avg batch", "preempt swap/recomp", "recomputed",
             "prompt tok computed", "GPU hits", "host hits")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
@@ -322,7 +323,7 @@ def main():
         modes = [m for m in (args.modes or modes_here) if m in modes_here]
         if args.simulate:
             results = [simulate(scenario, m, num_seqs_of(scenario, args), args) for m in modes if m != "unpressured"]
-            print_simulation(scenario, results)
+            print_simulation(scenario, results, args.shape)
         elif scenario == "laptop-agent-restart":
             results = run_restart(modes, args, lambda *run: run_child(*run, args=args))
             num_failed += len(modes) + 1 - len(results)  # "before" too

@@ -102,6 +102,11 @@ def simulated_num_gpu_blocks(scenario: str, config, block_bytes: int, args) -> i
         return int(args.kv_gib * GiB) // args.tensor_parallel_size // block_bytes
     if config.gpu_memory_budget_gib is None:
         raise ValueError("--simulate sizes the KV from the card's memory: pass --gpu-memory-gib N (not 0) or --kv-gib")
+    quantization = getattr(config.hf_config, "quantization_config", None)
+    if quantization:  # num_parameters counts bf16 bytes: a quantized shape's KV would come out gigabytes short
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"--simulate sizes the KV from bf16 weights, and this shape's weights are quantized "
+                         f"({method}): pass --kv-gib with the KV its GPU run logs at start-up")
     card = int(config.gpu_memory_budget_gib * GiB)
     weights = 2 * num_parameters(config.hf_config) // config.tensor_parallel_size  # bf16
     activation_peak = int(LAPTOP_SCENARIOS[scenario]["assumed_activation_peak_gib"] * GiB)

@@ -77,3 +77,13 @@ def test_the_agent_workload_at_token_scale_1_is_the_issues():
     short_system, short_tools, short_max_tokens = bench_swap.agent_workload(2, 8, token_scale=0.05)
     assert len(short_system) == 102 and all(25 <= len(t) <= 150 for s in short_tools for t in s)
     assert all(10 <= m <= 40 for s in short_max_tokens for m in s)
+
+
+def test_simulate_refuses_to_size_a_quantized_shapes_kv_from_bf16_weights():
+    """--simulate counts bf16 weights; for a quantized preset that would leave the 4B FP8 no KV at all (a "no
+    progress" error that blamed the scheduler), so it asks for --kv-gib, and runs with it."""
+    base = ["--scenario", "laptop-reasoning", "--simulate", "--shape", "qwen3-4b-fp8", "--kv-cache-dtype", "fp8"]
+    with pytest.raises(ValueError, match=r"quantized \(fp8\): pass --kv-gib"):
+        bench_swap.simulate("laptop-reasoning", "swap", 4, bench_swap.parse_args(base))
+    run = bench_swap.simulate("laptop-reasoning", "swap", 4, bench_swap.parse_args(base + ["--kv-gib", "3"]))
+    assert run["num_gpu_blocks"] > 0 and run["recomputed_tokens"] == 0
