@@ -266,20 +266,34 @@ def _nibble_over_16_plus_1(words, s: tl.constexpr):
 
 
 @triton.jit
+def _x_by_nibble(x_cols, row_ok):
+    """x[8 w + s] as eight [BLOCK_K // 8] fp32 vectors, s = 0..7, for x_cols pointing at x[8 w]: one [BLOCK_K // 8, 8]
+    load (a word's 8 values are 16 contiguous bytes, one vector load) split in registers. Loaded one nibble at a time,
+    strided by 16 bytes, they took a load and a zero-fill per value a thread, a seventh of the one-row kernel's loop
+    on sm_90 (benchmarks/sass_loop.py counts it)."""
+    x = tl.load(x_cols[:, None] + tl.arange(0, 8)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    x = tl.reshape(x, (x.shape[0], 2, 2, 2))  # [w, s // 4, s // 2 % 2, s % 2]
+    x_s_even, x_s_odd = tl.split(x)
+    x0, x4 = tl.split(tl.split(x_s_even)[0])
+    x2, x6 = tl.split(tl.split(x_s_even)[1])
+    x1, x5 = tl.split(tl.split(x_s_odd)[0])
+    x3, x7 = tl.split(tl.split(x_s_odd)[1])
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
 def _int4_row_dot(words, x_cols, row, M):
     """(sum over s of (1 + q_s / 16) * x[8 w + s], sum over s of x[8 w + s]): [BLOCK_N, BLOCK_K // 8] and
     [BLOCK_K // 8], fp32, for x_cols pointing at x[8 w] of the step's words w in row `row` (0 past M). The product
     of 1 + q / 16 (_nibble_over_16_plus_1) with a bf16/fp16 x is exact; the caller takes sum(x q) =
     16 * (first - second).
     Each thread keeps its words' eight values to itself: no reduction across threads until the end of the kernel."""
-    part = tl.zeros(words.shape, dtype=tl.float32)
-    x_sum = tl.zeros(x_cols.shape, dtype=tl.float32)
     row_ok = tl.full(x_cols.shape, row, tl.int32) < M  # a tensor: the interpreter takes no scalar mask
+    xs = _x_by_nibble(x_cols, row_ok)
+    part = tl.zeros(words.shape, dtype=tl.float32)
     for s in tl.static_range(8):
-        f = _nibble_over_16_plus_1(words, s)
-        x = tl.load(x_cols + s, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_K // 8]
-        part += f * x[None, :]
-        x_sum += x
+        part += _nibble_over_16_plus_1(words, s) * xs[s][None, :]
+    x_sum = ((xs[0] + xs[1]) + (xs[2] + xs[3])) + ((xs[4] + xs[5]) + (xs[6] + xs[7]))
     return part, x_sum
 
 
