@@ -329,10 +329,12 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_ptr, 
         # sum(x q) s + sum(x) mn = 16 s sum(x (1 + q / 16)) + (mn - 16 s) sum(x)
         s, bias = _group_params(s_ptr, m_ptr, offs_n, k0 // GROUP_K, N, stride_sn, stride_mn, 1, HAS_MINS, 16.0)
         part, x_sum = _int4_row_dot(words, x_cols, 0, M)
-        acc0 += (16.0 * s)[:, None] * part + bias[:, None] * x_sum[None, :]
+        acc0 += (16.0 * s)[:, None] * part  # two fmas an element, where one sum of both terms took three ops
+        acc0 += bias[:, None] * x_sum[None, :]
         if TWO_ROWS:
             part, x_sum = _int4_row_dot(words, x_cols + stride_xm, 1, M)
-            acc1 += (16.0 * s)[:, None] * part + bias[:, None] * x_sum[None, :]
+            acc1 += (16.0 * s)[:, None] * part
+            acc1 += bias[:, None] * x_sum[None, :]
         words = next_words
     _store_rows(out_ptr, final_ptr, lock_ptr, tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), offs_n, M, N, stride_om,
                 num_splits, stride_split, REDUCE_SPLITS, TWO_ROWS)
