@@ -91,6 +91,37 @@ def test_decode_kernels_match_the_contract_dequantization():
         "multi_row": True, "block_m": 8, "block_n": 32, "block_k": 64}
 
 
+GEMV_MAGNITUDES_SCRIPT = """
+import json
+import torch
+from test_quant_kernels import dequant_int, errors, make_int_weight
+from nanovllm.kernels import quant_plans, quant_matmul as qm
+res = []
+BF16_MAGNITUDES, FP16_MAGNITUDES = (2.0 ** -40, 2.0 ** -20, 1.0, 2.0 ** 20, 2.0 ** 40), (2.0 ** -10, 1.0, 2.0 ** 11)
+for M, x_dtype, mins_dtype, magnitudes in [(1, torch.bfloat16, torch.float32, BF16_MAGNITUDES),
+                                           (2, torch.bfloat16, None, BF16_MAGNITUDES),
+                                           (1, torch.float16, None, FP16_MAGNITUDES),
+                                           (2, torch.float16, torch.float32, FP16_MAGNITUDES)]:
+    qweight, q, scales, mins = make_int_weight(48, 512, 128, 4, torch.float16, mins_dtype)
+    w = dequant_int(q, scales, mins, 128)
+    for magnitude in magnitudes:
+        x = (torch.randn(M, 512, generator=torch.Generator().manual_seed(M)) * magnitude).to(x_dtype)
+        plan = quant_plans.plan_weight_only(M, 48, 512, 128, weight_kind=0)
+        y = qm.weight_only_linear(x, qweight, scales, mins, 0, 1, 128, plan)
+        res.append(dict(errors(y, x, w), dtype=str(x.dtype), cuda_cores=plan.cuda_cores, magnitude=magnitude))
+print(json.dumps(res))
+"""
+
+
+def test_the_one_and_two_row_kernel_is_exact_to_an_output_rounding_at_any_activation_magnitude():
+    """Its products are q x 2^-69 of subnormal nibble floats (quant_gemm._int4_row_dot): exact and normal from
+    |x q| = 2^-57 to |x| = 2^48. bf16 activations of 2^-40 to 2^40 and fp16 ones across fp16's range stay within one
+    output rounding of the exact product, at one and two rows, with and without mins."""
+    for res in interpret(GEMV_MAGNITUDES_SCRIPT):
+        eps = 2 ** -7 if res["dtype"] == "torch.bfloat16" else 2 ** -10
+        assert res["cuda_cores"], res
+        assert 0 < res["max_ref"] and res["err"] <= 1.01 * eps * res["max_ref"], res
+
 def test_default_table_is_the_sweeps_winners():
     """The table as shipped (benchmarks/sweep_w4.py's winners on an H200): the CUDA-core kernel at 1-2 rows (128
     columns, 4 warps, 1 stage); at 3-16 rows the 16-row dot tile of 64 columns (4 warps, 4 stages) with the weights

@@ -281,19 +281,43 @@ def _x_by_nibble(x_cols, row_ok):
     return x0, x1, x2, x3, x4, x5, x6, x7
 
 
+# The one- and two-row kernel's products x q 2^-69 (_int4_row_dot): x[8 w + s] is scaled by 2^(80 - p) where the
+# nibble's float is q 2^(p - 149), so every product is exact and normal for |x q| >= 2^-57 (a smaller one rounds
+# to a multiple of 2^-149, 2^-80 of a unit) and the scaled x stays finite below |x| = 2^48 (2.8e14; fp16's largest
+# is 65504, and activations past that would be a broken model's)
+_PRODUCT_LOG2 = tl.constexpr(-69)
+
+
 @triton.jit
-def _int4_row_dot(words, x_cols, row, M):
-    """(sum over s of (1 + q_s / 16) * x[8 w + s], sum over s of x[8 w + s]): [BLOCK_N, BLOCK_K // 8] and
-    [BLOCK_K // 8], fp32, for x_cols pointing at x[8 w] of the step's words w in row `row` (0 past M). The product
-    of 1 + q / 16 (_nibble_over_16_plus_1) with a bf16/fp16 x is exact; the caller takes sum(x q) =
-    16 * (first - second).
-    Each thread keeps its words' eight values to itself: no reduction across threads until the end of the kernel."""
+def _nibble_as_subnormal(words, words_high, s: tl.constexpr):
+    """q 2^(p - 149) for nibble s of each int32 word, p = 4 (s % 5): the nibble masked where it lies, inside
+    the mantissa of a float whose exponent bits are 0, a subnormal linear in q; nibbles 5-7 from words_high (the
+    words shifted right by 20, once for all three). One and a value, with one constant (the 1 + q / 16 floats
+    needed an and-or with two, and ptxas spent a move a value rematerializing the second)."""
+    if s < 5:
+        bits = words & (0xF << (4 * s))
+    else:
+        bits = (words_high & (0xF << (4 * (s - 5)))).to(tl.int32, bitcast=True)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int4_row_dot(words, x_cols, row, M, HAS_MINS: tl.constexpr):
+    """(sum over s of q_s x[8 w + s] 2^-69, sum over s of x[8 w + s]): [BLOCK_N, BLOCK_K // 8] and [BLOCK_K // 8],
+    fp32, for x_cols pointing at x[8 w] of the step's words w in row `row` (0 past M); the second only with mins
+    (zeros without). Each product is exact (_PRODUCT_LOG2), and the fma adding it keeps it whole: the sums carry
+    no offset to cancel. Each thread keeps its words' eight values to itself: no reduction across threads until
+    the end of the kernel."""
     row_ok = tl.full(x_cols.shape, row, tl.int32) < M  # a tensor: the interpreter takes no scalar mask
     xs = _x_by_nibble(x_cols, row_ok)
+    words_high = words.to(tl.uint32, bitcast=True) >> 20  # logical: no sign extension to undo
     part = tl.zeros(words.shape, dtype=tl.float32)
     for s in tl.static_range(8):
-        part += _nibble_over_16_plus_1(words, s) * xs[s][None, :]
-    x_sum = ((xs[0] + xs[1]) + (xs[2] + xs[3])) + ((xs[4] + xs[5]) + (xs[6] + xs[7]))
+        x_scale = 2.0 ** (149 + _PRODUCT_LOG2 - 4 * (s % 5))  # a power of two (exact); nibble s's bit p
+        part += _nibble_as_subnormal(words, words_high, s) * (xs[s] * x_scale)[None, :]
+    x_sum = tl.zeros(x_cols.shape, dtype=tl.float32)
+    if HAS_MINS:
+        x_sum = ((xs[0] + xs[1]) + (xs[2] + xs[3])) + ((xs[4] + xs[5]) + (xs[6] + xs[7]))
     return part, x_sum
 
 
@@ -304,10 +328,10 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_ptr, 
                       TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """4-bit decode of one or two rows (TWO_ROWS) on the CUDA cores: out[:M, n] for BLOCK_N columns over
     num_k_steps K steps of BLOCK_K (BLOCK_K divides the group, the group divides K: no step runs past K).
-    Per weight value: a shift, an and-or building the float 1 + q / 16 (_int4_row_dot) and one fma per row, the
-    products summed in fp32. No tensor-core operand layout, so the unpacked values never pass through shared
-    memory, which costs the dot kernel a 16-bit store and a load per value (~7.5 instructions per value in its
-    sm_90 loop). Each step's scale and min apply to the step's per-word sums."""
+    Per weight value: an and building its float (a shift per word for three of its eight, _int4_row_dot) and one
+    fma per row, the products summed in fp32. No tensor-core operand layout, so the unpacked values never pass
+    through shared memory, which costs the dot kernel a 16-bit store and a load per value (~7.5 instructions per
+    value in its sm_90 loop). Each step's scale and min apply to the step's per-word sums."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -326,15 +350,18 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_ptr, 
         next_words = tl.load(w_rows + offs_next[None, :], other=0,
                              mask=n_ok[:, None] & (offs_next[None, :] < k_end // 8))
         x_cols = x_ptr + offs_w * 8
-        # sum(x q) s + sum(x) mn = 16 s sum(x (1 + q / 16)) + (mn - 16 s) sum(x)
-        s, bias = _group_params(s_ptr, m_ptr, offs_n, k0 // GROUP_K, N, stride_sn, stride_mn, 1, HAS_MINS, 16.0)
-        part, x_sum = _int4_row_dot(words, x_cols, 0, M)
-        acc0 += (16.0 * s)[:, None] * part  # two fmas an element, where one sum of both terms took three ops
-        acc0 += bias[:, None] * x_sum[None, :]
+        # sum(x (q s + mn)) = s 2^69 sum(x q 2^-69) + mn sum(x)
+        s, mn = _group_params(s_ptr, m_ptr, offs_n, k0 // GROUP_K, N, stride_sn, stride_mn, 1, HAS_MINS, 0.0)
+        s = s * (2.0 ** -_PRODUCT_LOG2)
+        part, x_sum = _int4_row_dot(words, x_cols, 0, M, HAS_MINS)
+        acc0 += s[:, None] * part  # an fma an element (with mins two), not a multiply, an fma and an add
+        if HAS_MINS:
+            acc0 += mn[:, None] * x_sum[None, :]
         if TWO_ROWS:
-            part, x_sum = _int4_row_dot(words, x_cols + stride_xm, 1, M)
-            acc1 += (16.0 * s)[:, None] * part
-            acc1 += bias[:, None] * x_sum[None, :]
+            part, x_sum = _int4_row_dot(words, x_cols + stride_xm, 1, M, HAS_MINS)
+            acc1 += s[:, None] * part
+            if HAS_MINS:
+                acc1 += mn[:, None] * x_sum[None, :]
         words = next_words
     _store_rows(out_ptr, final_ptr, lock_ptr, tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), offs_n, M, N, stride_om,
                 num_splits, stride_split, REDUCE_SPLITS, TWO_ROWS)
