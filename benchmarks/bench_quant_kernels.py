@@ -8,7 +8,9 @@ Qwen3-8B layer shapes, decode (M = 1..16) and prefill/batch (M = 128..8192) rows
 Variants: bf16 `F.linear`; `int_linear` 4-bit (at 1-2 rows a CUDA-core kernel; `w4-mma` and `fp8blk-mma` time the
 16-row dot kernel there instead; from DEQUANT_GEMM_MIN_ROWS rows on the weight dequantized to bf16 and cuBLAS,
 `w4-tile` and `w8-tile` time the Triton 128-row tiles there instead) and 8-bit, group 128 with fp16 scales and fp32
-mins (AWQ's and GPTQ's layout after repacking); `fp8_linear` with 128 x 128 blocks and per-channel (from
+mins (AWQ's and GPTQ's layout after repacking); `w8head`, int8 with a scale per row and no mins (the LM head of
+`--quantize-lm-head int8`; at one row the CUDA-core 8-bit kernel; `--shapes head` times it at the head's shape);
+`fp8_linear` with 128 x 128 blocks and per-channel (from
 FP8_ACT_QUANT_MIN_ROWS = 33 rows these quantize the activations to FP8 and call torch._scaled_mm); and, from 16 rows
 (W8A8_TRIAL_MIN_ROWS, to place FP8_ACT_QUANT_MIN_ROWS), the alternatives to the dispatch's pick: the Triton FP8 GEMM
 for per-channel weights (`fp8ch-tri`) and for block weights (`fp8blk-tri`; NANOVLLM_FP8_BLOCK_SCALED_MM=0 makes it
@@ -46,13 +48,14 @@ from nanovllm.kernels import quant_gemm
 from nanovllm.kernels import quant_matmul as qm
 from nanovllm.kernels import quant_plans
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # (N, K)
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),  # (N, K)
+          "head": (151936, 4096)}  # the LM head: not in the default run (--shapes head)
 DECODE_M = [1, 2, 4, 8, 16]
 PREFILL_M = [128, 512, 1024, 4096, 8192]
 CHECK_M = (1, 16, 1024)
 GROUP = 128
 L2_DEFEAT_BYTES = 256 << 20
-VARIANTS = ["bf16", "w4", "w4-mma", "w4-tile", "w8", "w8-tile", "fp8blk",
+VARIANTS = ["bf16", "w4", "w4-mma", "w4-tile", "w8", "w8-tile", "w8head", "fp8blk",
             "fp8blk-mma", "fp8ch", "fp8ch-tri", "fp8blk-smm", "fp8blk-tri", "fp8blk-a16"]
 LARGE_M_ONLY = {"fp8ch-tri", "fp8blk-smm", "fp8blk-tri", "fp8blk-a16"}
 # the forced W8A8 variants also run from this many rows, below FP8_ACT_QUANT_MIN_ROWS: where the threshold belongs
@@ -82,6 +85,9 @@ def make_weights(variant: str, N: int, K: int) -> dict:
         scales = (torch.rand(N, K // GROUP, device=dev) * 0.004 + 0.001).half()
         mins = torch.randn(N, K // GROUP, device=dev) * 0.01
         return {"qweight": qweight, "scales": scales, "mins": mins}
+    if variant == "w8head":  # --quantize-lm-head int8's layout: per row, no mins
+        return {"qweight": torch.randint(-127, 128, (N, K), device=dev, dtype=torch.int8),
+                "scales": torch.rand(N, 1, device=dev) * 1e-3 + 1e-4}
     block = (128, 128) if variant.startswith("fp8blk") else (1, K)
     qweight = (torch.randn(N, K, device=dev) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
     scales = torch.rand(math.ceil(N / block[0]), math.ceil(K / block[1]), device=dev) * 1e-3 + 1e-4
@@ -94,6 +100,8 @@ def dequantized(variant: str, t: dict) -> torch.Tensor:
     if variant in ("w4", "w4-mma", "w4-tile", "w8", "w8-tile"):
         q = t["qweight"] if variant.startswith("w8") else unpack_int4(t["qweight"])
         return q.float() * t["scales"].float().repeat_interleave(GROUP, 1) + t["mins"].repeat_interleave(GROUP, 1)
+    if variant == "w8head":
+        return t["qweight"].float() * t["scales"]
     (bn, bk), (N, K) = t["block"], t["qweight"].shape
     return t["qweight"].float() * t["scales"].repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
 
@@ -103,6 +111,8 @@ def call(variant: str, x: torch.Tensor, t: dict) -> torch.Tensor:
         return F.linear(x, t["w"])
     if variant in ("w4", "w8"):
         return qm.int_linear(x, t["qweight"], t["scales"], t["mins"], 4 if variant == "w4" else 8, GROUP)
+    if variant == "w8head":
+        return qm.int_linear(x, t["qweight"], t["scales"], None, 8, x.shape[1])
     if variant == "w4-mma":
         (M, K), N = x.shape, t["qweight"].shape[0]
         plan = qm.plan_weight_only(M, N, K, GROUP, qm.device_limits(x.device))  # no weight kind: the dot kernel
@@ -269,7 +279,7 @@ def print_table(rows: list, variants: list, copy_bw: float):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=DECODE_M + PREFILL_M)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=[s for s in SHAPES if s != "head"], choices=list(SHAPES))
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--budget-s", type=float, default=160.0, help="stop timing new cells after this long")
     parser.add_argument("--json", type=Path, help="write the rows here")

@@ -171,7 +171,7 @@ def decode_kernels(shapes: list, copy_bw: float):
             print(f"   {name:>8} {variant:<11} " + "  ".join(cells))
             del copies, first
             torch.cuda.empty_cache()
-    for kernel in (quant_gemm._int4_gemv_kernel, quant_gemm._fp8_gemv_kernel, quant_gemm._wo_gemm_kernel):
+    for kernel in (quant_gemm._int4_gemv_kernel, quant_gemm._byte_gemv_kernel, quant_gemm._wo_gemm_kernel):
         print(f"   {kernel.fn.__name__}: {_kernel_resources(kernel)}")
 
 

@@ -11,6 +11,8 @@
 #   profile  bench.py --profile-decode / --profile-mixed for the three: where a batch-1 and a large step's time goes
 #   sweep    bench_quant_kernels.py --sweep-w4: the 4-bit decode tiles at 1-16 rows (~2 min); prints the
 #            W4_DECODE_TILES its winners make (nanovllm/kernels/quant_plans.py)
+#   head     the int8 LM head (--quantize-lm-head int8) alone at the head's shape against bf16, 1-2 rows, then
+#            batch 1 of qwen3-8b-awq with it (against batch1's runs without)
 #
 #   bash benchmarks/gpu_quant.sh                      # kernels batch1 mem large, within 480 s
 #   bash benchmarks/gpu_quant.sh profile              # the kernel profiles (~3 min)
@@ -97,6 +99,11 @@ for part in "${PARTS[@]}"; do
         step "profile-$shape" 90 python bench.py --shape "$shape" --kv-cache-dtype fp8 --skip-run \
           --profile-decode 1:1000 1024:1000 --profile-mixed 0:8192
       done ;;
+    head)
+      step head-kernel 60 python benchmarks/bench_quant_kernels.py --shapes head --m 1 2 --budget-s 30 \
+        --variants bf16 w8head --json "$LOG_DIR/head.json"
+      step "batch1-qwen3-8b-awq-int8head" 60 python bench.py --shape qwen3-8b-awq --num-seqs 1 --max-num-seqs 16 \
+        --quantize-lm-head int8 ;;
     sweep)
       step sweep 200 python benchmarks/bench_quant_kernels.py --sweep-w4 --budget-s 100 --json "$LOG_DIR/w4_sweep.json" ;;
     large)
@@ -104,7 +111,7 @@ for part in "${PARTS[@]}"; do
         step "large-$shape" 120 python bench.py --shape "$shape" --num-seqs 1024 --kv-cache-dtype fp8
       done ;;
     *)
-      SUMMARY+=("$part: unknown part (kernels batch1 mem mem97 memhost profile large sweep)") ;;
+      SUMMARY+=("$part: unknown part (kernels batch1 mem mem97 memhost profile large sweep head)") ;;
   esac
 done
 
@@ -116,7 +123,12 @@ for line in "${SUMMARY[@]}"; do
   log="$LOG_DIR/$name.log"
   [ -f "$log" ] || continue
   case $name in
-    kernels) sed -n '/^copy bandwidth/,/^max |y/p' "$log" | head -n 80 | cut -c1-260; grep -h "^ERR" "$log" ;;
+    kernels|head-kernel) sed -n '/^copy bandwidth/,/^max |y/p' "$log" | head -n 80 | cut -c1-260; grep -h "^ERR" "$log" ;;
+    head)
+      step head-kernel 60 python benchmarks/bench_quant_kernels.py --shapes head --m 1 2 --budget-s 30 \
+        --variants bf16 w8head --json "$LOG_DIR/head.json"
+      step "batch1-qwen3-8b-awq-int8head" 60 python bench.py --shape qwen3-8b-awq --num-seqs 1 --max-num-seqs 16 \
+        --quantize-lm-head int8 ;;
     sweep) tail -n 60 "$log" | cut -c1-260 ;;
     profile-*) grep -hE "ms per step back to back" "$log" ;;
     *) bench_lines "$log" ;;
@@ -127,7 +139,7 @@ done
 for part in batch1 large; do
   base=$(grep -ho "Throughput: [0-9]*" "$LOG_DIR/$part-qwen3-8b.log" 2>/dev/null | awk '{print $2}')
   [ -n "$base" ] || continue
-  for shape in qwen3-8b-fp8 qwen3-8b-awq; do
+  for shape in qwen3-8b-fp8 qwen3-8b-awq qwen3-8b-awq-int8head; do
     tok=$(grep -ho "Throughput: [0-9]*" "$LOG_DIR/$part-$shape.log" 2>/dev/null | awk '{print $2}')
     [ -n "$tok" ] && echo "$part $shape: $tok tok/s = $(awk -v a="$tok" -v b="$base" 'BEGIN{printf "%.2f", a / b}')x bf16 ($base)"
   done

@@ -98,6 +98,8 @@ INT_CASES = [  # M, N, K, group, bits, x dtype, scale dtype, min dtype, what it 
     (70, 72, 128, 64, 4, "bfloat16", "float16", "float16", "prefill 128 x 128 tile, M and N ragged"),
     (7, 24, 64, 8, 4, "bfloat16", "float16", "float32", "group 8: per-element dequantization"),
     (6, 40, 96, 24, 8, "float16", "float16", "float16", "group 24: per-element, K ragged vs the K step"),
+    (1, 200, 256, 256, 8, "bfloat16", "float32", None, "8-bit per channel, one row on the CUDA cores (int8 LM head)"),
+    (1, 40, 256, 64, 8, "float16", "float32", "float32", "8-bit with mins, one row: the dot kernel"),
 ]
 
 INT_SCRIPT = """
@@ -111,7 +113,7 @@ for M, N, K, G, bits, x_dtype, s_dtype, m_dtype, _ in INT_CASES:
                                                m_dtype and getattr(torch, m_dtype))
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(getattr(torch, x_dtype))
     y = qm.int_linear(x, qweight, scales, mins, bits, G)
-    plan = qm.plan_weight_only(M, N, K, G, weight_kind=0 if bits == 4 else 1)
+    plan = qm.plan_weight_only(M, N, K, G, weight_kind=0 if bits == 4 else 1, has_mins=mins is not None)
     res.append(dict(errors(y, x, dequant_int(q, scales, mins, G)), dtype=str(y.dtype), shape=list(y.shape),
                     splits=plan.num_splits, per_element=plan.per_element, block_m=plan.block_m,
                     scale_after_dot=plan.scale_after_dot, cuda_cores=plan.cuda_cores))
@@ -195,6 +197,8 @@ def test_int_linear_matches_the_contract_dequantization(interpreted):
     assert by_what["one row on the CUDA cores, split-K, N ragged"]["splits"] > 1
     assert by_what["two rows on the CUDA cores"]["cuda_cores"]
     assert not by_what["four rows, fp16 offset"]["cuda_cores"]
+    assert by_what["8-bit per channel, one row on the CUDA cores (int8 LM head)"]["cuda_cores"]
+    assert not by_what["8-bit with mins, one row: the dot kernel"]["cuda_cores"]  # the CUDA-core kernel has no mins
     assert by_what["prefill 128 x 128 tile, M and N ragged"]["block_m"] == 128
     assert by_what["group 8: per-element dequantization"]["per_element"]
     assert not by_what["per-channel group = K, not a power of two"]["per_element"]

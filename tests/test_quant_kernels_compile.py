@@ -42,6 +42,8 @@ for M in (1, 3, 64):  # the CUDA-core kernel, the 16-row tile, the 64-row tile
     x = torch.zeros(M, K, dtype=torch.bfloat16)
     qm.weight_only_linear(x, wq, torch.ones(N // 128, K // 128), None, quant_gemm.KIND_FP8, 128, 128,
                           qm.plan_weight_only(M, N, K, 128, limits, quant_gemm.KIND_FP8, 128))
+qm.weight_only_linear(torch.zeros(1, K, dtype=torch.bfloat16), torch.zeros(N, K, dtype=torch.int8), torch.ones(N, 1),
+                      None, quant_gemm.KIND_INT8, 1, K, qm.plan_weight_only(1, N, K, K, limits, quant_gemm.KIND_INT8))
 x = torch.zeros(2, K, dtype=torch.float16)  # per-channel, two rows on the CUDA cores
 qm.weight_only_linear(x, wq, torch.ones(N, 1), None, quant_gemm.KIND_FP8, 1, K,
                       qm.plan_weight_only(2, N, K, K, limits, quant_gemm.KIND_FP8, 1))
@@ -67,6 +69,6 @@ print(" ".join(sorted(compiled)))
 def test_every_quant_kernel_compiles_within_shared_memory(cc, shared_limit_bytes, num_sms):
     proc = run_compile_script(COMPILE_ALL, [cc, shared_limit_bytes, num_sms], timeout_s=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["_dequant_int_kernel", "_fp8_gemm_kernel", "_fp8_gemv_kernel", "_int4_gemv_kernel",
+    assert proc.stdout.split() == ["_byte_gemv_kernel", "_dequant_int_kernel", "_fp8_gemm_kernel", "_int4_gemv_kernel",
                                    "_quantize_act_kernel", "_sum_splits_kernel", "_w4_swapped_gemm_kernel",
                                    "_wo_gemm_kernel"]

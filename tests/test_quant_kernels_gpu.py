@@ -50,6 +50,7 @@ def _check(y, x, w, scale_after_dot: bool, x_ref=None, sum_eps: float = 0.0):
     (4, 32, torch.float32, torch.float32, torch.bfloat16),  # Q4_K
     (8, 16, torch.float32, None, torch.bfloat16),  # Q6_K
     (8, 128, torch.float16, torch.float32, torch.bfloat16),  # GPTQ 8-bit
+    (8, 2048, torch.float32, None, torch.bfloat16),  # the int8 LM head: per channel (one row on the CUDA cores)
     (4, 8, torch.bfloat16, None, torch.bfloat16),  # per-element dequantization
 ])
 @pytest.mark.parametrize("M", ROWS)

@@ -177,3 +177,15 @@ def test_the_dequantization_scratch_is_bounded_by_the_memory_budget(monkeypatch,
     assert qm.dequant_chunk_rows(24576, 4096, 2) == 24576
     with pytest.raises(ValueError, match="max_bytes=-1"):
         qm.set_dequant_scratch_max_bytes(-1)
+
+
+def test_8_bit_weights_with_mins_never_take_the_cuda_core_kernel_which_has_no_min_term():
+    """int8 at one row runs on the CUDA cores only without mins (the LM head's layout); with mins the plan is the dot
+    kernel's, and a CUDA-core plan handed in with mins is refused before any launch, naming the option."""
+    without = quant_plans.plan_weight_only(1, 4096, 4096, 4096, weight_kind=quant_gemm.KIND_INT8)
+    with_mins = quant_plans.plan_weight_only(1, 4096, 4096, 128, weight_kind=quant_gemm.KIND_INT8, has_mins=True)
+    assert without.cuda_cores and not with_mins.cuda_cores
+    assert quant_plans.plan_weight_only(2, 4096, 4096, 4096, weight_kind=quant_gemm.KIND_INT8).cuda_cores is False
+    q, scales, mins = torch.zeros(64, 128, dtype=torch.int8), torch.ones(64, 1), torch.zeros(64, 1)
+    with pytest.raises(ValueError, match="has_mins=True"):
+        qm.weight_only_linear(torch.zeros(1, 128), q, scales, mins, quant_gemm.KIND_INT8, 1, 128, without)

@@ -368,7 +368,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_ptr, 
 
 
 @triton.jit
-def _fp8_row_dot(acc, q, x_row_ptr, offs_k, row, M, K, step_scale):
+def _byte_row_dot(acc, q, x_row_ptr, offs_k, row, M, K, step_scale):
     """acc + q * (x * step_scale) for one row: [BLOCK_N, BLOCK_K] fp32, thread-local."""
     ok = (offs_k < K) & (tl.full(offs_k.shape, row, tl.int32) < M)
     x = tl.load(x_row_ptr + offs_k, mask=ok, other=0.0).to(tl.float32) * step_scale
@@ -376,13 +376,15 @@ def _fp8_row_dot(acc, q, x_row_ptr, offs_k, row, M, K, step_scale):
 
 
 @triton.jit(do_not_specialize=["M", "num_k_steps", "num_splits"])
-def _fp8_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, final_ptr, lock_ptr, M, N, K, num_k_steps, num_splits, stride_xm,
+def _byte_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, final_ptr, lock_ptr, M, N, K, num_k_steps, num_splits, stride_xm,
                      stride_qn, stride_sn, stride_om, stride_split, REDUCE_SPLITS: tl.constexpr,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, TWO_ROWS: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """FP8 decode of one or two rows (TWO_ROWS) on the CUDA cores: out[:M, n] for BLOCK_N columns over
-    num_k_steps K steps of BLOCK_K. Per weight value: a conversion from e4m3 (two values per instruction to fp16,
-    then one to fp32) and one fma per row, no shared memory. The scales never touch a weight value: with one
+    """8-bit weights without mins (FP8 e4m3, or int8: the 8-bit LM head) at one or two rows (TWO_ROWS) on the CUDA
+    cores: out[:M, n] for BLOCK_N columns over num_k_steps K steps of BLOCK_K. Per weight value: a conversion (from
+    e4m3 two values per instruction to fp16, then one to fp32; from int8 one, at a quarter of the fma rate, which
+    still converts ~3.7e12 values a second on an H100, above its copy bandwidth in bytes) and one fma per row, no
+    shared memory. The scales never touch a weight value: with one
     scale column (per-channel, per-tensor) each output column is scaled at the end; with blocks, a program's
     BLOCK_N columns lie in one block row (GROUP_N is a multiple of BLOCK_N) and a step in one block column
     (BLOCK_K divides GROUP_K), so the step's single scale multiplies x (BLOCK_K values, not BLOCK_N x BLOCK_K)."""
@@ -402,9 +404,9 @@ def _fp8_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, final_ptr, lock_ptr, M, N, K,
         step_scale = 1.0
         if GROUP_K < K:
             step_scale = tl.load(s_ptr + (pid_n * BLOCK_N // GROUP_N) * stride_sn + k0 // GROUP_K)
-        acc0 = _fp8_row_dot(acc0, q, x_ptr, offs_k, 0, M, K, step_scale)
+        acc0 = _byte_row_dot(acc0, q, x_ptr, offs_k, 0, M, K, step_scale)
         if TWO_ROWS:
-            acc1 = _fp8_row_dot(acc1, q, x_ptr + stride_xm, offs_k, 1, M, K, step_scale)
+            acc1 = _byte_row_dot(acc1, q, x_ptr + stride_xm, offs_k, 1, M, K, step_scale)
     y0 = tl.sum(acc0, axis=1)
     y1 = tl.sum(acc1, axis=1)
     if GROUP_K >= K:  # one scale column: per output column (per-channel) or one for all (per-tensor)

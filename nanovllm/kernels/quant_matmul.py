@@ -92,14 +92,17 @@ def weight_only_linear(x, qweight, scales, mins, kind: int, group_n: int, group_
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    plan = plan or plan_weight_only(M, N, K, group_k, device_limits(x.device), kind, group_n)
+    plan = plan or plan_weight_only(M, N, K, group_k, device_limits(x.device), kind, group_n, mins is not None)
     split = plan.num_splits > 1
     target = torch.empty((plan.num_splits, M, N), dtype=torch.float32, device=x.device) if split else out
     num_tiles = triton.cdiv(N, plan.block_n) * (1 if plan.cuda_cores else triton.cdiv(M, plan.block_m))
     locks = _split_lock_tensor(x.device, num_tiles) if split else None
     launch = _SplitLaunch(target, out, out if locks is None else locks, locks is not None)
-    if plan.cuda_cores and kind == quant_gemm.KIND_FP8:
-        _launch_fp8_gemv(x, qweight, scales, launch, group_n, group_k, plan)
+    if plan.cuda_cores and kind in (quant_gemm.KIND_FP8, quant_gemm.KIND_INT8):
+        if mins is not None:
+            raise ValueError(f"a CUDA-core plan for 8-bit weights has no min term; {plan} came with mins (plan with "
+                             f"plan_weight_only(..., has_mins=True))")
+        _launch_byte_gemv(x, qweight, scales, launch, group_n, group_k, plan)
     elif plan.multi_row:
         _launch_int4_gemv_rows(x, qweight, scales, mins, launch, group_k, plan)
     elif plan.cuda_cores:
@@ -150,9 +153,9 @@ def _launch_int4_gemv_rows(x, qweight, scales, mins, launch: _SplitLaunch, group
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
 
 
-def _launch_fp8_gemv(x, qweight, scales, launch: _SplitLaunch, group_n: int, group_k: int, plan: TilePlan):
+def _launch_byte_gemv(x, qweight, scales, launch: _SplitLaunch, group_n: int, group_k: int, plan: TilePlan):
     (M, K), N = x.shape, qweight.shape[0]
-    quant_gemm._fp8_gemv_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
+    quant_gemm._byte_gemv_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
         x, qweight, scales, launch.target, launch.out, launch.locks, M, N, K, plan.num_k_steps, plan.num_splits,
         x.stride(0), qweight.stride(0), scales.stride(0), launch.out.stride(0), launch.split_stride(),
         REDUCE_SPLITS=launch.reduce_in_kernel, GROUP_N=group_n, GROUP_K=group_k, TWO_ROWS=M > 1,

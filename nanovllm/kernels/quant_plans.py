@@ -30,7 +30,7 @@ class TilePlan:
     num_stages: int
     per_element: bool  # the group cannot align with a K step: dequantize per element (any group size, slower)
     scale_after_dot: bool  # the raw weights go into the dot, the scales multiply its result (quant_gemm.py)
-    cuda_cores: bool = False  # quant_gemm's _int4_gemv_kernel / _fp8_gemv_kernel, fmas, no dot
+    cuda_cores: bool = False  # quant_gemm's _int4_gemv_kernel / _byte_gemv_kernel, fmas, no dot
     multi_row: bool = False  # with cuda_cores: quant_gemv_rows' kernel, block_m (a power of two >= M) rows a program
     swap_ab: bool = False  # 4-bit, the scales after the dot: quant_gemm_swapped's kernel (the weights first)
 
@@ -99,9 +99,10 @@ def w4_cuda_core_max_rows() -> int:
 
 
 # weights of each kind at up to this many rows run on the CUDA cores. FP8: the one-row kernel ~1.2x the dot kernel on
-# qkv on an H100, but the two-row one (~225 registers a thread, one program an SM) fell to 0.6-0.8x; 4-bit: the
-# leading CUDA-core entries of W4_DECODE_TILES
-CUDA_CORE_MAX_ROWS = {quant_gemm.KIND_INT4: w4_cuda_core_max_rows(), quant_gemm.KIND_FP8: 1}
+# qkv on an H100, but the two-row one (~225 registers a thread, one program an SM) fell to 0.6-0.8x; int8 (without
+# mins: the 8-bit LM head) takes the same kernel, where the 16-row dot tile read 8-bit weights at ~40% of copy
+# bandwidth at one row (run HA); 4-bit: the leading CUDA-core entries of W4_DECODE_TILES
+CUDA_CORE_MAX_ROWS = {quant_gemm.KIND_INT4: w4_cuda_core_max_rows(), quant_gemm.KIND_FP8: 1, quant_gemm.KIND_INT8: 1}
 
 
 @dataclass(frozen=True)
@@ -131,20 +132,21 @@ def aligned_block_k(group_k: int, limit: int = _MAX_BLOCK_K) -> int:
 
 
 def plan_weight_only(M: int, N: int, K: int, group_k: int, limits: DeviceLimits = H100_LIMITS,
-                     weight_kind: int | None = None, group_n: int = 1) -> TilePlan:
+                     weight_kind: int | None = None, group_n: int = 1, has_mins: bool = False) -> TilePlan:
     """Up to 32 rows (decode): 16- or 32-row tiles of 64 columns, 4 warps, the scales after the dot, K steps of up
     to 128 columns, and K split until ~4 programs per SM (split_k): each weight is read once and the split keeps
     enough loads in flight. 33-64 rows: 64 x 64 tiles. Larger M: 128 x 128 tiles, 64-column K steps, 8 warps, 4 stages
     (one accumulator of 64 fp32 registers per thread; ~190 registers and no spills on sm_90 for 4-bit weights),
     each step's tile dequantized before the dot. Devices with under 160 KB of shared memory per block (sm_89) get
     64 x 128 tiles with 4 warps and 3 stages. 4-bit weights up to 16 rows take the kernel and tiles of
-    W4_DECODE_TILES (plan_w4_decode); FP8 weights at 1 row whose scales fit _fp8_gemv_kernel (one scale column, or
-    blocks of a multiple of 64 rows) its CUDA-core kernel: CUDA_CORE_MAX_ROWS."""
+    W4_DECODE_TILES (plan_w4_decode); FP8 weights, and int8 ones without mins (has_mins), at 1 row whose scales fit
+    _byte_gemv_kernel (one scale column, or blocks of a multiple of 64 rows) its CUDA-core kernel:
+    CUDA_CORE_MAX_ROWS."""
     small_smem = limits.shared_memory_bytes < 160 * 1024
     if weight_kind == quant_gemm.KIND_INT4 and aligned_block_k(group_k) and w4_decode_tiles(M) is not None:
         return plan_w4_decode(M, N, K, group_k, w4_decode_tiles(M), limits)
-    if (weight_kind == quant_gemm.KIND_FP8 and M <= CUDA_CORE_MAX_ROWS[weight_kind]
-            and _fits_cuda_core_kernel(K, group_n, group_k)):
+    byte_kernel_takes = weight_kind == quant_gemm.KIND_FP8 or (weight_kind == quant_gemm.KIND_INT8 and not has_mins)
+    if byte_kernel_takes and M <= CUDA_CORE_MAX_ROWS[weight_kind] and _fits_cuda_core_kernel(K, group_n, group_k):
         block_k = aligned_block_k(group_k) or 128  # one scale column: any K step
         # 64 columns: a thread holds 64 values and its [64, 128] fp32 accumulator per row (128 columns spilled with
         # two rows on sm_90)
@@ -186,7 +188,7 @@ def plan_w4_decode(M: int, N: int, K: int, group_k: int, tiles: DecodeTiles,
 
 
 def _fits_cuda_core_kernel(K: int, group_n: int, group_k: int) -> bool:
-    """FP8 weights with one scale column, or with blocks of a multiple of 64 rows and of 16 columns (a 64-column
+    """8-bit weights with one scale column, or with blocks of a multiple of 64 rows and of 16 columns (a 64-column
     program sees one scale per step)."""
     return group_k >= K or (group_n % 64 == 0 and aligned_block_k(group_k) > 0)
 
