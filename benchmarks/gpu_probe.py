@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_quant_kernels as bqk  # noqa: E402
 
-from nanovllm.kernels import quant_gemm  # noqa: E402
+from nanovllm.kernels import quant_gemm, quant_gemv  # noqa: E402
 from nanovllm.kernels import quant_w8a8  # noqa: E402
 
 
@@ -171,7 +171,7 @@ def decode_kernels(shapes: list, copy_bw: float):
             print(f"   {name:>8} {variant:<11} " + "  ".join(cells))
             del copies, first
             torch.cuda.empty_cache()
-    for kernel in (quant_gemm._int4_gemv_kernel, quant_gemm._byte_gemv_kernel, quant_gemm._wo_gemm_kernel):
+    for kernel in (quant_gemv._int4_gemv_kernel, quant_gemv._byte_gemv_kernel, quant_gemm._wo_gemm_kernel):
         print(f"   {kernel.fn.__name__}: {_kernel_resources(kernel)}")
 
 

@@ -1,7 +1,7 @@
 """The 4-bit decode kernel's main loop counted in SASS, on a machine without a GPU: how many instructions a thread
 issues per 4-bit weight value it unpacks.
 
-At one or two rows the kernel (quant_gemm._int4_gemv_kernel) issues instructions faster than the weights arrive
+At one or two rows the kernel (quant_gemv._int4_gemv_kernel) issues instructions faster than the weights arrive
 only if each value costs few of them: an H100 SM issues 4 warp instructions a clock (128 thread instructions), so at
 5 instructions a value its 132 SMs unpack ~6e12 values a second at 1.75 GHz, about the 3 TB/s of copy bandwidth in
 4-bit weights, and any stall puts the kernel below it. The count is the lever a CPU can measure; the GPU measures

@@ -3,7 +3,7 @@
     python benchmarks/bench_quant_kernels.py --sweep-w4 [--shapes qkv o] [--budget-s 100] [--json OUT]
 
 Each kernel the table can name is timed over a grid of DecodeTiles on every shape and at the row counts it may
-serve: "gemv" (quant_gemm._int4_gemv_kernel) at 1-2 rows, "rows" (quant_gemv_rows, ROWS = M) at 2-16, "dot"
+serve: "gemv" (quant_gemv._int4_gemv_kernel) at 1-2 rows, "rows" (quant_gemv_rows, ROWS = M) at 2-16, "dot"
 (quant_gemm._wo_gemm_kernel, 16-row tiles) and "dot_swapped" (quant_gemm_swapped, the weights the dot's first
 operand) at 4-16. The grid: block_n, block_k (64 or 128, dividing G = 128), num_warps 2/4/8 (the dots 4/8),
 programs per SM 2/4/8 (the K split, quant_plans.split_k) and the dots' stages 2/4, less the tiles whose per-thread

@@ -114,7 +114,7 @@ print(json.dumps(res))
 
 
 def test_the_one_and_two_row_kernel_is_exact_to_an_output_rounding_at_any_activation_magnitude():
-    """Its products are q x 2^-69 of subnormal nibble floats (quant_gemm._int4_row_dot): exact and normal from
+    """Its products are q x 2^-69 of subnormal nibble floats (quant_gemv._int4_row_dot): exact and normal from
     |x q| = 2^-57 to |x| = 2^48. bf16 activations of 2^-40 to 2^40 and fp16 ones across fp16's range stay within one
     output rounding of the exact product, at one and two rows, with and without mins."""
     for res in interpret(GEMV_MAGNITUDES_SCRIPT):

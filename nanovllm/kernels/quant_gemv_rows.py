@@ -1,7 +1,7 @@
 """4-bit weight-only decode of a few rows (2-16) on the CUDA cores: y[:M] = x[:M] @ dequant(W).T, each packed word
-loaded and unpacked once for all ROWS rows of the program (quant_gemm._int4_gemv_kernel unpacks once for at most
+loaded and unpacked once for all ROWS rows of the program (quant_gemv._int4_gemv_kernel unpacks once for at most
 two). Layout and formula: quant_matmul.py's docstring; the float 1 + q / 16 built from bits
-(quant_gemm._nibble_over_16_plus_1) and the scale applied to per-step sums: quant_gemm._int4_row_dot.
+(quant_gemv._nibble_over_16_plus_1) and the scale applied to per-step sums: quant_gemv._int4_row_dot.
 
 Where it can win, and where not: per packed word it costs ~16 integer ops to unpack eight values, then eight fmas
 per row. At 75% of an H100's copy bandwidth (~0.55e12 words a second) four rows need ~25e12 ops a second of the
@@ -16,7 +16,8 @@ products, which already take ROWS * BLOCK_N * BLOCK_K / 8 values a program.
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.quant_gemm import _group_params, _nibble_over_16_plus_1, _reduce_splits_if_last, _split_steps
+from nanovllm.kernels.quant_gemm import _group_params, _reduce_splits_if_last, _split_steps
+from nanovllm.kernels.quant_gemv import _nibble_over_16_plus_1
 
 
 @triton.jit
@@ -43,7 +44,7 @@ def _int4_gemv_rows_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_
                            ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[:M, n] (M <= ROWS) for BLOCK_N columns over num_k_steps K steps of BLOCK_K (BLOCK_K divides the group,
     the group divides K: no step runs past K); split-K partials and their in-kernel reduction as in
-    quant_gemm._int4_gemv_kernel. The next step's words load while this step's are unpacked (two register buffers,
+    quant_gemv._int4_gemv_kernel. The next step's words load while this step's are unpacked (two register buffers,
     no shared memory)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, ROWS)

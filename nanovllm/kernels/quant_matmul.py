@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from nanovllm.kernels import quant_dequant, quant_gemm, quant_gemm_swapped, quant_gemv_rows
+from nanovllm.kernels import quant_dequant, quant_gemm, quant_gemm_swapped, quant_gemv, quant_gemv_rows
 from nanovllm.kernels.quant_plans import (SCALE_AFTER_DOT_MAX_ROWS, TilePlan, device_limits,
                                           plan_weight_only)
 from nanovllm.kernels.quant_w8a8 import _has_fp8_tensor_cores, fp8_w8a8_linear, interpreting
@@ -133,7 +133,7 @@ class _SplitLaunch:
 
 def _launch_int4_gemv(x, qweight, scales, mins, launch: _SplitLaunch, group_k: int, plan: TilePlan):
     M, N = x.shape[0], qweight.shape[0]
-    quant_gemm._int4_gemv_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
+    quant_gemv._int4_gemv_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
         x, qweight, scales, scales if mins is None else mins, launch.target, launch.out, launch.locks, M, N,
         x.shape[1], plan.num_k_steps, plan.num_splits, x.stride(0), qweight.stride(0), scales.stride(0),
         0 if mins is None else mins.stride(0), launch.out.stride(0), launch.split_stride(),
@@ -155,7 +155,7 @@ def _launch_int4_gemv_rows(x, qweight, scales, mins, launch: _SplitLaunch, group
 
 def _launch_byte_gemv(x, qweight, scales, launch: _SplitLaunch, group_n: int, group_k: int, plan: TilePlan):
     (M, K), N = x.shape, qweight.shape[0]
-    quant_gemm._byte_gemv_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
+    quant_gemv._byte_gemv_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
         x, qweight, scales, launch.target, launch.out, launch.locks, M, N, K, plan.num_k_steps, plan.num_splits,
         x.stride(0), qweight.stride(0), scales.stride(0), launch.out.stride(0), launch.split_stride(),
         REDUCE_SPLITS=launch.reduce_in_kernel, GROUP_N=group_n, GROUP_K=group_k, TWO_ROWS=M > 1,

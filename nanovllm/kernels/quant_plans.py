@@ -30,7 +30,7 @@ class TilePlan:
     num_stages: int
     per_element: bool  # the group cannot align with a K step: dequantize per element (any group size, slower)
     scale_after_dot: bool  # the raw weights go into the dot, the scales multiply its result (quant_gemm.py)
-    cuda_cores: bool = False  # quant_gemm's _int4_gemv_kernel / _byte_gemv_kernel, fmas, no dot
+    cuda_cores: bool = False  # quant_gemv's _int4_gemv_kernel / _byte_gemv_kernel, fmas, no dot
     multi_row: bool = False  # with cuda_cores: quant_gemv_rows' kernel, block_m (a power of two >= M) rows a program
     swap_ab: bool = False  # 4-bit, the scales after the dot: quant_gemm_swapped's kernel (the weights first)
 
@@ -41,7 +41,7 @@ class DecodeTiles:
     sweep's winners (benchmarks/sweep_w4.py) become the plan by editing constants: the plan stays a pure function of
     the shape on the host (CUDA graphs replay it; no timing run at serve time)."""
     max_rows: int
-    kernel: str  # "gemv": quant_gemm._int4_gemv_kernel (1-2 rows); "rows": quant_gemv_rows (ROWS = M rounded up
+    kernel: str  # "gemv": quant_gemv._int4_gemv_kernel (1-2 rows); "rows": quant_gemv_rows (ROWS = M rounded up
     # to a power of two, at least 2); "dot": quant_gemm._wo_gemm_kernel, max(16, M rounded up) rows a tile;
     # "dot_swapped": quant_gemm_swapped (the weights the dot's first operand), tiles as "dot"
     block_n: int
