@@ -1,40 +1,59 @@
 """4-bit weight-only decode of a few rows (2-16) on the CUDA cores: y[:M] = x[:M] @ dequant(W).T, each packed word
 loaded and unpacked once for all ROWS rows of the program (quant_gemv._int4_gemv_kernel unpacks once for at most
-two). Layout and formula: quant_matmul.py's docstring; the float 1 + q / 16 built from bits
-(quant_gemv._nibble_over_16_plus_1) and the scale applied to per-step sums: quant_gemv._int4_row_dot.
+two). Layout and formula: quant_matmul.py's docstring; the nibbles as subnormal floats and x scaled so that every
+product is exact: quant_gemv._int4_row_dot.
 
-Where it can win, and where not: per packed word it costs ~16 integer ops to unpack eight values, then eight fmas
-per row. At 75% of an H100's copy bandwidth (~0.55e12 words a second) four rows need ~25e12 ops a second of the
-SMs' ~34e12 fp32 lanes, sixteen rows ~80e12: past 4-8 rows the tensor-core kernel (_wo_gemm_kernel) must carry
+Where it can win, and where not: per packed word it costs ~9 integer ops to unpack eight values, then eight fmas
+per row. At 75% of an H100's copy bandwidth (~0.55e12 words a second) four rows need ~22e12 ops a second of the
+SMs' ~34e12 fp32 lanes, sixteen rows ~75e12: past 4-8 rows the tensor-core kernel (_wo_gemm_kernel) must carry
 the multiplies, and the plan table (quant_plans.W4_DECODE_TILES) says which kernel runs at which row count, from a
 sweep (benchmarks/sweep_w4.py).
 
-Unlike the one- and two-row kernel, the per-word partial sums are reduced along K every step ([ROWS, BLOCK_N]
-accumulators): a [ROWS, BLOCK_N, BLOCK_K // 8] accumulator kept to the end would double the registers of the step's
-products, which already take ROWS * BLOCK_N * BLOCK_K / 8 values a program.
+As in the one- and two-row kernel, the per-word products stay in their threads until the end ([ROWS, BLOCK_N,
+BLOCK_K // 8] accumulators, one fma an element a step to scale them in): summed along the words every step they
+took a shuffle and an add per element (4 rows, 64 x 128 tiles on sm_90: 840 against 660 instructions a K step,
+benchmarks/sass_loop.py --tiles rows 64 4), at the price of registers (214 a thread there; 128 at 32 columns, and
+16 rows of 64 columns spill): the sweep weighs the two.
 """
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.quant_gemm import _group_params, _reduce_splits_if_last, _split_steps
-from nanovllm.kernels.quant_gemv import _nibble_over_16_plus_1
+from nanovllm.kernels.quant_gemv import _PRODUCT_LOG2, _nibble_as_subnormal
 
 
 @triton.jit
-def _int4_rows_dot(words, x_cols, offs_r, M, stride_xm):
-    """(sums [ROWS, BLOCK_N] over the step's words w and nibbles s of (1 + q_s / 16) * x[r, 8 w + s], sums [ROWS] of
-    the step's x[r, :]), fp32, for words [BLOCK_N, BLOCK_K // 8] and x_cols pointing at column 8 w of row 0; rows
-    at or past M read 0. Each nibble's float is built once and multiplies every row."""
+def _x_rows_by_nibble(x_ptrs, row_ok):
+    """x[r, 8 w + s] as eight [ROWS, BLOCK_K // 8] fp32 tensors, s = 0..7, for x_ptrs [ROWS, BLOCK_K // 8] pointing at
+    x[r, 8 w]: one load of a word's 8 contiguous values a row, split in registers (quant_gemv._x_by_nibble's way)."""
+    x = tl.load(x_ptrs[:, :, None] + tl.arange(0, 8)[None, None, :], mask=row_ok[:, :, None], other=0.0)
+    x = tl.reshape(x.to(tl.float32), (x.shape[0], x.shape[1], 2, 2, 2))  # [r, w, s // 4, s // 2 % 2, s % 2]
+    x_s_even, x_s_odd = tl.split(x)
+    x0, x4 = tl.split(tl.split(x_s_even)[0])
+    x2, x6 = tl.split(tl.split(x_s_even)[1])
+    x1, x5 = tl.split(tl.split(x_s_odd)[0])
+    x3, x7 = tl.split(tl.split(x_s_odd)[1])
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _int4_rows_dot(words, x_cols, offs_r, M, stride_xm, HAS_MINS: tl.constexpr):
+    """(sums [ROWS, BLOCK_N] over the step's words w and nibbles s of q_s x[r, 8 w + s] 2^-69, sums [ROWS] of the
+    step's x[r, :] (zeros without mins)), fp32, for words [BLOCK_N, BLOCK_K // 8] and x_cols pointing at column 8 w
+    of row 0; rows at or past M read 0. Each nibble's float (quant_gemv._nibble_as_subnormal) is built once and
+    multiplies every row; x is scaled as in quant_gemv._int4_row_dot, so every product is exact."""
     x_ptrs = x_cols[None, :] + offs_r[:, None].to(tl.int64) * stride_xm  # [ROWS, BLOCK_K // 8]
-    row_ok = offs_r[:, None] < M  # [ROWS, 1], broadcast by the load
+    row_ok = tl.broadcast_to(offs_r[:, None] < M, x_ptrs.shape)
+    xs = _x_rows_by_nibble(x_ptrs, row_ok)
+    words_high = words.to(tl.uint32, bitcast=True) >> 20
     part = tl.zeros([offs_r.shape[0], words.shape[0], words.shape[1]], dtype=tl.float32)
-    x_sum = tl.zeros(x_ptrs.shape, dtype=tl.float32)
     for s in tl.static_range(8):
-        f = _nibble_over_16_plus_1(words, s)  # [BLOCK_N, BLOCK_K // 8]
-        x = tl.load(x_ptrs + s, mask=row_ok, other=0.0).to(tl.float32)  # [ROWS, BLOCK_K // 8]
-        part += f[None, :, :] * x[:, None, :]
-        x_sum += x
-    return tl.sum(part, axis=2), tl.sum(x_sum, axis=1)
+        x_scale = 2.0 ** (149 + _PRODUCT_LOG2 - 4 * (s % 5))  # a power of two (exact); nibble s's bit p
+        part += _nibble_as_subnormal(words, words_high, s)[None, :, :] * (xs[s] * x_scale)[:, None, :]
+    x_sum = tl.zeros(x_ptrs.shape, dtype=tl.float32)
+    if HAS_MINS:
+        x_sum = ((xs[0] + xs[1]) + (xs[2] + xs[3])) + ((xs[4] + xs[5]) + (xs[6] + xs[7]))
+    return part, x_sum
 
 
 @triton.jit(do_not_specialize=["M", "num_k_steps", "num_splits"])
@@ -50,7 +69,7 @@ def _int4_gemv_rows_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_
     offs_r = tl.arange(0, ROWS)
     n_ok = offs_n < N
     w_rows = q_ptr + offs_n[:, None].to(tl.int64) * stride_qn
-    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
     k_begin, num_steps = _split_steps(K, num_k_steps, BLOCK_K)
     k_end = k_begin + num_steps * BLOCK_K
     offs_w = k_begin // 8 + tl.arange(0, BLOCK_K // 8)
@@ -61,11 +80,14 @@ def _int4_gemv_rows_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_
         offs_next = offs_w + BLOCK_K // 8
         next_words = tl.load(w_rows + offs_next[None, :], other=0,
                              mask=n_ok[:, None] & (offs_next[None, :] < k_end // 8))
-        # sum(x q) s + sum(x) mn = 16 s sum(x (1 + q / 16)) + (mn - 16 s) sum(x)
-        s, bias = _group_params(s_ptr, m_ptr, offs_n, k0 // GROUP_K, N, stride_sn, stride_mn, 1, HAS_MINS, 16.0)
-        part, x_sum = _int4_rows_dot(words, x_ptr + offs_w * 8, offs_r, M, stride_xm)
-        acc += (16.0 * s)[None, :] * part + x_sum[:, None] * bias[None, :]
+        # sum(x (q s + mn)) = s 2^69 sum(x q 2^-69) + mn sum(x)
+        s, mn = _group_params(s_ptr, m_ptr, offs_n, k0 // GROUP_K, N, stride_sn, stride_mn, 1, HAS_MINS, 0.0)
+        part, x_sum = _int4_rows_dot(words, x_ptr + offs_w * 8, offs_r, M, stride_xm, HAS_MINS)
+        acc += (s * (2.0 ** -_PRODUCT_LOG2))[None, :, None] * part
+        if HAS_MINS:
+            acc += x_sum[:, None, :] * mn[None, :, None]
         words = next_words
+    acc = tl.sum(acc, axis=2)
     offs = offs_r[:, None].to(tl.int64) * stride_om + offs_n[None, :]  # [ROWS, BLOCK_N]
     mask = (offs_r[:, None] < M) & n_ok[None, :]
     tl.store(out_ptr + tl.program_id(1) * stride_split + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
