@@ -14,17 +14,6 @@ from nanovllm.kernels.quant_gemm import _group_params, _split_steps, _store_rows
 
 
 @triton.jit
-def _nibble_over_16_plus_1(words, s: tl.constexpr):
-    """The float 1 + q / 16 of nibble s (bits 4s..4s+3) of each int32 word: the nibble moved to mantissa bits 19-22
-    and or-ed with the bits of 1.0, a shift and one and-or, exact."""
-    if 4 * s <= 19:
-        bits = words << (19 - 4 * s)
-    else:
-        bits = words >> (4 * s - 19)
-    return ((bits & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _x_by_nibble(x_cols, row_ok):
     """x[8 w + s] as eight [BLOCK_K // 8] fp32 vectors, s = 0..7, for x_cols pointing at x[8 w]: one [BLOCK_K // 8, 8]
     load (a word's 8 values are 16 contiguous bytes, one vector load) split in registers. Loaded one nibble at a time,
