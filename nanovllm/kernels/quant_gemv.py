@@ -20,13 +20,25 @@ def _x_by_nibble(x_cols, row_ok):
     strided by 16 bytes, they took a load and a zero-fill per value a thread, a seventh of the one-row kernel's loop
     on sm_90 (benchmarks/sass_loop.py counts it)."""
     x = tl.load(x_cols[:, None] + tl.arange(0, 8)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    x = tl.reshape(x, (x.shape[0], 2, 2, 2))  # [w, s // 4, s // 2 % 2, s % 2]
+    return _split_by_nibble(tl.reshape(x, (x.shape[0], 2, 2, 2)))
+
+
+@triton.jit
+def _split_by_nibble(x):
+    """x [..., 2, 2, 2] (the last three dimensions s // 4, s // 2 % 2, s % 2 of a word's values s = 0..7) as its
+    eight [...] slices, in order of s: register moves, no memory."""
     x_s_even, x_s_odd = tl.split(x)
     x0, x4 = tl.split(tl.split(x_s_even)[0])
     x2, x6 = tl.split(tl.split(x_s_even)[1])
     x1, x5 = tl.split(tl.split(x_s_odd)[0])
     x3, x7 = tl.split(tl.split(x_s_odd)[1])
     return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _sum_by_word(xs):
+    """The sum of the eight slices of _split_by_nibble: each word's values summed (the min term's sum(x))."""
+    return ((xs[0] + xs[1]) + (xs[2] + xs[3])) + ((xs[4] + xs[5]) + (xs[6] + xs[7]))
 
 
 # The one- and two-row kernel's products x q 2^-69 (_int4_row_dot): x[8 w + s] is scaled by 2^(80 - p) where the
@@ -50,6 +62,13 @@ def _nibble_as_subnormal(words, words_high, s: tl.constexpr):
 
 
 @triton.jit
+def _scaled_for_nibble(x, s: tl.constexpr):
+    """x times 2^(149 + _PRODUCT_LOG2 - p), p = 4 (s % 5) the bit where nibble s's subnormal float puts it
+    (_nibble_as_subnormal): a power of two, exact, so that x q 2^_PRODUCT_LOG2 comes out of the product."""
+    return x * (2.0 ** (149 + _PRODUCT_LOG2 - 4 * (s % 5)))
+
+
+@triton.jit
 def _int4_row_dot(words, x_cols, row, M, HAS_MINS: tl.constexpr):
     """(sum over s of q_s x[8 w + s] 2^-69, sum over s of x[8 w + s]): [BLOCK_N, BLOCK_K // 8] and [BLOCK_K // 8],
     fp32, for x_cols pointing at x[8 w] of the step's words w in row `row` (0 past M); the second only with mins
@@ -61,11 +80,10 @@ def _int4_row_dot(words, x_cols, row, M, HAS_MINS: tl.constexpr):
     words_high = words.to(tl.uint32, bitcast=True) >> 20  # logical: no sign extension to undo
     part = tl.zeros(words.shape, dtype=tl.float32)
     for s in tl.static_range(8):
-        x_scale = 2.0 ** (149 + _PRODUCT_LOG2 - 4 * (s % 5))  # a power of two (exact); nibble s's bit p
-        part += _nibble_as_subnormal(words, words_high, s) * (xs[s] * x_scale)[None, :]
+        part += _nibble_as_subnormal(words, words_high, s) * _scaled_for_nibble(xs[s], s)[None, :]
     x_sum = tl.zeros(x_cols.shape, dtype=tl.float32)
     if HAS_MINS:
-        x_sum = ((xs[0] + xs[1]) + (xs[2] + xs[3])) + ((xs[4] + xs[5]) + (xs[6] + xs[7]))
+        x_sum = _sum_by_word(xs)
     return part, x_sum
 
 

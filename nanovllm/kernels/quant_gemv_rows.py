@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.quant_gemm import _group_params, _reduce_splits_if_last, _split_steps
-from nanovllm.kernels.quant_gemv import _PRODUCT_LOG2, _nibble_as_subnormal
+from nanovllm.kernels.quant_gemv import (_PRODUCT_LOG2, _nibble_as_subnormal, _scaled_for_nibble,
+                                         _split_by_nibble, _sum_by_word)
 
 
 @triton.jit
@@ -27,32 +28,26 @@ def _x_rows_by_nibble(x_ptrs, row_ok):
     """x[r, 8 w + s] as eight [ROWS, BLOCK_K // 8] fp32 tensors, s = 0..7, for x_ptrs [ROWS, BLOCK_K // 8] pointing at
     x[r, 8 w]: one load of a word's 8 contiguous values a row, split in registers (quant_gemv._x_by_nibble's way)."""
     x = tl.load(x_ptrs[:, :, None] + tl.arange(0, 8)[None, None, :], mask=row_ok[:, :, None], other=0.0)
-    x = tl.reshape(x.to(tl.float32), (x.shape[0], x.shape[1], 2, 2, 2))  # [r, w, s // 4, s // 2 % 2, s % 2]
-    x_s_even, x_s_odd = tl.split(x)
-    x0, x4 = tl.split(tl.split(x_s_even)[0])
-    x2, x6 = tl.split(tl.split(x_s_even)[1])
-    x1, x5 = tl.split(tl.split(x_s_odd)[0])
-    x3, x7 = tl.split(tl.split(x_s_odd)[1])
-    return x0, x1, x2, x3, x4, x5, x6, x7
+    return _split_by_nibble(tl.reshape(x.to(tl.float32), (x.shape[0], x.shape[1], 2, 2, 2)))
 
 
 @triton.jit
 def _int4_rows_dot(words, x_cols, offs_r, M, stride_xm, HAS_MINS: tl.constexpr):
-    """(sums [ROWS, BLOCK_N] over the step's words w and nibbles s of q_s x[r, 8 w + s] 2^-69, sums [ROWS] of the
-    step's x[r, :] (zeros without mins)), fp32, for words [BLOCK_N, BLOCK_K // 8] and x_cols pointing at column 8 w
-    of row 0; rows at or past M read 0. Each nibble's float (quant_gemv._nibble_as_subnormal) is built once and
-    multiplies every row; x is scaled as in quant_gemv._int4_row_dot, so every product is exact."""
+    """(sums [ROWS, BLOCK_N, BLOCK_K // 8] over each word w's nibbles s of q_s x[r, 8 w + s] 2^-69, sums
+    [ROWS, BLOCK_K // 8] of each word's x[r, 8 w + s] (zeros without mins)), fp32, for words [BLOCK_N, BLOCK_K // 8]
+    and x_cols pointing at column 8 w of row 0; rows at or past M read 0. Each nibble's float
+    (quant_gemv._nibble_as_subnormal) is built once and multiplies every row; x is scaled as in
+    quant_gemv._int4_row_dot, so every product is exact."""
     x_ptrs = x_cols[None, :] + offs_r[:, None].to(tl.int64) * stride_xm  # [ROWS, BLOCK_K // 8]
     row_ok = tl.broadcast_to(offs_r[:, None] < M, x_ptrs.shape)
     xs = _x_rows_by_nibble(x_ptrs, row_ok)
     words_high = words.to(tl.uint32, bitcast=True) >> 20
     part = tl.zeros([offs_r.shape[0], words.shape[0], words.shape[1]], dtype=tl.float32)
     for s in tl.static_range(8):
-        x_scale = 2.0 ** (149 + _PRODUCT_LOG2 - 4 * (s % 5))  # a power of two (exact); nibble s's bit p
-        part += _nibble_as_subnormal(words, words_high, s)[None, :, :] * (xs[s] * x_scale)[:, None, :]
+        part += _nibble_as_subnormal(words, words_high, s)[None, :, :] * _scaled_for_nibble(xs[s], s)[:, None, :]
     x_sum = tl.zeros(x_ptrs.shape, dtype=tl.float32)
     if HAS_MINS:
-        x_sum = ((xs[0] + xs[1]) + (xs[2] + xs[3])) + ((xs[4] + xs[5]) + (xs[6] + xs[7]))
+        x_sum = _sum_by_word(xs)
     return part, x_sum
 
 

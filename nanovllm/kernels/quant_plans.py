@@ -101,7 +101,7 @@ def w4_cuda_core_max_rows() -> int:
 # weights of each kind at up to this many rows run on the CUDA cores. FP8: the one-row kernel ~1.2x the dot kernel on
 # qkv on an H100, but the two-row one (~225 registers a thread, one program an SM) fell to 0.6-0.8x; int8 (without
 # mins: the 8-bit LM head) takes the same kernel, where the 16-row dot tile read 8-bit weights at ~40% of copy
-# bandwidth at one row (run HA); 4-bit: the leading CUDA-core entries of W4_DECODE_TILES
+# bandwidth at one row on an H100; 4-bit: the leading CUDA-core entries of W4_DECODE_TILES
 CUDA_CORE_MAX_ROWS = {quant_gemm.KIND_INT4: w4_cuda_core_max_rows(), quant_gemm.KIND_FP8: 1, quant_gemm.KIND_INT8: 1}
 
 
