@@ -14,6 +14,14 @@ from nanovllm.kernels.quant_gemm import _group_params, _split_steps, _store_rows
 
 
 @triton.jit
+def _step_words(w_rows, n_ok, k0, k_end, BLOCK_K: tl.constexpr):
+    """The packed words [BLOCK_N, BLOCK_K // 8] of the K step at column k0 for the rows w_rows points at (a row's
+    words contiguous); 0 past N and from k_end on (the split's end: the prefetch after its last step reads nothing)."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    return tl.load(w_rows + offs_w[None, :], mask=n_ok[:, None] & (offs_w[None, :] < k_end // 8), other=0)
+
+
+@triton.jit
 def _x_by_nibble(x_cols, row_ok):
     """x[8 w + s] as eight [BLOCK_K // 8] fp32 vectors, s = 0..7, for x_cols pointing at x[8 w]: one [BLOCK_K // 8, 8]
     load (a word's 8 values are 16 contiguous bytes, one vector load) split in registers. Loaded one nibble at a time,
@@ -106,16 +114,12 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_ptr, 
     acc1 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
     k_begin, num_steps = _split_steps(K, num_k_steps, BLOCK_K)
     k_end = k_begin + num_steps * BLOCK_K  # <= K: BLOCK_K divides the group, the group divides K
-    offs_w = k_begin // 8 + tl.arange(0, BLOCK_K // 8)
-    words = tl.load(w_rows + offs_w[None, :], mask=n_ok[:, None], other=0)  # [BLOCK_N, BLOCK_K // 8]
+    words = _step_words(w_rows, n_ok, k_begin, k_end, BLOCK_K)
     for step in range(num_steps):
         k0 = k_begin + step * BLOCK_K
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         # the next step's words load while this step's are unpacked (registers, not shared memory: two buffers)
-        offs_next = offs_w + BLOCK_K // 8
-        next_words = tl.load(w_rows + offs_next[None, :], other=0,
-                             mask=n_ok[:, None] & (offs_next[None, :] < k_end // 8))
-        x_cols = x_ptr + offs_w * 8
+        next_words = _step_words(w_rows, n_ok, k0 + BLOCK_K, k_end, BLOCK_K)
+        x_cols = x_ptr + k0 + 8 * tl.arange(0, BLOCK_K // 8)
         # sum(x (q s + mn)) = s 2^69 sum(x q 2^-69) + mn sum(x)
         s, mn = _group_params(s_ptr, m_ptr, offs_n, k0 // GROUP_K, N, stride_sn, stride_mn, 1, HAS_MINS, 0.0)
         s = s * (2.0 ** -_PRODUCT_LOG2)

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from nanovllm.kernels.quant_gemm import _group_params, _reduce_splits_if_last, _split_steps
 from nanovllm.kernels.quant_gemv import (_PRODUCT_LOG2, _nibble_as_subnormal, _scaled_for_nibble,
-                                         _split_by_nibble, _sum_by_word)
+                                         _split_by_nibble, _step_words, _sum_by_word)
 
 
 @triton.jit
@@ -67,17 +67,14 @@ def _int4_gemv_rows_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
     k_begin, num_steps = _split_steps(K, num_k_steps, BLOCK_K)
     k_end = k_begin + num_steps * BLOCK_K
-    offs_w = k_begin // 8 + tl.arange(0, BLOCK_K // 8)
-    words = tl.load(w_rows + offs_w[None, :], mask=n_ok[:, None], other=0)  # [BLOCK_N, BLOCK_K // 8]
+    words = _step_words(w_rows, n_ok, k_begin, k_end, BLOCK_K)
     for step in range(num_steps):
         k0 = k_begin + step * BLOCK_K
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        offs_next = offs_w + BLOCK_K // 8
-        next_words = tl.load(w_rows + offs_next[None, :], other=0,
-                             mask=n_ok[:, None] & (offs_next[None, :] < k_end // 8))
+        next_words = _step_words(w_rows, n_ok, k0 + BLOCK_K, k_end, BLOCK_K)
         # sum(x (q s + mn)) = s 2^69 sum(x q 2^-69) + mn sum(x)
         s, mn = _group_params(s_ptr, m_ptr, offs_n, k0 // GROUP_K, N, stride_sn, stride_mn, 1, HAS_MINS, 0.0)
-        part, x_sum = _int4_rows_dot(words, x_ptr + offs_w * 8, offs_r, M, stride_xm, HAS_MINS)
+        part, x_sum = _int4_rows_dot(words, x_ptr + k0 + 8 * tl.arange(0, BLOCK_K // 8), offs_r, M, stride_xm,
+                                     HAS_MINS)
         acc += (s * (2.0 ** -_PRODUCT_LOG2))[None, :, None] * part
         if HAS_MINS:
             acc += x_sum[:, None, :] * mn[None, :, None]
