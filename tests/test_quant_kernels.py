@@ -300,13 +300,27 @@ def layer(x):
 
 compiled = torch.compile(layer, fullgraph=True, backend="aot_eager", dynamic=True)
 res["compiled_equal"] = torch.equal(compiled(x[0]), layer(x[0])) and torch.equal(compiled(x[1, :2]), layer(x[1, :2]))
+# the ops adding into a residual: they mutate it and return nothing
+r = torch.randn(3, 24).to(torch.bfloat16)
+torch.library.opcheck(torch.ops.nanovllm.int_linear_add_.default, (x[0], qweight, scales, mins, 4, 32, r))
+torch.library.opcheck(torch.ops.nanovllm.fp8_linear_add_.default, (x[0], wq, ws, 16, 32, r),
+                      test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+def layer_add(x, r):
+    int_linear(x, qweight, scales, mins, 4, 32, residual=r)
+    return fp8_linear(x, wq, ws, (16, 32), residual=r)
+
+compiled_add = torch.compile(layer_add, fullgraph=True, backend="aot_eager", dynamic=True)
+r_compiled, r_eager = r.clone(), r.clone()
+res["compiled_add_equal"] = (compiled_add(x[0], r_compiled) is r_compiled and layer_add(x[0], r_eager) is r_eager
+                             and torch.equal(r_compiled, r_eager) and not torch.equal(r_eager, r))
 print(json.dumps(res))
 """
 
 
 def test_custom_ops_pass_opcheck_and_compile_without_graph_breaks(interpreted):
     res = script_result(interpreted, "ops")  # opcheck raises on a schema, fake-tensor or dispatch problem
-    assert res == {"leading_dims": [2, 3, 24], "empty": [0, 24], "compiled_equal": True}
+    assert res == {"leading_dims": [2, 3, 24], "empty": [0, 24], "compiled_equal": True, "compiled_add_equal": True}
 
 
 # ----------------------------------------------------------------- argument errors (no kernel runs)

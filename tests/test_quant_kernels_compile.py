@@ -1,11 +1,11 @@
 """The quantized linear kernels compile for an H100/H200 (sm_90) and an RTX 40-series GPU (sm_89) on a machine without
 a GPU, within the shared memory a block may use there: every plan the dispatch can pick (decode split-K, the CUDA-
 core kernels, the 128-row tile, per-element groups, both 16-bit dtypes, the FP8 GEMM with block and per-token
-scales, the activation quantizer). Triton's interpreter, which tests/test_quant_kernels.py runs them in, does not
-type-check, so a kernel it runs may still fail to compile; and a tile that fits an H100's 227 KB of shared memory
-per block may not fit an RTX 4070's 99 KB. The launches become compiles under a stand-in CUDA driver (the same
-approach as tests/test_triton_compile.py, from tests/triton_standin.py), in a subprocess: the driver is
-process-wide."""
+scales, the activation quantizer), and the decode kernels adding into a residual (ADD_OUT). Triton's interpreter,
+which tests/test_quant_kernels.py runs them in, does not type-check, so a kernel it runs may still fail to compile;
+and a tile that fits an H100's 227 KB of shared memory per block may not fit an RTX 4070's 99 KB. The launches
+become compiles under a stand-in CUDA driver (the same approach as tests/test_triton_compile.py, from
+tests/triton_standin.py), in a subprocess: the driver is process-wide."""
 import pytest
 import torch
 from triton_standin import run_compile_script
@@ -52,10 +52,21 @@ for bits, group, dtype in [(4, 128, torch.bfloat16), (8, 32, torch.float16)]:  #
     kind = quant_gemm.KIND_INT4 if bits == 4 else quant_gemm.KIND_INT8
     qm.dequantize_int_weight(qweight, torch.ones(N, K // group, dtype=torch.float16), torch.zeros(N, K // group),
                              kind, group, dtype)
+# adding into a residual (ADD_OUT): each kernel that o_proj and down_proj take at decode, and the multi-row one
+w4 = (torch.zeros(N, K // 8, dtype=torch.int32), torch.ones(N, K // 128, dtype=torch.float16), quant_gemm.KIND_INT4, 1)
+fp8 = (wq, torch.ones(N // 128, K // 128), quant_gemm.KIND_FP8, 128)
+rows = quant_plans.plan_w4_decode(4, N, K, 128, quant_plans.DecodeTiles(4, "rows", 64, 64, 4, 4), limits)
+for M, (w, sc, kind, group_n), plan in [(1, w4, None), (2, w4, None), (8, w4, None), (24, w4, None), (4, w4, rows),
+                                        (1, fp8, None), (3, fp8, None)]:
+    plan = plan or qm.plan_weight_only(M, N, K, 128, limits, kind, group_n)
+    qm.weight_only_linear(torch.zeros(M, K, dtype=torch.bfloat16), w, sc, None, kind, group_n, 128, plan,
+                          residual=torch.zeros(M, N, dtype=torch.bfloat16))
 SWITCHES.split_k_reduce = "launch"  # split-K's second launch (the kernels above reduce their splits themselves)
 plan = qm.plan_weight_only(1, N, K, 128, limits, quant_gemm.KIND_FP8, 128)
 qm.weight_only_linear(torch.zeros(1, K, dtype=torch.bfloat16), wq, torch.ones(N // 128, K // 128), None,
                       quant_gemm.KIND_FP8, 128, 128, plan)
+qm.weight_only_linear(torch.zeros(1, K, dtype=torch.bfloat16), wq, torch.ones(N // 128, K // 128), None,
+                      quant_gemm.KIND_FP8, 128, 128, plan, residual=torch.zeros(1, N, dtype=torch.bfloat16))
 x = torch.zeros(256, K, dtype=torch.bfloat16)
 qm.fp8_w8a8_linear(x, wq, torch.ones(N // 128, K // 128), 128, 128, use_scaled_mm=False, limits=limits)
 qm.fp8_w8a8_linear(x, wq, torch.ones(N, 1), 1, K, use_scaled_mm=False, limits=limits)
@@ -70,5 +81,5 @@ def test_every_quant_kernel_compiles_within_shared_memory(cc, shared_limit_bytes
     proc = run_compile_script(COMPILE_ALL, [cc, shared_limit_bytes, num_sms], timeout_s=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["_byte_gemv_kernel", "_dequant_int_kernel", "_fp8_gemm_kernel", "_int4_gemv_kernel",
-                                   "_quantize_act_kernel", "_sum_splits_kernel", "_w4_swapped_gemm_kernel",
-                                   "_wo_gemm_kernel"]
+                                   "_int4_gemv_rows_kernel", "_quantize_act_kernel", "_sum_splits_kernel",
+                                   "_w4_swapped_gemm_kernel", "_wo_gemm_kernel"]

@@ -171,3 +171,39 @@ def test_qwen3_8b_qkv_ragged_splits_read_nothing_past_k(M, bits):
     assert not y.isnan().any()
     plan = qm.plan_weight_only(M, N, K, G, qm.device_limits(y.device), kind)
     _check(y, x, dequant_int(q, scales, mins, G), plan.scale_after_dot)
+
+
+def test_every_kernel_adds_the_residual_rounding_once():
+    """tests/test_quant_kernels_residual.py's cases on CUDA (each kernel adding into the residual, split and unsplit,
+    both reductions): the bits of the same kernel's fp32 result plus the residual rounded once (to nearest here),
+    within the bound of the float64 sum. The bits hold while the compiler fuses no product of the kernel's last step
+    with the residual's add into an fma (sm_90 SASS of the 8-bit per-channel kernel, Triton 3.9: an FMUL, then the
+    FADD)."""
+    from test_quant_kernels_residual import check_kernel_cases, run_kernel_cases
+    check_kernel_cases(run_kernel_cases("cuda", truncate_bf16=False))
+
+
+@pytest.mark.parametrize("M", [1, 2, 5])  # the CUDA-core kernels, the swapped 16-row tile
+def test_the_residual_add_replays_under_cuda_graphs_bit_identical(M):
+    qm = _qm()
+    qweight, _, scales, mins = (t.cuda() for t in make_int_weight(768, 1024, 128, 4, torch.float16, torch.float32))
+    wq, ws = (t.cuda() for t in make_fp8_weight(768, 1024, 128, 128))
+    x = torch.randn(M, 1024, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(M, 768, device="cuda", dtype=torch.bfloat16)
+
+    def run():  # o_proj then down_proj, as a layer adds them
+        qm.int_linear(x, qweight, scales, mins, 4, 128, residual=residual)
+        return qm.fp8_linear(x, wq, ws, (128, 128), residual=residual)
+    run()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for seed in (1, 2):
+        gen = torch.Generator().manual_seed(seed)
+        x.copy_(torch.randn(x.shape, generator=gen).to(x.dtype))
+        start = torch.randn(residual.shape, generator=gen).to(residual.dtype).cuda()
+        residual.copy_(start)
+        graph.replay()
+        replayed = residual.clone()
+        residual.copy_(start)
+        assert run() is residual and torch.equal(replayed, residual)

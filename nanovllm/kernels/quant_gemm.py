@@ -35,6 +35,12 @@ output dtype, as Marlin's serial reduction does: no second launch, whose ~2 us b
 linears a layer would pay (the switch split_k_reduce="launch" runs _sum_splits_kernel instead, the same bits).
 Chosen over fp32 atomics: the same inputs give the same bits on every run (atomics add in arrival order), no
 zero-fill launch, and the partials (at most ~2 MB for 16 rows) stay in L2.
+
+Adding into the output (ADD_OUT, every weight-only kernel). A row-parallel layer adds its product to the residual
+stream: with ADD_OUT the output tensor holds the residual, and the kernel writes residual + x @ W.T, the two added in
+fp32 and rounded once (as cuBLAS's addmm with beta = 1 does for 16-bit weights), in place of a separate add kernel
+after the GEMM (two a layer at decode). Only the result is added, never a split's partial: unsplit, the kernel's own
+store adds it (_store_split); split-K, the reduction does (_reduce_splits_if_last, _sum_splits_kernel).
 """
 import triton
 import triton.language as tl
@@ -148,22 +154,33 @@ def _dequant_tile(q, s_ptr, m_ptr, offs_n, k0, offs_k, N, stride_sn, stride_mn, 
     return w
 
 
+@triton.jit
+def _store_split(ptrs, y, mask, num_splits, ADD_OUT: tl.constexpr):
+    """This program's y (fp32) at ptrs, its split's place in out_ptr[split]: the fp32 partials when split-K, else the
+    output in its dtype. ADD_OUT: unsplit, y is the result and ptrs point at the output (split 0), whose old values
+    are added to y in fp32 before the one rounding; split, the partial is stored as it is (the reduction adds them)."""
+    if ADD_OUT:
+        if num_splits == 1:  # at run time: the plan's split count is not a constant of the compiled kernel
+            y += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
+
+
 # the row count and the K steps per split change from step to step: not specialized on (a multiple of 16, or 1),
 # so that a new batch size compiles nothing mid-run
 @triton.jit(do_not_specialize=["M", "num_k_steps", "num_splits"])
 def _wo_gemm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_ptr, M, N, K, num_k_steps, num_splits,
                     stride_xm, stride_qn, stride_sn, stride_mn, stride_om, stride_split, REDUCE_SPLITS: tl.constexpr,
-                    WEIGHT_KIND: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+                    ADD_OUT: tl.constexpr, WEIGHT_KIND: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                     HAS_MINS: tl.constexpr, SCALE_AFTER_DOT: tl.constexpr, PER_ELEMENT: tl.constexpr,
                     OFFSET: tl.constexpr, OFFSET_BITS: tl.constexpr, EMULATE_DOT_FP32: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """out[split] (fp32 partials when split-K, else the output in its dtype) for one [BLOCK_M, BLOCK_N] tile over
-    num_k_steps K steps starting at split * num_k_steps * BLOCK_K. SCALE_AFTER_DOT: the raw weights go into the
-    dot and the scales and mins apply to its fp32 result (module docstring); else each step's tile is dequantized
+    """out[split] (fp32 partials when split-K, else the output in its dtype; ADD_OUT: the result added to the
+    output's old values, module docstring) for one [BLOCK_M, BLOCK_N] tile over num_k_steps K steps starting at
+    split * num_k_steps * BLOCK_K. SCALE_AFTER_DOT: the raw weights go into the dot and the scales and mins apply
+    to its fp32 result (module docstring); else each step's tile is dequantized
     (q * s + mn in fp32, rounded to x's dtype) and the dots accumulate in place. EMULATE_DOT_FP32: Triton's CPU
     interpreter computes bf16 dots wrongly, so its tests run the dot in fp32 (the operands are exact in both)."""
     pid_m, pid_n = _swizzled_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    split = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m[:, None] < M
@@ -199,27 +216,33 @@ def _wo_gemm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_ptr, M,
                 acc = tl.dot(x, w, acc)
     offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     mask = m_ok & (offs_n[None, :] < N)
-    tl.store(out_ptr + split * stride_split + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_split(out_ptr + tl.program_id(1) * stride_split + offs, acc, mask, num_splits, ADD_OUT)
     if REDUCE_SPLITS:
-        _reduce_splits_if_last(final_ptr, out_ptr, lock_ptr, tl.program_id(0), offs, mask, num_splits, stride_split)
+        _reduce_splits_if_last(final_ptr, out_ptr, lock_ptr, tl.program_id(0), offs, mask, num_splits, stride_split,
+                               ADD_OUT)
 
 
 @triton.jit(do_not_specialize=["numel", "num_splits"])
-def _sum_splits_kernel(part_ptr, out_ptr, numel, num_splits, BLOCK: tl.constexpr):
-    """out = sum over splits of part[split] (fp32, splits in order), rounded once to out's dtype."""
+def _sum_splits_kernel(part_ptr, out_ptr, numel, num_splits, ADD_OUT: tl.constexpr, BLOCK: tl.constexpr):
+    """out = sum over splits of part[split] (fp32, splits in order; ADD_OUT: then + out's old values), rounded once
+    to out's dtype."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for split in range(num_splits):
         total += tl.load(part_ptr + split * numel + offs, mask=ok, other=0.0)
+    if ADD_OUT:
+        total += tl.load(out_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _reduce_splits_if_last(out_ptr, part_ptr, lock_ptr, tile_id, offs, mask, num_splits, stride_split):
+def _reduce_splits_if_last(out_ptr, part_ptr, lock_ptr, tile_id, offs, mask, num_splits, stride_split,
+                           ADD_OUT: tl.constexpr):
     """Split-K without a second launch: after this program's partial is stored, the last of the tile's num_splits
-    programs to arrive (a counter per tile, lock_ptr[tile_id]) sums the tile's partials in split order, exactly as
-    _sum_splits_kernel does (the same bits), writes out_ptr, and resets the counter to 0 for the next launch.
+    programs to arrive (a counter per tile, lock_ptr[tile_id]) sums the tile's partials in split order (ADD_OUT:
+    then adds out_ptr's old values), exactly as _sum_splits_kernel does (the same bits), writes out_ptr, and resets
+    the counter to 0 for the next launch.
     NOTE: the barrier orders every thread's partial before the count (a release at GPU scope is cumulative), the
     acquire orders the last program's reads after all counts, and its reads skip L1 (.cg), which is not coherent
     across SMs. Kernels on one stream never overlap, so one counter array serves every launch."""
@@ -229,26 +252,25 @@ def _reduce_splits_if_last(out_ptr, part_ptr, lock_ptr, tile_id, offs, mask, num
         total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
         for split in range(1, num_splits):
             total += tl.load(part_ptr + split * stride_split + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        if ADD_OUT:  # no program of the launch writes out_ptr before this one
+            total += tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
         tl.atomic_xchg(lock_ptr + tile_id, 0)
 
 
-
-
-
 @triton.jit
 def _store_rows(out_ptr, final_ptr, lock_ptr, y0, y1, offs_n, M, N, stride_om, num_splits, stride_split,
-                REDUCE_SPLITS: tl.constexpr, TWO_ROWS: tl.constexpr):
-    """The CUDA-core kernels' one or two output rows [BLOCK_N] into out_ptr[split] (partials or the output), then
-    the split-K reduction in the last program of the column tile (REDUCE_SPLITS)."""
-    split = tl.program_id(1)
+                REDUCE_SPLITS: tl.constexpr, TWO_ROWS: tl.constexpr, ADD_OUT: tl.constexpr):
+    """The CUDA-core kernels' one or two output rows [BLOCK_N] into out_ptr[split] (partials or the output;
+    ADD_OUT: _store_split), then the split-K reduction in the last program of the column tile (REDUCE_SPLITS)."""
     n_ok = offs_n < N
-    out = out_ptr + split * stride_split + offs_n
-    tl.store(out, y0.to(out_ptr.dtype.element_ty), mask=n_ok)
+    out = out_ptr + tl.program_id(1) * stride_split + offs_n
+    _store_split(out, y0, n_ok, num_splits, ADD_OUT)
     if TWO_ROWS:
-        tl.store(out + stride_om, y1.to(out_ptr.dtype.element_ty), mask=n_ok & (tl.full(offs_n.shape, 1, tl.int32) < M))
+        _store_split(out + stride_om, y1, n_ok & (tl.full(offs_n.shape, 1, tl.int32) < M), num_splits, ADD_OUT)
     if REDUCE_SPLITS:
         rows = tl.arange(0, 2)
         offs = offs_n[:, None] + rows[None, :] * stride_om  # [BLOCK_N, 2]
         mask = (offs_n[:, None] < N) & (rows[None, :] < M)
-        _reduce_splits_if_last(final_ptr, out_ptr, lock_ptr, tl.program_id(0), offs, mask, num_splits, stride_split)
+        _reduce_splits_if_last(final_ptr, out_ptr, lock_ptr, tl.program_id(0), offs, mask, num_splits, stride_split,
+                               ADD_OUT)

@@ -17,19 +17,22 @@ to say (benchmarks/sweep_w4.py).
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.quant_gemm import _group_params, _int4_nibbles, _reduce_splits_if_last, _split_steps
+from nanovllm.kernels.quant_gemm import (_group_params, _int4_nibbles, _reduce_splits_if_last, _split_steps,
+                                         _store_split)
 
 
 # as _wo_gemm_kernel: the row count and the K steps per split are not specialized on
 @triton.jit(do_not_specialize=["M", "num_k_steps", "num_splits"])
 def _w4_swapped_gemm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_ptr, M, N, K, num_k_steps,
                             num_splits, stride_xm, stride_qn, stride_sn, stride_mn, stride_om, stride_split,
-                            REDUCE_SPLITS: tl.constexpr, GROUP_K: tl.constexpr, HAS_MINS: tl.constexpr,
-                            OFFSET: tl.constexpr, OFFSET_BITS: tl.constexpr, EMULATE_DOT_FP32: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[split] (fp32 partials when split-K, else the output) for rows pid_m * BLOCK_M.. and columns
-    pid_n * BLOCK_N.. over num_k_steps K steps of BLOCK_K, each inside one scale group. The weights enter the dot as
-    the exact 16-bit floats OFFSET + q; per column s * dot + (mn - OFFSET * s) * sum(x) (quant_gemm._group_params)."""
+                            REDUCE_SPLITS: tl.constexpr, ADD_OUT: tl.constexpr, GROUP_K: tl.constexpr,
+                            HAS_MINS: tl.constexpr, OFFSET: tl.constexpr, OFFSET_BITS: tl.constexpr,
+                            EMULATE_DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    """out[split] (fp32 partials when split-K, else the output; ADD_OUT: quant_gemm._store_split) for rows
+    pid_m * BLOCK_M.. and columns pid_n * BLOCK_N.. over num_k_steps K steps of BLOCK_K, each inside one scale
+    group. The weights enter the dot as the exact 16-bit floats OFFSET + q; per column
+    s * dot + (mn - OFFSET * s) * sum(x) (quant_gemm._group_params)."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = tl.program_id(0) // num_pid_n, tl.program_id(0) % num_pid_n
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -54,6 +57,7 @@ def _w4_swapped_gemm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock
         acc += part * s[:, None] + bias[:, None] * x_sum[None, :]
     offs = offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
     mask = m_ok & (offs_n[:, None] < N)
-    tl.store(out_ptr + tl.program_id(1) * stride_split + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_split(out_ptr + tl.program_id(1) * stride_split + offs, acc, mask, num_splits, ADD_OUT)
     if REDUCE_SPLITS:
-        _reduce_splits_if_last(final_ptr, out_ptr, lock_ptr, tl.program_id(0), offs, mask, num_splits, stride_split)
+        _reduce_splits_if_last(final_ptr, out_ptr, lock_ptr, tl.program_id(0), offs, mask, num_splits, stride_split,
+                               ADD_OUT)

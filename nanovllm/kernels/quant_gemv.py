@@ -98,8 +98,8 @@ def _int4_row_dot(words, x_cols, row, M, HAS_MINS: tl.constexpr):
 @triton.jit(do_not_specialize=["M", "num_k_steps", "num_splits"])
 def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_ptr, M, N, K, num_k_steps, num_splits,
                       stride_xm, stride_qn, stride_sn, stride_mn, stride_om, stride_split,
-                      REDUCE_SPLITS: tl.constexpr, GROUP_K: tl.constexpr, HAS_MINS: tl.constexpr,
-                      TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      REDUCE_SPLITS: tl.constexpr, ADD_OUT: tl.constexpr, GROUP_K: tl.constexpr,
+                      HAS_MINS: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """4-bit decode of one or two rows (TWO_ROWS) on the CUDA cores: out[:M, n] for BLOCK_N columns over
     num_k_steps K steps of BLOCK_K (BLOCK_K divides the group, the group divides K: no step runs past K).
     Per weight value: an and building its float (a shift per word for three of its eight, _int4_row_dot) and one
@@ -134,7 +134,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_ptr, 
                 acc1 += mn[:, None] * x_sum[None, :]
         words = next_words
     _store_rows(out_ptr, final_ptr, lock_ptr, tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), offs_n, M, N, stride_om,
-                num_splits, stride_split, REDUCE_SPLITS, TWO_ROWS)
+                num_splits, stride_split, REDUCE_SPLITS, TWO_ROWS, ADD_OUT)
 
 
 @triton.jit
@@ -148,7 +148,7 @@ def _byte_row_dot(acc, q, x_row_ptr, offs_k, row, M, K, step_scale):
 @triton.jit(do_not_specialize=["M", "num_k_steps", "num_splits"])
 def _byte_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, final_ptr, lock_ptr, M, N, K, num_k_steps, num_splits, stride_xm,
                      stride_qn, stride_sn, stride_om, stride_split, REDUCE_SPLITS: tl.constexpr,
-                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, TWO_ROWS: tl.constexpr,
+                     ADD_OUT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, TWO_ROWS: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """8-bit weights without mins (FP8 e4m3, or int8: the 8-bit LM head) at one or two rows (TWO_ROWS) on the CUDA
     cores: out[:M, n] for BLOCK_N columns over num_k_steps K steps of BLOCK_K. Per weight value: a conversion (from
@@ -184,4 +184,4 @@ def _byte_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, final_ptr, lock_ptr, M, N, K
         y0 = y0 * col_scale
         y1 = y1 * col_scale
     _store_rows(out_ptr, final_ptr, lock_ptr, y0, y1, offs_n, M, N, stride_om, num_splits, stride_split,
-                REDUCE_SPLITS, TWO_ROWS)
+                REDUCE_SPLITS, TWO_ROWS, ADD_OUT)

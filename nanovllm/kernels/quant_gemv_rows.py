@@ -18,7 +18,7 @@ benchmarks/sass_loop.py --tiles rows 64 4), at the price of registers (214 a thr
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.quant_gemm import _group_params, _reduce_splits_if_last, _split_steps
+from nanovllm.kernels.quant_gemm import _group_params, _reduce_splits_if_last, _split_steps, _store_split
 from nanovllm.kernels.quant_gemv import (_PRODUCT_LOG2, _nibble_as_subnormal, _scaled_for_nibble,
                                          _split_by_nibble, _step_words, _sum_by_word)
 
@@ -54,10 +54,10 @@ def _int4_rows_dot(words, x_cols, offs_r, M, stride_xm, HAS_MINS: tl.constexpr):
 @triton.jit(do_not_specialize=["M", "num_k_steps", "num_splits"])
 def _int4_gemv_rows_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_ptr, M, N, K, num_k_steps,
                            num_splits, stride_xm, stride_qn, stride_sn, stride_mn, stride_om, stride_split,
-                           REDUCE_SPLITS: tl.constexpr, GROUP_K: tl.constexpr, HAS_MINS: tl.constexpr,
-                           ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           REDUCE_SPLITS: tl.constexpr, ADD_OUT: tl.constexpr, GROUP_K: tl.constexpr,
+                           HAS_MINS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[:M, n] (M <= ROWS) for BLOCK_N columns over num_k_steps K steps of BLOCK_K (BLOCK_K divides the group,
-    the group divides K: no step runs past K); split-K partials and their in-kernel reduction as in
+    the group divides K: no step runs past K); split-K partials, their in-kernel reduction and ADD_OUT as in
     quant_gemv._int4_gemv_kernel. The next step's words load while this step's are unpacked (two register buffers,
     no shared memory)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -82,6 +82,7 @@ def _int4_gemv_rows_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, final_ptr, lock_
     acc = tl.sum(acc, axis=2)
     offs = offs_r[:, None].to(tl.int64) * stride_om + offs_n[None, :]  # [ROWS, BLOCK_N]
     mask = (offs_r[:, None] < M) & n_ok[None, :]
-    tl.store(out_ptr + tl.program_id(1) * stride_split + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_split(out_ptr + tl.program_id(1) * stride_split + offs, acc, mask, num_splits, ADD_OUT)
     if REDUCE_SPLITS:
-        _reduce_splits_if_last(final_ptr, out_ptr, lock_ptr, tl.program_id(0), offs, mask, num_splits, stride_split)
+        _reduce_splits_if_last(final_ptr, out_ptr, lock_ptr, tl.program_id(0), offs, mask, num_splits, stride_split,
+                               ADD_OUT)

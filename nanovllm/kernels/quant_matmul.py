@@ -21,19 +21,22 @@ Which kernel runs (a plan per shape, quant_plans.py):
     (cuBLASLt) with rowwise scales for per-channel and per-tensor weights (switch `fp8_scaled_mm`) and with 1 x 128
     / 128 x 128 block scales for 128 x 128 block weights on sm_90 (`fp8_block_scaled_mm`); quant_fp8.py's Triton
     GEMM where those cannot run (sm_89, other block shapes, fp16 activations).
-Both functions are torch custom ops (`torch.ops.nanovllm.int_linear`, `.fp8_linear`): torch.compile treats them as
-opaque calls, and CUDA graphs capture them (no host sync; the split-K partials come from the caching allocator).
+With `residual` (a row-parallel layer's residual stream) both add their product into it in place: the weight-only
+kernels in their epilogue, in fp32 with one rounding (quant_gemm.py's ADD_OUT), the large-M GEMMs by an add after.
+Both functions are torch custom ops (`torch.ops.nanovllm.int_linear`, `.fp8_linear`, and `.int_linear_add_`,
+`.fp8_linear_add_` with a residual, which mutate it and return nothing): torch.compile treats them as opaque calls,
+and CUDA graphs capture them (no host sync; the split-K partials come from the caching allocator).
 On CPU tensors they run only under Triton's interpreter (TRITON_INTERPRET=1, the tests); the engine's CPU path
 dequantizes and calls F.linear.
 """
 import typing
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
 
-from nanovllm.kernels import quant_dequant, quant_gemm, quant_gemm_swapped, quant_gemv, quant_gemv_rows
+from nanovllm.kernels import quant_dequant, quant_gemm
+from nanovllm.kernels.quant_launch import SplitLaunch, launch_weight_only
 from nanovllm.kernels.quant_plans import (SCALE_AFTER_DOT_MAX_ROWS, TilePlan, device_limits,
                                           plan_weight_only)
 from nanovllm.kernels.quant_w8a8 import _has_fp8_tensor_cores, fp8_w8a8_linear, interpreting
@@ -57,13 +60,6 @@ def _check_device(x: torch.Tensor, name: str):
                          f"F.linear (TRITON_INTERPRET=1 runs the kernel on CPU tensors, for tests)")
 
 
-def _offset_bits(dtype: torch.dtype, kind: int) -> tuple[int, int]:
-    """(OFFSET, OFFSET_BITS) of the 4-bit unpack: the 16-bit float with these bits | q is OFFSET + q, exactly."""
-    if kind != quant_gemm.KIND_INT4:
-        return 0, 0
-    return (128, 0x4300) if dtype == torch.bfloat16 else (1024, 0x6400)
-
-
 _NUM_SPLIT_LOCKS = 1 << 14  # tile counters per device: split plans have <= 64 rows, so N / BLOCK_N tiles or fewer
 _split_locks: dict[torch.device, torch.Tensor] = {}
 
@@ -85,112 +81,48 @@ def _split_lock_tensor(device: torch.device, num_tiles: int) -> torch.Tensor | N
 
 
 def weight_only_linear(x, qweight, scales, mins, kind: int, group_n: int, group_k: int,
-                       plan: TilePlan | None = None) -> torch.Tensor:
-    """x [M, K] (16-bit, unit column stride) @ dequant(qweight).T -> [M, N] in x.dtype (quant_gemm.py)."""
-    M, K = x.shape
-    N = qweight.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0:
-        return out
+                       plan: TilePlan | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (16-bit, unit column stride) @ dequant(qweight).T -> [M, N] in x.dtype (quant_gemm.py). With
+    residual ([M, N], x's dtype, contiguous): residual + the product, added in fp32 and rounded once by the kernel
+    (ADD_OUT), written into residual, which is returned."""
+    M, N = x.shape[0], qweight.shape[0]
+    if residual is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    else:
+        _check_residual(residual, x, N)
+        out = residual
+    if M > 0:
+        _write_weight_only(x, qweight, scales, mins, kind, group_n, group_k, plan, out, residual is not None)
+    return out
+
+
+def _write_weight_only(x, qweight, scales, mins, kind: int, group_n: int, group_k: int, plan: TilePlan | None,
+                       out: torch.Tensor, add_out: bool):
+    """The product written into out ([M, N], contiguous; any float dtype, the tests read the kernels' fp32 result
+    this way), added to out's old values when add_out."""
+    (M, K), N = x.shape, qweight.shape[0]
     plan = plan or plan_weight_only(M, N, K, group_k, device_limits(x.device), kind, group_n, mins is not None)
     split = plan.num_splits > 1
     target = torch.empty((plan.num_splits, M, N), dtype=torch.float32, device=x.device) if split else out
     num_tiles = triton.cdiv(N, plan.block_n) * (1 if plan.cuda_cores else triton.cdiv(M, plan.block_m))
     locks = _split_lock_tensor(x.device, num_tiles) if split else None
-    launch = _SplitLaunch(target, out, out if locks is None else locks, locks is not None)
-    if plan.cuda_cores and kind in (quant_gemm.KIND_FP8, quant_gemm.KIND_INT8):
-        if mins is not None:
-            raise ValueError(f"a CUDA-core plan for 8-bit weights has no min term; {plan} came with mins (plan with "
-                             f"plan_weight_only(..., has_mins=True))")
-        _launch_byte_gemv(x, qweight, scales, launch, group_n, group_k, plan)
-    elif plan.multi_row:
-        _launch_int4_gemv_rows(x, qweight, scales, mins, launch, group_k, plan)
-    elif plan.cuda_cores:
-        _launch_int4_gemv(x, qweight, scales, mins, launch, group_k, plan)
-    elif plan.swap_ab:
-        _launch_w4_swapped_gemm(x, qweight, scales, mins, launch, group_k, plan)
-    else:
-        _launch_wo_gemm(x, qweight, scales, mins, launch, kind, group_n, group_k, plan)
+    launch = SplitLaunch(target, out, out if locks is None else locks, locks is not None, add_out)
+    launch_weight_only(x, qweight, scales, mins, launch, kind, group_n, group_k, plan)
     if split and not launch.reduce_in_kernel:
         block = 1024
         quant_gemm._sum_splits_kernel[(triton.cdiv(M * N, block),)](target, out, M * N, plan.num_splits,
-                                                                     BLOCK=block, num_warps=4)
-    return out
+                                                                     ADD_OUT=add_out, BLOCK=block, num_warps=4)
 
 
-@dataclass(frozen=True)
-class _SplitLaunch:
-    """Where a weight-only kernel writes: target (fp32 partials [splits, M, N] when split-K, else out itself), and
-    for the in-kernel reduction the output and the tile counters (locks; unused and set to out otherwise)."""
-    target: torch.Tensor
-    out: torch.Tensor
-    locks: torch.Tensor
-    reduce_in_kernel: bool
-
-    def split_stride(self) -> int:
-        return self.target.stride(0) if self.target.dim() == 3 else 0
-
-
-def _launch_int4_gemv(x, qweight, scales, mins, launch: _SplitLaunch, group_k: int, plan: TilePlan):
-    M, N = x.shape[0], qweight.shape[0]
-    quant_gemv._int4_gemv_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
-        x, qweight, scales, scales if mins is None else mins, launch.target, launch.out, launch.locks, M, N,
-        x.shape[1], plan.num_k_steps, plan.num_splits, x.stride(0), qweight.stride(0), scales.stride(0),
-        0 if mins is None else mins.stride(0), launch.out.stride(0), launch.split_stride(),
-        REDUCE_SPLITS=launch.reduce_in_kernel, GROUP_K=group_k, HAS_MINS=mins is not None, TWO_ROWS=M > 1,
-        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
-
-
-def _launch_int4_gemv_rows(x, qweight, scales, mins, launch: _SplitLaunch, group_k: int, plan: TilePlan):
-    M, N = x.shape[0], qweight.shape[0]
-    if M > plan.block_m:
-        raise ValueError(f"M={M} rows exceed the multi-row plan's block_m={plan.block_m}; plan for M rows")
-    quant_gemv_rows._int4_gemv_rows_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
-        x, qweight, scales, scales if mins is None else mins, launch.target, launch.out, launch.locks, M, N,
-        x.shape[1], plan.num_k_steps, plan.num_splits, x.stride(0), qweight.stride(0), scales.stride(0),
-        0 if mins is None else mins.stride(0), launch.out.stride(0), launch.split_stride(),
-        REDUCE_SPLITS=launch.reduce_in_kernel, GROUP_K=group_k, HAS_MINS=mins is not None, ROWS=plan.block_m,
-        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
-
-
-def _launch_byte_gemv(x, qweight, scales, launch: _SplitLaunch, group_n: int, group_k: int, plan: TilePlan):
-    (M, K), N = x.shape, qweight.shape[0]
-    quant_gemv._byte_gemv_kernel[(triton.cdiv(N, plan.block_n), plan.num_splits)](
-        x, qweight, scales, launch.target, launch.out, launch.locks, M, N, K, plan.num_k_steps, plan.num_splits,
-        x.stride(0), qweight.stride(0), scales.stride(0), launch.out.stride(0), launch.split_stride(),
-        REDUCE_SPLITS=launch.reduce_in_kernel, GROUP_N=group_n, GROUP_K=group_k, TWO_ROWS=M > 1,
-        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
-
-
-def _launch_wo_gemm(x, qweight, scales, mins, launch: _SplitLaunch, kind: int, group_n: int, group_k: int,
-                    plan: TilePlan):
-    (M, K), N = x.shape, qweight.shape[0]
-    offset, offset_bits = _offset_bits(x.dtype, kind) if plan.scale_after_dot else (0, 0)
-    grid = (triton.cdiv(M, plan.block_m) * triton.cdiv(N, plan.block_n), plan.num_splits)
-    quant_gemm._wo_gemm_kernel[grid](
-        x, qweight, scales, scales if mins is None else mins, launch.target, launch.out, launch.locks, M, N, K,
-        plan.num_k_steps, plan.num_splits, x.stride(0), qweight.stride(0), scales.stride(0),
-        0 if mins is None else mins.stride(0), launch.out.stride(0), launch.split_stride(),
-        REDUCE_SPLITS=launch.reduce_in_kernel,
-        WEIGHT_KIND=kind, GROUP_N=group_n, GROUP_K=group_k, HAS_MINS=mins is not None,
-        SCALE_AFTER_DOT=plan.scale_after_dot, PER_ELEMENT=plan.per_element, OFFSET=offset, OFFSET_BITS=offset_bits,
-        EMULATE_DOT_FP32=interpreting() and x.dtype == torch.bfloat16,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=8, num_warps=plan.num_warps,
-        num_stages=plan.num_stages)
-
-
-def _launch_w4_swapped_gemm(x, qweight, scales, mins, launch: _SplitLaunch, group_k: int, plan: TilePlan):
-    (M, K), N = x.shape, qweight.shape[0]
-    offset, offset_bits = _offset_bits(x.dtype, quant_gemm.KIND_INT4)
-    grid = (triton.cdiv(M, plan.block_m) * triton.cdiv(N, plan.block_n), plan.num_splits)
-    quant_gemm_swapped._w4_swapped_gemm_kernel[grid](
-        x, qweight, scales, scales if mins is None else mins, launch.target, launch.out, launch.locks, M, N, K,
-        plan.num_k_steps, plan.num_splits, x.stride(0), qweight.stride(0), scales.stride(0),
-        0 if mins is None else mins.stride(0), launch.out.stride(0), launch.split_stride(),
-        REDUCE_SPLITS=launch.reduce_in_kernel, GROUP_K=group_k, HAS_MINS=mins is not None, OFFSET=offset,
-        OFFSET_BITS=offset_bits, EMULATE_DOT_FP32=interpreting() and x.dtype == torch.bfloat16,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps,
-        num_stages=plan.num_stages)
+def _check_residual(residual: torch.Tensor, x: torch.Tensor, N: int):
+    """ValueError unless the product of x [..., K] can be added into residual in place: x's leading dimensions and
+    N, x's dtype and device, contiguous (the kernels index the output as they index the split-K partials)."""
+    expected = (*x.shape[:-1], N)
+    if (tuple(residual.shape) != expected or residual.dtype != x.dtype or residual.device != x.device
+            or not residual.is_contiguous()):
+        raise ValueError(f"residual is {residual.dtype} {list(residual.shape)} on {residual.device} (contiguous: "
+                         f"{residual.is_contiguous()}); the product adds into a contiguous {x.dtype} "
+                         f"{list(expected)} on {x.device}")
 
 
 def dequantize_int_weight(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, kind: int,
@@ -239,15 +171,30 @@ def _check_int_args(x, qweight, scales, mins, bits: int, group_size: int) -> int
     return K
 
 
+def _int_linear(x, qweight, scales, mins, bits: int, group_size: int, residual: torch.Tensor | None):
+    """The "int" ops' body: the weight-only kernels below DEQUANT_GEMM_MIN_ROWS rows, with residual adding into it
+    in their epilogue; the dequantized weight and cuBLAS from there on, with residual a separate add."""
+    kind = quant_gemm.KIND_INT4 if bits == 4 else quant_gemm.KIND_INT8
+    scales, mins = scales.contiguous(), None if mins is None else mins.contiguous()
+    if x.shape[0] < DEQUANT_GEMM_MIN_ROWS[kind]:
+        return weight_only_linear(x, qweight, scales, mins, kind, 1, group_size, residual=residual)
+    y = _dequantize_then_mm(x, qweight, scales, mins, kind, group_size)
+    return y if residual is None else residual.add_(y)
+
+
 @torch.library.custom_op("nanovllm::int_linear", mutates_args=())
 def _int_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    mins: typing.Optional[torch.Tensor],  # noqa: UP045 -- what every torch schema inference reads
                    bits: int, group_size: int) -> torch.Tensor:
-    kind = quant_gemm.KIND_INT4 if bits == 4 else quant_gemm.KIND_INT8
-    scales, mins = scales.contiguous(), None if mins is None else mins.contiguous()
-    if x.shape[0] >= DEQUANT_GEMM_MIN_ROWS[kind]:
-        return _dequantize_then_mm(x, qweight, scales, mins, kind, group_size)
-    return weight_only_linear(x, qweight, scales, mins, kind, 1, group_size)
+    return _int_linear(x, qweight, scales, mins, bits, group_size, None)
+
+
+# residual += x @ dequant(W).T. It returns nothing: a custom op may not return an alias of an input
+@torch.library.custom_op("nanovllm::int_linear_add_", mutates_args=("residual",))
+def _int_linear_add_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                       mins: typing.Optional[torch.Tensor],  # noqa: UP045 -- as _int_linear_op's
+                       bits: int, group_size: int, residual: torch.Tensor) -> None:
+    _int_linear(x, qweight, scales, mins, bits, group_size, residual)
 
 
 # The large-M "int" path's dequantized-weight scratch, in bytes: None (no bound) dequantizes a whole weight in one
@@ -300,13 +247,29 @@ def _(x, qweight, scales, mins, bits, group_size):
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
+@_int_linear_add_op.register_fake
+def _(x, qweight, scales, mins, bits, group_size, residual):
+    return None
+
+
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-               bits: int, group_size: int) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ dequant(qweight).T in x.dtype, for the "int" kind (module docstring)."""
+               bits: int, group_size: int, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ dequant(qweight).T in x.dtype, for the "int" kind (module docstring). With
+    residual [..., N] (x's dtype, contiguous): y added into it in place (_residual_rows), and residual returned."""
     K = _check_int_args(x, qweight, scales, mins, bits, group_size)
     _check_device(x, "int_linear")
-    x2 = _rows(x, K)
-    return _int_linear_op(x2, qweight, scales, mins, bits, group_size).view(*x.shape[:-1], qweight.shape[0])
+    x2, N = _rows(x, K), qweight.shape[0]
+    if residual is None:
+        return _int_linear_op(x2, qweight, scales, mins, bits, group_size).view(*x.shape[:-1], N)
+    _int_linear_add_op(x2, qweight, scales, mins, bits, group_size, _residual_rows(residual, x, N))
+    return residual
+
+
+def _residual_rows(residual: torch.Tensor, x: torch.Tensor, N: int) -> torch.Tensor:
+    """residual [..., N] as rows [M, N], a view (ValueError naming it unless it matches x [..., K]): the weight-only
+    kernels add the product into it in their epilogue, rounding once (quant_gemm.py's ADD_OUT)."""
+    _check_residual(residual, x, N)
+    return residual.view(-1, N)
 
 
 def _w8a8_applies(x: torch.Tensor, K: int, group_k: int) -> bool:
@@ -316,19 +279,37 @@ def _w8a8_applies(x: torch.Tensor, K: int, group_k: int) -> bool:
     return group_k >= K or (16 <= group_k <= 256 and group_k & (group_k - 1) == 0)
 
 
-@torch.library.custom_op("nanovllm::fp8_linear", mutates_args=())
-def _fp8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block_n: int,
-                   block_k: int) -> torch.Tensor:
+def _fp8_linear(x, qweight, scales, block_n: int, block_k: int, residual: torch.Tensor | None):
+    """The "fp8" ops' body: the FP8 GEMM from FP8_ACT_QUANT_MIN_ROWS on (with residual a separate add), else the
+    weight-only kernels (with residual adding into it in their epilogue)."""
     K = x.shape[1]
     scales = scales.contiguous()
     if _w8a8_applies(x, K, block_k):
-        return fp8_w8a8_linear(x, qweight, scales, block_n, min(block_k, K))
-    return weight_only_linear(x, qweight, scales, None, quant_gemm.KIND_FP8, block_n, block_k)
+        y = fp8_w8a8_linear(x, qweight, scales, block_n, min(block_k, K))
+        return y if residual is None else residual.add_(y)
+    return weight_only_linear(x, qweight, scales, None, quant_gemm.KIND_FP8, block_n, block_k, residual=residual)
+
+
+@torch.library.custom_op("nanovllm::fp8_linear", mutates_args=())
+def _fp8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block_n: int,
+                   block_k: int) -> torch.Tensor:
+    return _fp8_linear(x, qweight, scales, block_n, block_k, None)
+
+
+@torch.library.custom_op("nanovllm::fp8_linear_add_", mutates_args=("residual",))
+def _fp8_linear_add_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block_n: int, block_k: int,
+                       residual: torch.Tensor) -> None:
+    _fp8_linear(x, qweight, scales, block_n, block_k, residual)
 
 
 @_fp8_linear_op.register_fake
 def _(x, qweight, scales, block_n, block_k):
     return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+@_fp8_linear_add_op.register_fake
+def _(x, qweight, scales, block_n, block_k, residual):
+    return None
 
 
 def _check_fp8_args(x, qweight, scales, block_n: int, block_k: int):
@@ -345,11 +326,15 @@ def _check_fp8_args(x, qweight, scales, block_n: int, block_k: int):
                          f"block_size=({block_n}, {block_k}), got {scales.dtype} {list(scales.shape)}")
 
 
-def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block_size) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block_size,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequant(qweight).T in x.dtype for the "fp8" kind, block_size = (bn, bk):
-    (128, 128) blocks, (1, K) per-channel, (N, K) per-tensor (module docstring)."""
+    (128, 128) blocks, (1, K) per-channel, (N, K) per-tensor (module docstring). With residual: as int_linear's."""
     block_n, block_k = (int(b) for b in block_size)
     _check_fp8_args(x, qweight, scales, block_n, block_k)
     _check_device(x, "fp8_linear")
     N, K = qweight.shape
-    return _fp8_linear_op(_rows(x, K), qweight, scales, block_n, block_k).view(*x.shape[:-1], N)
+    if residual is None:
+        return _fp8_linear_op(_rows(x, K), qweight, scales, block_n, block_k).view(*x.shape[:-1], N)
+    _fp8_linear_add_op(_rows(x, K), qweight, scales, block_n, block_k, _residual_rows(residual, x, N))
+    return residual

@@ -126,7 +126,9 @@ class RowParallelLinear(LinearBase):
     With `residual`, the result is added to it in place and returned: rank 0's GEMM reads the residual as its C
     operand (beta = 1), so the add needs no kernel and no extra pass over the activations, and is rounded to the
     dtype once; the other ranks write their partial product into it and the all-reduce adds rank 0's residual once.
-    A quantized weight has no such GEMM: its product is added to the residual (rank 0) or copied into it.
+    A quantized weight's kernel does the same on rank 0 where it runs (the weight-only kernels add the residual in
+    their epilogue, in fp32, rounded once); elsewhere (the CPU reference, a large-M GEMM) its product is added to
+    the residual, and on the other ranks copied into it.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_spec: QuantSpec | None = None,
@@ -138,8 +140,10 @@ class RowParallelLinear(LinearBase):
         if residual is None:
             y = self.quant_method.apply(self, x, bias)
         elif self.quant_method.is_quantized:
-            y = self.quant_method.apply(self, x, bias)
-            y = residual.add_(y) if self.tp_rank == 0 else residual.copy_(y)
+            if self.tp_rank == 0:
+                y = self.quant_method.apply(self, x, bias, residual)
+            else:
+                y = residual.copy_(self.quant_method.apply(self, x, bias))
         elif self.tp_rank == 0:
             y = residual.addmm_(x, self.weight.t())
             if bias is not None:

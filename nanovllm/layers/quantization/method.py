@@ -100,19 +100,29 @@ class QuantLinearMethod:
             layer.mins = new_param(mins.shape, mins.dtype)
             layer.mins.data = mins
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+        """y [..., N] = x [..., K] @ W.T (+ bias). With residual [..., N]: y added to it in place and residual
+        returned; on the kernels' path without a bias the kernel adds it in its epilogue (rounded once, no add
+        kernel; quant_matmul.int_linear's residual)."""
+        if residual is not None and bias is None and use_kernels(x):
+            return self._kernel_linear(layer, x, residual)
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [M, K]
         if use_kernels(x):
-            if self.spec.kind == "fp8":
-                y = quant_matmul.fp8_linear(x, layer.qweight, layer.scales, layer.block_size)
-            else:
-                y = quant_matmul.int_linear(x, layer.qweight, layer.scales, layer.mins, layer.bits, layer.group_size)
+            y = self._kernel_linear(layer, x)
         else:
             y = F.linear(x, self.dequantize(layer).to(x.dtype))
         if bias is not None:
             y = y + bias
-        return y.reshape(*shape[:-1], y.size(-1))
+        y = y.reshape(*shape[:-1], y.size(-1))
+        return y if residual is None else residual.add_(y)
+
+    def _kernel_linear(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.spec.kind == "fp8":
+            return quant_matmul.fp8_linear(x, layer.qweight, layer.scales, layer.block_size, residual)
+        return quant_matmul.int_linear(x, layer.qweight, layer.scales, layer.mins, layer.bits, layer.group_size,
+                                       residual)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         """The layer's weight [N, K] in float32 (layout.py's reference)."""
