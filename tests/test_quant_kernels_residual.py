@@ -58,15 +58,15 @@ def fused_case(qm, x, qweight, scales, mins, kind: int, group_n: int, group_k: i
 
 
 KERNEL_CASES = [  # what, weight kind, M, N, K, group (n, k), x dtype, mins, plan: kernel weight_kind or "rows"
-    ("4-bit CUDA cores, 1 row", 0, 1, 200, 1024, (1, 128), "bfloat16", True, 0),
-    ("4-bit CUDA cores, 2 rows", 0, 2, 200, 1024, (1, 128), "float16", True, 0),
-    ("FP8 CUDA cores, 1 row", 2, 1, 200, 1024, (128, 128), "bfloat16", False, 2),
-    ("int8 head CUDA cores, 1 row", 1, 1, 200, 1024, (1, 1024), "float16", False, 1),
-    ("dot tile, 5 rows", 0, 5, 200, 1024, (1, 128), "bfloat16", True, None),
-    ("FP8 dot tile, 3 rows", 2, 3, 200, 1024, (128, 128), "float16", False, 2),
+    ("4-bit CUDA cores, 1 row", 0, 1, 72, 1024, (1, 128), "bfloat16", True, 0),
+    ("4-bit CUDA cores, 2 rows", 0, 2, 72, 1024, (1, 128), "float16", True, 0),
+    ("FP8 CUDA cores, 1 row", 2, 1, 72, 1024, (128, 128), "bfloat16", False, 2),
+    ("int8 head CUDA cores, 1 row", 1, 1, 72, 1024, (1, 1024), "float16", False, 1),
+    ("dot tile, 5 rows", 0, 5, 72, 1024, (1, 128), "bfloat16", True, None),
+    ("FP8 dot tile, 3 rows", 2, 3, 72, 1024, (128, 128), "float16", False, 2),
     ("128-row dequantized tile, 70 rows", 1, 70, 72, 512, (1, 64), "bfloat16", True, 1),
     ("multi-row 4-bit, 3 rows", 0, 3, 72, 512, (1, 128), "bfloat16", True, "rows"),
-    ("swapped 4-bit, 5 rows", 0, 5, 200, 1024, (1, 128), "float16", False, 0),
+    ("swapped 4-bit, 5 rows", 0, 5, 72, 1024, (1, 128), "float16", False, 0),
 ]
 
 
@@ -81,13 +81,16 @@ def case_weights(kind: int, N: int, K: int, group_n: int, group_k: int, with_min
 
 
 def case_plans(plan_kind, M: int, N: int, K: int, group_n: int, group_k: int, with_mins: bool, limits) -> tuple:
-    """The case's plan (split along K), and the same tiles unsplit (one split of all K steps)."""
+    """The case's tiles split along K in two, and unsplit (one split of all K steps)."""
     from nanovllm.kernels import quant_plans
     if plan_kind == "rows":
         plan = quant_plans.TilePlan(4, 32, 128, 2, 2, 4, 1, False, True, cuda_cores=True, multi_row=True)
     else:
         plan = quant_plans.plan_weight_only(M, N, K, group_k, limits, plan_kind, group_n, with_mins)
-    return plan, dataclasses.replace(plan, num_splits=1, num_k_steps=-(-K // plan.block_k))
+    num_k_steps = -(-K // plan.block_k)
+    assert num_k_steps > 1, (plan, K)  # K takes two splits of the plan's steps
+    return (dataclasses.replace(plan, num_splits=2, num_k_steps=-(-num_k_steps // 2)),
+            dataclasses.replace(plan, num_splits=1, num_k_steps=num_k_steps))
 
 
 def run_kernel_cases(device: str, truncate_bf16: bool) -> dict:
@@ -103,7 +106,7 @@ def run_kernel_cases(device: str, truncate_bf16: bool) -> dict:
         args = [t if t is None else t.to(device) for t in (x, qweight, scales, mins)]
         for plan in case_plans(plan_kind, M, N, K, group_n, group_k, with_mins, qm.device_limits(args[0].device)):
             fused = {}
-            for mode in ("kernel", "launch"):
+            for mode in ("kernel", "launch")[:1 + (plan.num_splits > 1)]:  # unsplit: no reduction to choose
                 SWITCHES.split_k_reduce = mode
                 case = fused_case(qm, *args, kind, group_n, group_k, plan, r.to(device), truncate_bf16)
                 fused[mode] = case.pop("fused").cpu()
@@ -111,7 +114,8 @@ def run_kernel_cases(device: str, truncate_bf16: bool) -> dict:
                                 dtype=str(x.dtype), splits=plan.num_splits, cuda_cores=plan.cuda_cores,
                                 multi_row=plan.multi_row, swap_ab=plan.swap_ab, block_m=plan.block_m,
                                 scale_after_dot=plan.scale_after_dot))
-            res[-1]["modes_equal"] = bool(torch.equal(fused["kernel"], fused["launch"]))
+            if plan.num_splits > 1:
+                res[-1]["modes_equal"] = bool(torch.equal(fused["kernel"], fused["launch"]))
     SWITCHES.split_k_reduce = default_reduce  # as it was, for the scripts (or tests) run after these
     locks = qm._split_locks.get(torch.empty(0, device=device).device)  # cuda as cuda:0, the kernels' key
     return {"cases": res, "locks_zero": locks is None or bool((locks == 0).all())}
