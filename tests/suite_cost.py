@@ -29,6 +29,7 @@ HEAVIEST_MODULES_FIRST = [
     "test_quant_kernels_compile.py",  # 22 CPU-s with Triton's cache empty, 4 with it warm
     "test_hostile_server.py", "test_hf_parity.py", "test_logprobs.py", "test_gguf_engine.py", "test_docs_snippets.py",
     "test_structured_outputs.py", "test_async_scheduling.py", "test_quant_formats.py", "test_quant_kernels.py",
+    "test_quant_kernels_residual.py",
     "test_disk_tier.py", "test_tool_server.py", "test_cli_chat.py", "test_quant_decode_kernels.py", "test_fp8_kv.py",
     "test_bench_agent_replay.py", "test_sampler.py", "test_anthropic.py", "test_vllm_script.py",
     "test_verify_swap.py",  # its checks' forkserver (~4 CPU-s) is no child --cpu-durations waits for
