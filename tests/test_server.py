@@ -303,7 +303,9 @@ LONG_PROMPT = "hello " * 600  # > max_model_len=512 tokens
     (dict(frequency_penalty=-3), "frequency_penalty=-3.0 must be in [-2, 2]"),
     (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty=0.0 must be > 0"),
     (dict(extra_body={"guided_choice": ["a", "b"]}), "guided_choice"),
-    (dict(extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
+    (dict(extra_body={"prompt_logprobs": 21}), "prompt_logprobs=21 must be in [0, 20]"),
+    (dict(stream=True, extra_body={"prompt_logprobs": 1}), "prompt_logprobs is not available with stream=true"),
+    (dict(extra_body={"allowed_token_ids": [1]}), "allowed_token_ids"),
     (dict(logit_bias={"x": 1}), "logit_bias key 'x' must be a token id"),
     (dict(logit_bias={str(VOCAB_SIZE): 1}), f"logit_bias names token id {VOCAB_SIZE}"),
     (dict(max_tokens=512), "and max_tokens=512 make 513, more than max_model_len=512"),  # "Hi": 1 token
@@ -396,8 +398,8 @@ def test_bad_chat_requests_get_400(client):
     with pytest.raises(openai.BadRequestError, match="max_tokens=0"):  # 0 is not "unset"
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                        max_completion_tokens=0, max_tokens=3)
-    for option, value in (("add_generation_prompt", False),
-                          ("continue_final_message", True)):  # they would change the prompt: refused, not ignored
+    for option, value in (("add_generation_prompt", False), ("continue_final_message", True),  # they would change
+                          ("echo", True), ("prompt_logprobs", 1)):  # the prompt or the answer: refused, not ignored
         with pytest.raises(openai.BadRequestError, match=option):
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                            extra_body={option: value})

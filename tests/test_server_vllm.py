@@ -1,7 +1,8 @@
 """vLLM's request options through the official `openai` client. Choices: n samples of a prompt and a list of
 prompts in one completion request, streamed and not, numbered prompt-major as OpenAI and vLLM number them; choice i
 of a seeded request is what the offline engine gives that prompt alone with seed + i. Sampling: logit_bias,
-bad_words and skip_special_tokens as the offline engine applies them."""
+bad_words and skip_special_tokens as the offline engine applies them. Echo and prompt logprobs (how evaluation
+harnesses score a text): the offline engine's prompt_logprobs, in the legacy format and in vLLM's field."""
 from __future__ import annotations
 
 import pytest
@@ -29,7 +30,9 @@ def served(smollm2_dir):
     greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS)
     offline = {"greedy": llm.generate([PROMPTS[0]], greedy, use_tqdm=False)[0].outputs[0],
                "banned": llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=NUM_TOKENS,
-                                                                   bad_words=["Paris"]), use_tqdm=False)[0].outputs[0]}
+                                                                   bad_words=["Paris"]), use_tqdm=False)[0].outputs[0],
+               "scored": llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=NUM_TOKENS, logprobs=1,
+                                                                   prompt_logprobs=1), use_tqdm=False)[0]}
     reference = {(p, i): llm.generate([p], SamplingParams(temperature=1.0, max_tokens=NUM_TOKENS, seed=SEED + i,
                                                           ignore_eos=True), use_tqdm=False)[0].outputs[0].text
                  for p in PROMPTS for i in range(3)}
@@ -110,3 +113,56 @@ def test_logit_bias_bad_words_and_skip_special_tokens(served):
     assert kept.choices[0].text == "<|im_end|><|im_end|>"
     skipped = client.completions.create(extra_body={"ignore_eos": True}, **forced)
     assert skipped.choices[0].text == ""
+
+
+def legacy(entries) -> tuple[list, list]:
+    """The offline engine's logprob entries as the legacy format's token_logprobs and top_logprobs (chosen first)."""
+    values = [None if entry is None else next(iter(entry.values())).logprob for entry in entries]
+    tops = [None if entry is None else {lp.decoded_token: lp.logprob for lp in entry.values()} for entry in entries]
+    return values, tops
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first(served):
+    client, reference = served
+    scored = reference["scored"]
+    completion = scored.outputs[0]
+    prompt_tokens = [reference["scored"].prompt_logprobs[i] for i in range(1, len(scored.prompt_token_ids))]
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": NUM_TOKENS, "temperature": 0, "logprobs": 1}
+    out = client.completions.create(echo=True, **body).choices[0]
+    assert out.text == PROMPTS[0] + completion.text
+    values, tops = legacy([None, *prompt_tokens, *completion.logprobs])
+    assert out.logprobs.token_logprobs == pytest.approx(values) and out.logprobs.top_logprobs[1:] == [
+        pytest.approx(top) for top in tops[1:]] and out.logprobs.top_logprobs[0] is None
+    assert "".join(out.logprobs.tokens) == out.text
+    assert out.logprobs.text_offset == [len("".join(out.logprobs.tokens[:i])) for i in range(len(values))]
+    # max_tokens=0: the prompt alone, scored (lm-evaluation-harness's loglikelihood request)
+    alone = client.completions.create(echo=True, **{**body, "max_tokens": 0})
+    assert alone.choices[0].text == PROMPTS[0] and alone.usage.completion_tokens == 0
+    assert alone.choices[0].logprobs.token_logprobs == pytest.approx(values[:len(scored.prompt_token_ids)])
+    # streamed, with two samples: each choice's first chunk opens with the prompt and its logprobs
+    texts, tokens = {}, {}
+    for chunk in client.completions.create(echo=True, n=2, stream=True, **body):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            tokens[choice.index] = tokens.get(choice.index, []) + choice.logprobs.tokens
+    assert texts == {0: out.text, 1: out.text} and tokens == {0: out.logprobs.tokens, 1: out.logprobs.tokens}
+
+
+def test_prompt_logprobs_come_in_vllms_field(served):
+    client, reference = served
+    scored = reference["scored"]
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1, n=2,
+                                    extra_body={"prompt_logprobs": 1})
+    for choice in out.choices:  # every choice, though only the prompt's first sample computes them
+        field = choice.model_extra["prompt_logprobs"]
+        assert field[0] is None and len(field) == len(scored.prompt_token_ids)
+        for got, entry in zip(field[1:], scored.prompt_logprobs[1:]):
+            assert [(int(token_id), value["rank"], value["decoded_token"]) for token_id, value in got.items()] == [
+                (token_id, lp.rank, lp.decoded_token) for token_id, lp in entry.items()]  # the prompt's token first
+            assert [value["logprob"] for value in got.values()] == pytest.approx(
+                [lp.logprob for lp in entry.values()])
+    for body, field in [({"max_tokens": 0}, "max_tokens"), ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+                        ({"prompt_logprobs": 21}, "prompt_logprobs")]:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.post("/completions", cast_to=dict, body={"model": MODEL, "prompt": PROMPTS[0], **body})
+        assert error.value.body["param"] == field

@@ -22,6 +22,7 @@ from nanovllm.entrypoints.server import streaming
 from nanovllm.entrypoints.server.anthropic_routes import add_anthropic_routes
 from nanovllm.entrypoints.server.body import MAX_JSON_MEMBERS, ChatBody, CompletionBody
 from nanovllm.entrypoints.server.choices import submit_choices
+from nanovllm.entrypoints.server.completion_output import CompletionChoices
 from nanovllm.entrypoints.server.engine_loop import EngineError, EngineLoop
 from nanovllm.entrypoints.server.guards import APIKeyCheck, BodySizeLimit, InternalErrors, error_response
 from nanovllm.entrypoints.server.info_routes import add_info_routes
@@ -134,16 +135,25 @@ def _add_routes(app: FastAPI, engine: EngineLoop, llm: LLM, served_model_name: s
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
                                             "owned_by": "nanovllm", "max_model_len": llm.config.max_model_len}]}
 
+    def decode(token_ids: list[int]) -> str:
+        return "" if llm.tokenizer is None else llm.tokenizer.decode(token_ids)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
         body.check(served_model_name, llm.config.max_logprobs)
         streams = await submit_choices(engine, preparers, llm, [{"prompt": p} for p in body.prompts()],
                                        body.sampling(body.max_tokens))
         reply = streaming.Reply(f"cmpl-{uuid.uuid4().hex}", served_model_name, body.n)
+        if body.echo:  # decoding the prompts takes a while for long ones: off the event loop
+            choices = await asyncio.get_running_loop().run_in_executor(preparers, CompletionChoices.of, body,
+                                                                       streams, decode)
+        else:
+            choices = CompletionChoices.of(body, streams, decode)
         watch = streaming.ClientWatch(engine, streams, request)
         if body.stream:
-            return streaming.sse_response(streaming.completion_chunks(reply, streams, body.include_usage), watch)
-        return streaming.completion_response(reply, streams, await streaming.collect(streams, watch))
+            return streaming.sse_response(streaming.completion_chunks(reply, streams, body.include_usage, choices),
+                                          watch)
+        return streaming.completion_response(reply, streams, await streaming.collect(streams, watch), choices)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):

@@ -33,6 +33,7 @@ class Delta:
     stream: StreamDelta
     final_text: str | None = None  # the last Delta's: the whole text
     final_logprobs: list | None = None  # the last Delta's: all the completion's logprobs (when asked for)
+    final_prompt_logprobs: list | None = None  # the last Delta's: the prompt's (when asked for; the first sample's)
     stop_reason: int | str | None = None  # the last Delta's: the stop token id or stop string that ended it (vLLM's)
 
     @property
@@ -59,7 +60,7 @@ class EngineError(RuntimeError):
 class RequestStream:
     """The handler's end of one request. The loop thread calls `put` (thread-safe); the handler iterates `events`.
 
-    NOTE: the loop thread writes `seq_id` and `num_prompt_tokens` before `EngineLoop.submit` returns the stream;
+    NOTE: the loop thread writes `seq_id` and `prompt_token_ids` before `EngineLoop.submit` returns the stream;
     after that only the loop thread reads `seq_id` (the handler just passes the stream back to abort it).
     """
 
@@ -67,8 +68,12 @@ class RequestStream:
         self._loop = loop
         self._events: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
         self.seq_id: int | None = None
-        self.num_prompt_tokens = 0
+        self.prompt_token_ids: list[int] = []
         self.is_finished = False  # the handler has seen the last Delta
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
     def put(self, event: Delta | BaseException):
         try:
@@ -220,7 +225,7 @@ class EngineLoop:
         except ValueError:
             self.num_rejected_requests += 1
             raise
-        stream.num_prompt_tokens = len(request.token_ids)
+        stream.prompt_token_ids = request.token_ids
         self._active[stream.seq_id] = _Active(stream)
 
     def _count_rejected(self):
@@ -265,6 +270,7 @@ class EngineLoop:
             delta.stop_reason = seq.stop_reason
             output = self.llm.output(self.llm.requests.pop(seq_id))
             delta.final_text, delta.final_logprobs = output["text"], output["logprobs"]
+            delta.final_prompt_logprobs = output["prompt_logprobs"]
             self._latency.observe(output["metrics"])
             del self._active[seq_id]
             self.num_finished_requests += 1

@@ -42,7 +42,8 @@ class APIError(Exception):
 
 
 # OpenAI and vLLM options this server does not implement, each with a test for the values that change nothing: a
-# request that sets one to any other value gets a 400 instead of an answer without it.
+# request that sets one to any other value gets a 400 instead of an answer without it. A request model that
+# declares one as a field implements it (CompletionRequest: echo, prompt_logprobs).
 UNSUPPORTED_OPTIONS = {
     "best_of": lambda v: v == 1,
     "echo": lambda v: not v,
@@ -197,16 +198,46 @@ class _SamplingRequest(_Strict):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    max_tokens: int | None = 16  # OpenAI's default for completions; 0 only with echo (the prompt alone)
     logprobs: int | None = None  # the legacy API's: top tokens per generated token, besides the chosen one
+    echo: bool = False  # the prompt before the completion, in the text and (with logprobs) in the logprobs
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many top ones, per choice
 
     def check(self, served_model_name: str, max_logprobs: int = MAX_LOGPROBS):
         super().check(served_model_name, max_logprobs)
         self._check_num_logprobs("logprobs", self.logprobs, max_logprobs)
+        self._check_num_logprobs("prompt_logprobs", self.prompt_logprobs, max_logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens=0 generates nothing; it is allowed with echo=true only (the prompt "
+                                "and its logprobs alone)", param="max_tokens")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs is not available with stream=true (as in vLLM); use echo=true "
+                                "with logprobs to stream the prompt's logprobs", param="prompt_logprobs")
 
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def generates(self) -> bool:
+        """False for echo with max_tokens=0: the answer is the prompt alone, with its logprobs (how evaluation
+        harnesses score a text). The engine still runs one step; its token is dropped."""
+        return not (self.echo and self.max_tokens == 0)
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: prompt_logprobs, else with echo the alternatives logprobs asks for."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
+
+    def sampling(self, max_tokens: int | None) -> dict:
+        options = super().sampling(max_tokens if self.generates else 1)
+        if not self.generates:
+            options.pop("min_tokens", None)  # nothing is generated: no minimum to reach
+        if self.num_prompt_logprobs is not None:
+            options["prompt_logprobs"] = self.num_prompt_logprobs
+        return options
 
     @property
     def num_prompts(self) -> int:

@@ -13,8 +13,9 @@ from fastapi.responses import StreamingResponse
 
 from nanovllm.entrypoints.server.chat_output import chat_delta, chat_message
 from nanovllm.entrypoints.server.choices import merged_events, usage
+from nanovllm.entrypoints.server.completion_output import CompletionChoices
 from nanovllm.entrypoints.server.engine_loop import Delta, EngineError, EngineLoop, RequestStream
-from nanovllm.entrypoints.server.openai_logprobs import chat_logprobs, completion_logprobs
+from nanovllm.entrypoints.server.openai_logprobs import chat_logprobs
 from nanovllm.entrypoints.server.protocol import APIError
 from nanovllm.entrypoints.server.reasoning import ChatOutputParser
 from nanovllm.entrypoints.server.tool_parsers import NoToolParser
@@ -44,11 +45,11 @@ async def collect(streams: list[RequestStream], watch: ClientWatch) -> list[Delt
     return lasts
 
 
-def completion_response(reply: Reply, streams: list[RequestStream], lasts: list[Delta]) -> dict:
-    choices = [{"index": i, "text": last.final_text, "finish_reason": last.finish_reason,
-                "logprobs": None if last.final_logprobs is None else completion_logprobs(last.final_logprobs)}
-               for i, last in enumerate(lasts)]
-    return reply.body(choices, usage=usage(streams, sum(last.num_completion_tokens for last in lasts), reply.n))
+def completion_response(reply: Reply, streams: list[RequestStream], lasts: list[Delta],
+                        choices: CompletionChoices) -> dict:
+    n = reply.n
+    body = [choices.choice(i, last, lasts[i - i % n].final_prompt_logprobs) for i, last in enumerate(lasts)]
+    return reply.body(body, usage=usage(streams, sum(map(choices.num_completion_tokens, lasts)), n))
 
 
 def chat_response(reply: Reply, streams: list[RequestStream], lasts: list[Delta], num_top_logprobs: int = 0,
@@ -63,21 +64,34 @@ def chat_response(reply: Reply, streams: list[RequestStream], lasts: list[Delta]
                       usage=usage(streams, sum(last.num_completion_tokens for last in lasts), reply.n))
 
 
-async def completion_chunks(reply: Reply, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[dict]:
+async def completion_chunks(reply: Reply, streams: list[RequestStream], include_usage: bool,
+                            choices: CompletionChoices) -> AsyncIterator[dict]:
+    n = reply.n
     num_tokens = [0] * len(streams)
     text_offsets = [0] * len(streams)  # per choice: where its next token's text starts (legacy logprobs)
+    echoed = [False] * len(streams)  # per choice: its prompt has been sent (echo)
+    prompt_entries: dict[int, list] = {}  # per prompt: its logprobs, from its first sample's first delta
+    held: dict[int, list[Delta]] = {}  # per choice: deltas that came before their prompt's logprobs (echo)
     async for i, delta in merged_events(streams):
         if delta.finish_reason == "abort":
             return
-        num_tokens[i] = delta.num_completion_tokens
-        logprobs = None
-        if delta.logprobs is not None:
-            logprobs = completion_logprobs(delta.logprobs, text_offsets[i])
-            text_offsets[i] += sum(map(len, logprobs["tokens"]))
-        yield reply.body([{"index": i, "text": delta.text, "logprobs": logprobs,
-                           "finish_reason": delta.finish_reason}])
+        if delta.stream.prompt_logprobs is not None:
+            prompt_entries[i // n] = delta.stream.prompt_logprobs
+        held.setdefault(i, []).append(delta)
+        if choices.echo_needs_prompt_logprobs and i // n not in prompt_entries:
+            continue  # a sibling sample ahead of its prompt's first sample
+        for j in [j for j in range(i - i % n, i - i % n + n) if j in held]:
+            for ready in held.pop(j):
+                num_tokens[j] = choices.num_completion_tokens(ready)
+                logprobs = choices.logprobs(j, prompt_entries.get(j // n), ready.logprobs, echoed[j], text_offsets[j])
+                if logprobs is not None:
+                    text_offsets[j] += sum(map(len, logprobs["tokens"]))
+                text = choices.text(j, ready.text, echoed[j])
+                echoed[j] = True
+                yield reply.body([{"index": j, "text": text, "logprobs": logprobs,
+                                   "finish_reason": ready.finish_reason}])
     if include_usage:
-        yield reply.body([], usage=usage(streams, sum(num_tokens), reply.n))
+        yield reply.body([], usage=usage(streams, sum(num_tokens), n))
 
 
 async def chat_chunks(reply: Reply, streams: list[RequestStream], include_usage: bool,
