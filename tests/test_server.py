@@ -393,6 +393,8 @@ def test_bad_chat_requests_get_400(client):
         client.chat.completions.create(model=MODEL, messages=[])
     with pytest.raises(openai.BadRequestError, match="role"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="a user message needs content"):  # not the text "None"
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user"}])
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": LONG_PROMPT}])
     with pytest.raises(openai.BadRequestError, match="max_tokens=0"):  # 0 is not "unset"

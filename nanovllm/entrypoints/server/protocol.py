@@ -280,6 +280,14 @@ class ChatMessage(_Strict):
     reasoning: str | None = None
     reasoning_content: str | None = None
 
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> "ChatMessage":
+        """Only an assistant message may come without content (one that made tool calls): a template would write
+        a missing one as the text "None"."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (OpenAI's rule)")
+        return self
+
     def as_template_message(self) -> dict:
         """The message as plain data; its parts are joined where every caller's are (engine/tokenizer.py)."""
         content = self.content
