@@ -1,6 +1,6 @@
 from nanovllm.engine.caller_lock import CallerLock, closing, one_caller, one_caller_stream
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.engine.tokenizer import chat_token_ids
+from nanovllm.engine.tokenizer import chat_token_ids, read_chat_template
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -32,15 +32,19 @@ class LLM(LLMEngine):
 
     @one_caller
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[dict]:
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             chat_template: str | None = None) -> list[dict]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them, each rendered
         by the tokenizer's chat template (`chat_template_kwargs` go to it, e.g. {"enable_thinking": False} for
-        Qwen3), then generated as `generate` does. ValueError for a model without a chat template."""
+        Qwen3), then generated as `generate` does. `chat_template`: another template, its text or the path of its
+        file. ValueError for a model without a chat template."""
         if not isinstance(messages, list) or not messages:
             raise ValueError(f"messages={messages!r} must be a non-empty list of messages, or a list of those")
+        if chat_template is not None:
+            chat_template = read_chat_template(chat_template)
         conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [chat_token_ids(self.tokenizer, conversation, self.config.model, add_generation_prompt,
-                                  chat_template_kwargs) for conversation in conversations]
+                                  chat_template_kwargs, chat_template) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def get_tokenizer(self):

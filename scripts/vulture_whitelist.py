@@ -40,6 +40,7 @@ _.budget_tokens
 _.strict
 # a pydantic validator, called by pydantic
 _._utf8_only
+_._content_unless_assistant
 # signal.signal's handler signature
 signum
 # verify_swap.py runs each check by name: globals()[f"check_{name}"]

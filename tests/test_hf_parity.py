@@ -21,7 +21,7 @@ from conftest import (
     smollm2_llm_kwargs,
     tiny_llm_kwargs,
 )
-from nanovllm import LLM
+from nanovllm import LLM, SamplingParams
 
 LENGTHS = (3, 9, 17, 26, 40)
 MAX_NEW = 20
@@ -315,7 +315,6 @@ def test_smollm2_greedy_matches_hf(smollm2_dir, smol_tokenizer, smol_llm):
 
 
 def test_smollm2_chat_answers_paris(smollm2_dir, smol_tokenizer, smol_llm):
-    from nanovllm import SamplingParams
 
     prompt = chat(smol_tokenizer, "What is the capital of France?")
     [out] = smol_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
@@ -337,3 +336,18 @@ def test_smollm2_chat_answers_paris(smollm2_dir, smol_tokenizer, smol_llm):
         smol_llm.chat([], use_tqdm=False)
     assert alone["token_ids"] == out["token_ids"] and len(both) == 2
     assert both[0]["token_ids"] == out["token_ids"][:4] and both[1]["token_ids"] != both[0]["token_ids"]
+
+
+def test_chat_takes_another_template_as_text_or_file(smol_llm, smol_tokenizer, tmp_path):
+    """vLLM's LLM.chat(chat_template=...): the template's text or the path of its file, instead of the model's."""
+    template = "{% for m in messages %}<<{{ m['role'] }}: {{ m['content'] }}>>{% endfor %}A:"
+    (tmp_path / "t.jinja").write_text(template)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    expected = smol_tokenizer.encode("<<user: What is the capital of France?>>A:", add_special_tokens=False)
+    for given in (template, str(tmp_path / "t.jinja")):
+        [out] = smol_llm.chat(question, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=given)
+        assert out.prompt_token_ids == expected
+    [own] = smol_llm.chat(question, SamplingParams(max_tokens=1), use_tqdm=False)  # the model's, untouched
+    assert own.prompt_token_ids != expected
+    with pytest.raises(ValueError, match=r"chat_template='no/such.jinja' is neither a readable file nor a Jinja"):
+        smol_llm.chat(question, use_tqdm=False, chat_template="no/such.jinja")

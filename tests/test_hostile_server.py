@@ -291,6 +291,14 @@ def test_an_empty_api_key_is_refused():
             check_serve_args(args)
 
 
+def test_the_cli_refuses_a_missing_chat_template_before_loading(monkeypatch, capsys, qwen3_dir):
+    from nanovllm.entrypoints import cli
+    loaded = []
+    monkeypatch.setattr("nanovllm.LLM", lambda *a, **k: loaded.append(a))
+    assert cli.main(["serve", qwen3_dir, "--chat-template", "no/such.jinja"]) == 2
+    assert "--chat-template='no/such.jinja' is neither a readable file" in capsys.readouterr().err and not loaded
+
+
 def test_the_cli_refuses_an_empty_api_key_before_loading(monkeypatch, capsys, qwen3_dir):
     from nanovllm.entrypoints import cli
     loaded = []

@@ -1,7 +1,8 @@
 """Tool round trips through the official `openai` client against a live server: SmolLM2-135M with a Qwen3-style
-tool template (tests/tool_models.py). SmolLM2 never learned to call tools, so the calls here are forced with
-tool_choice (required, or a named function): the grammar makes the answer a valid call, the parser reads it, and
-the call and its result go back as history for the next turn, streamed and not."""
+tool template (tests/tool_models.py), given as `nanovllm serve --chat-template FILE` gives it. SmolLM2 never learned
+to call tools, so the calls here are forced with tool_choice (required, or a named function): the grammar makes the
+answer a valid call, the parser reads it, and the call and its result go back as history for the next turn,
+streamed and not."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,11 @@ pytest.importorskip("fastapi")
 from conftest import close_llm, serving, smollm2_llm_kwargs  # noqa: E402
 from nanovllm import LLM  # noqa: E402
 from nanovllm.entrypoints.server import build_app  # noqa: E402
-from tool_models import smollm2_with_tool_template  # noqa: E402
+from nanovllm.engine.tokenizer import read_chat_template  # noqa: E402
+from nanovllm.entrypoints.server.app import use_chat_template  # noqa: E402
+from nanovllm.entrypoints.server.protocol import APIError  # noqa: E402
+from nanovllm.entrypoints.server.tools import ChatFeatures, plan_chat  # noqa: E402
+from tool_models import QWEN3_STYLE_TEMPLATE  # noqa: E402
 
 API_KEY = "test-key"
 MODEL = "smollm2-tools"
@@ -37,9 +42,13 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 @pytest.fixture(scope="module")
 def client(smollm2_dir, tmp_path_factory):
-    model_dir = smollm2_with_tool_template(smollm2_dir, str(tmp_path_factory.mktemp("tools") / "model"))
-    llm = LLM(model_dir, **smollm2_llm_kwargs(max_model_len=1024))
+    template_file = tmp_path_factory.mktemp("tools") / "tool_template.jinja"
+    template_file.write_text(QWEN3_STYLE_TEMPLATE)
+    llm = LLM(smollm2_dir, **smollm2_llm_kwargs(max_model_len=1024))
     try:
+        with pytest.raises(APIError, match="tools"):  # SmolLM2's own template writes no tools
+            plan_chat(ChatFeatures.resolve(llm.tokenizer.chat_template), llm.tokenizer, [WEATHER], "auto", None)
+        use_chat_template(llm, read_chat_template(str(template_file), "--chat-template"))  # what serve does
         with serving(build_app(llm, MODEL, api_key=API_KEY)) as port:
             with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0,
                                timeout=120) as c:

@@ -21,19 +21,33 @@ def load_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(model)
 
 
+def read_chat_template(value: str, option: str = "chat_template") -> str:
+    """A chat template given as vLLM takes it (`--chat-template`, LLM.chat's chat_template): the path of a Jinja
+    file, or the template itself. ValueError naming `option` when it is neither."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"{option}={value!r} is neither a readable file nor a Jinja template (no '{{{{' or '{{%' in "
+                     f"it); pass the path of a .jinja file or the template's text")
+
+
 def chat_token_ids(tokenizer, messages: list[dict], model: str, add_generation_prompt: bool = True,
-                   chat_template_kwargs: dict | None = None) -> list[int]:
-    """One conversation rendered by the tokenizer's chat template, as token ids. ValueError naming the model when it
-    has no tokenizer or template, or quoting the template when it refuses the messages (roles out of order, ...)."""
+                   chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> list[int]:
+    """One conversation rendered by `chat_template` (the template's text; None: the tokenizer's), as token ids.
+    ValueError naming the model when it has no tokenizer or template, or quoting the template when it refuses the
+    messages (roles out of order, ...)."""
     if tokenizer is None:
         raise ValueError(f"model {model!r} has no tokenizer files, so no chat template; pass token ids")
-    if not tokenizer.chat_template:
-        raise ValueError(f"model {model!r} has no chat template; pass the prompt as text or token ids")
+    if not (chat_template or tokenizer.chat_template):
+        raise ValueError(f"model {model!r} has no chat template; pass one (chat_template=, `--chat-template`), or "
+                         f"the prompt as text or token ids")
     messages = template_messages(messages)
     from jinja2 import TemplateError
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **(chat_template_kwargs or {}))
+                                             chat_template=chat_template, **(chat_template_kwargs or {}))
     except TemplateError as e:
         raise ValueError(f"the chat template refused these messages: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)  # the template already has its special tokens

@@ -273,6 +273,9 @@ def add_serve_parser(sub):
                      help="how the model writes tool calls (auto: from its chat template; none: refuse tools)")
     srv.add_argument("--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
                      help="return <think>...</think> apart as `reasoning` (auto: qwen3 where the template thinks)")
+    srv.add_argument("--chat-template", default=None,
+                     help="a chat template for the model instead of its own (a .jinja file or the template's text), "
+                          "e.g. one that writes tools")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="accepted for vLLM's command lines: tool_choice='auto' works whenever a tool-call parser "
                           "is known")

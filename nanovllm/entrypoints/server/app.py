@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanovllm.engine.tokenizer import read_chat_template
 from nanovllm.entrypoints.server import streaming
 from nanovllm.entrypoints.server.anthropic_routes import add_anthropic_routes
 from nanovllm.entrypoints.server.body import MAX_JSON_MEMBERS, ChatBody, CompletionBody
@@ -185,6 +186,8 @@ def check_serve_args(args: argparse.Namespace):
         args.max_request_bytes = DEFAULT_MAX_REQUEST_BYTES
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes={args.max_request_bytes} must be >= 1")
+    if args.chat_template is not None:  # the file is read now: a wrong path fails before the model loads
+        args.chat_template = read_chat_template(args.chat_template, "--chat-template")
     check_port(args.host, args.port)
     if args.api_key is None and args.host not in LOOPBACK_HOSTS:
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
@@ -218,6 +221,8 @@ def serve(args: argparse.Namespace, model: str, served_model_name: str, engine_k
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         with LLM(model, **engine_kwargs) as llm:
+            if args.chat_template is not None:
+                use_chat_template(llm, args.chat_template)
             app = build_app(llm, served_model_name, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
             engine = app.state.engine
@@ -230,6 +235,13 @@ def serve(args: argparse.Namespace, model: str, served_model_name: str, engine_k
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def use_chat_template(llm: LLM, chat_template: str):
+    """Every route renders chats with `chat_template` (the template's text): it replaces the tokenizer's own."""
+    if llm.tokenizer is None:
+        raise ValueError(f"--chat-template: model {llm.config.model!r} has no tokenizer files to render chats with")
+    llm.tokenizer.chat_template = chat_template
 
 
 class _Server(uvicorn.Server):
