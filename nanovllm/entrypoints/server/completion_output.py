@@ -63,5 +63,5 @@ class CompletionChoices:
             return None
         echoed_entries = (prompt_entries or []) if self.echo and not echoed else []
         generated_entries = (entries or []) if self.generates else []
-        return completion_logprobs(echoed_entries + generated_entries, text_offset,
-                                   self.first_token_texts[index // self.n])
+        unscored_text = self.first_token_texts[index // self.n] if echoed_entries else ""
+        return completion_logprobs(echoed_entries + generated_entries, text_offset, unscored_text)
