@@ -256,6 +256,20 @@ def test_constrained_and_free_rows_in_one_batch(llm):
     assert alone[0][0] != got[1][0]
 
 
+def test_penalties_beside_and_inside_a_constrained_step(tok_model_dir):
+    """A constrained step's sampler runs after the next step is scheduled, when each sequence already holds that
+    step's placeholder: the penalties must count the tokens of the step they sample (they once counted the
+    placeholder: a RuntimeError on a fresh engine's first step, later a penalized neighbour's tokens changed)."""
+    with LLM(tok_model_dir, **llm_kwargs()) as fresh:
+        both = SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.3,
+                              structured_outputs=StructuredOutputsParams(choice=["on", "off"]))
+        assert texts(fresh, [both], "Hello")[0][0] in ("on", "off")
+        penalized = SamplingParams(temperature=0.0, max_tokens=12, frequency_penalty=2.0, ignore_eos=True)
+        alone = texts(fresh, [penalized], "Hello")
+        mixed = texts(fresh, [penalized, constrained(regex="[a-z ]{1,40}")], "Hello")
+        assert mixed[0] == alone[0]
+
+
 @pytest.mark.slow  # 2-6 CPU-seconds: out of `make test-fast`
 def test_async_and_sync_scheduling_give_the_same_tokens(tok_model_dir):
     """Both modes pinned; greedy and seeded rows, constrained and free, n=2 samples of one schema."""

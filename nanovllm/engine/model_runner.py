@@ -4,6 +4,7 @@ their own homes: what sampling keeps between steps (sampling_state.py) and the C
 (graph_runner.py). forward, warmup, warmup_plan and warmup_sampler are public for the start-up measurements
 (memory_profile.py, prefill_probe.py) and bench.py."""
 import gc
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -16,7 +17,7 @@ from nanovllm.engine.graph_runner import GraphRunner
 from nanovllm.engine.kv_cache import num_blocks_for_budget
 from nanovllm.engine.memory_profile import (apply_budget, bound_dequant_scratch, profile_memory,
                                            release_stack_reservation)
-from nanovllm.engine.penalties import step_penalties
+from nanovllm.engine.penalties import PenaltyRows, step_penalties
 from nanovllm.engine.prefill_probe import measure_prefill_tokens_per_s
 from nanovllm.engine.sampling_state import SamplingState
 from nanovllm.engine.step_inputs import SampledTokens, prepare_step_inputs, to_device
@@ -176,34 +177,41 @@ class ModelRunner:
             return SampledTokens(None)
         if logits is None:
             return SampledTokens(None, prompt_logprobs)
+        draw = self._sample_inputs(plan, sample_seqs, logits)
         if grammar_mask is None:
-            return SampledTokens(*self._sample(plan, sample_seqs, logits, prompt_logprobs))
+            return SampledTokens(*self._sample(plan, logits, prompt_logprobs, draw))
         # structured outputs: the host fills the masks while the forward runs (begun before it on a CPU), and the
         # sampler, which waits for them, is launched by SampledTokens.complete once the next step is scheduled
         if not grammar_mask.is_begun:
             grammar_mask.begin(self._token_bitmask().host_masks())
-        return SampledTokens(sample=lambda: self._sample_constrained(plan, sample_seqs, logits, prompt_logprobs,
+        return SampledTokens(sample=lambda: self._sample_constrained(plan, logits, prompt_logprobs, draw,
                                                                      grammar_mask))
 
     @torch.inference_mode()  # it runs after launch has returned
-    def _sample_constrained(self, plan: StepPlan, sample_seqs: list[Sequence], logits: torch.Tensor,
-                            prompt_logprobs: tuple[torch.Tensor, ...] | None, grammar_mask):
-        return self._sample(plan, sample_seqs, self._apply_grammar(logits, grammar_mask), prompt_logprobs)
+    def _sample_constrained(self, plan: StepPlan, logits: torch.Tensor,
+                            prompt_logprobs: tuple[torch.Tensor, ...] | None, draw: "_SampleInputs", grammar_mask):
+        return self._sample(plan, self._apply_grammar(logits, grammar_mask), prompt_logprobs, draw)
 
-    def _sample(self, plan: StepPlan, sample_seqs: list[Sequence], logits: torch.Tensor,
-                prompt_logprobs: tuple[torch.Tensor, ...] | None):
-        """(the sampled tokens, the logprob rows: the sample rows' then the prompt rows') of the step's logits."""
+    def _sample_inputs(self, plan: StepPlan, sample_seqs: list[Sequence], logits: torch.Tensor) -> "_SampleInputs":
+        """What the sampler reads of the sequences, taken at launch: a deferred (constrained) sampler runs after the
+        next step is scheduled, when each sequence already holds that step's placeholder token and the penalties
+        would count it."""
         rows = to_device(plan.sample_logprob_rows, torch.int64, self.device) if plan.sample_logprob_rows else None
-        # the logprob rows' raw logits (an index copy: the sampler masks and biases `logits` in place, and logprobs
-        # are of the model's own distribution, vLLM's raw_logprobs), turned into logprobs in chunks once sampled
-        raw_rows = logits[rows] if rows is not None else None
+        st = self.sampling.sampling_tensors(sample_seqs)
+        return _SampleInputs(rows, st, step_penalties(sample_seqs, st.penalized_rows, st.penalty_batch is None))
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, prompt_logprobs: tuple[torch.Tensor, ...] | None,
+                draw: "_SampleInputs"):
+        """(the sampled tokens, the logprob rows: the sample rows' then the prompt rows') of the step's logits."""
+        # the logprob rows' logits (an index copy: the sampler biases and penalizes `logits` in place, and logprobs
+        # are of the model's own distribution, vLLM's raw_logprobs, after a grammar's mask as in vLLM), turned into
+        # logprobs in chunks once sampled
+        raw_rows = logits[draw.rows] if draw.rows is not None else None
         sampling = self.sampling
-        st = sampling.sampling_tensors(sample_seqs)
-        penalties = step_penalties(sample_seqs, st.penalized_rows, st.penalty_batch is None)  # None: no penalty
-        sampling.last_sampled = self.sampler(logits, st, plan.banned_token_ids, penalties, sampling.last_sampled,
-                                             plan.logit_bias, plan.conditional_bans)
+        sampling.last_sampled = self.sampler(logits, draw.tensors, plan.banned_token_ids, draw.penalties,
+                                             sampling.last_sampled, plan.logit_bias, plan.conditional_bans)
         if raw_rows is not None:
-            sample_logprobs = logprobs_of(raw_rows, sampling.last_sampled[rows], plan.num_top_logprobs)
+            sample_logprobs = logprobs_of(raw_rows, sampling.last_sampled[draw.rows], plan.num_top_logprobs)
             prompt_logprobs = _cat_rows(sample_logprobs, prompt_logprobs)
         return sampling.last_sampled, prompt_logprobs
 
@@ -324,6 +332,14 @@ class ModelRunner:
             torch.cuda.empty_cache()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@dataclass
+class _SampleInputs:
+    """A step's sampler inputs that come from its sequences (ModelRunner._sample_inputs)."""
+    rows: torch.Tensor | None  # the sample rows whose logprobs are asked for
+    tensors: SamplingTensors
+    penalties: PenaltyRows | None
 
 
 def _cat_rows(first: tuple[torch.Tensor, ...] | None, second: tuple[torch.Tensor, ...] | None):
