@@ -5,13 +5,14 @@ token) first, then the top-k tokens of the model's raw distribution in rank orde
 chosen token may be among the top k.
 """
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 PositionLogprobs = dict[int, "Logprob"]
 
 
-@dataclass(slots=True)
-class Logprob:
+class Logprob(NamedTuple):
+    """A named tuple (vLLM's is a dataclass of the same fields), so an output holding logprobs goes through
+    json.dumps, each as [logprob, rank, decoded_token]."""
     logprob: float  # natural log of the token's probability under the raw (untempered, unfiltered) distribution
     rank: int  # 1 for the most likely token: the number of tokens at least as likely (vLLM's count)
     decoded_token: str | None = None  # the token's text; None when the model has no tokenizer

@@ -1,6 +1,7 @@
 """SamplingParams(logprobs, prompt_logprobs): the model's raw log-softmax (before temperature and filters), as
 HF transformers computes it for the same tokens, through chunked prefill, the prefix cache, preemption, the
 decode-graph buffers, tensor parallelism and streaming; bad values are ValueErrors."""
+import json
 import math
 import re
 import sys
@@ -139,6 +140,9 @@ def test_greedy_output_unchanged_with_logprobs(smollm2_llm):
     assert [o["text"] for o in mixed] == [o["text"] for o in plain]
     assert [len(o["logprobs"] or ()) for o in mixed] == [6, 0, 6]
     assert all(len(entry) == 1 for entry in mixed[2]["logprobs"])  # logprobs=0: the chosen token only
+    dumped = json.loads(json.dumps(mixed[0]))  # the dict shape's promise: outputs with logprobs serialize too
+    first = next(iter(mixed[0]["logprobs"][0].items()))
+    assert dumped["logprobs"][0][str(first[0])] == list(first[1]) and dumped["prompt_logprobs"][0] is None
 
 
 @pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
