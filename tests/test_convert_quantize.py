@@ -182,3 +182,24 @@ def test_cli_names_a_group_size_that_does_not_divide_a_layer(llama_dir, tmp_path
     err = capsys.readouterr().err
     assert code == 2 and "--group-size 48 does not divide model.layers.0." in err and "e.g. 64" in err
     assert not os.path.exists(tmp_path / "q")
+
+
+def test_cli_quantizes_a_sharded_checkpoint_and_never_replaces_other_files(llama_dir, tmp_path, capsys):
+    """The tiny Llama is two shards without tokenizer files: the quantized checkpoint keeps them so. An output
+    directory holding a checkpoint is replaced only with --force; one holding anything else, or the source itself,
+    is refused."""
+    out = tmp_path / "q"
+    args = ["convert", str(out), "--model", llama_dir, "--quantize", "w4", "--group-size", "32"]
+    assert cli.main(args) == 0
+    assert (out / "model.safetensors.index.json").exists() and not (out / "tokenizer.json").exists()
+    assert cli.main(args) == 2 and "already holds a checkpoint; pass --force" in capsys.readouterr().err
+    assert cli.main([*args, "--force"]) == 0
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    assert cli.main(["convert", str(mine), *args[2:]]) == 2
+    assert "holds files that are not a finished checkpoint" in capsys.readouterr().err
+    assert os.listdir(mine) == ["notes.txt"]
+    assert cli.main(["convert", llama_dir, *args[2:], "--force"]) == 2
+    assert "is --model" in capsys.readouterr().err
+    assert "quantization_config" not in json.load(open(os.path.join(llama_dir, "config.json")))  # the source kept

@@ -67,6 +67,13 @@ def is_converted(path: str) -> bool:
     return all(os.path.isfile(os.path.join(path, f)) for f in REQUIRED_FILES)
 
 
+def is_checkpoint(path: str) -> bool:
+    """A Hugging Face checkpoint directory: config.json and its weights, one file or an index of shards (a
+    quantized conversion keeps the source's shards and has a tokenizer only where the source had one)."""
+    return os.path.isfile(os.path.join(path, "config.json")) and any(
+        os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
+
+
 def _convert_into(tmp_dir: str, dtype: str, gguf_path: str | None = None) -> None:
     """Load the GGUF (default: SmolLM2's) with transformers and save an unquantized checkpoint into tmp_dir."""
     import torch
@@ -154,6 +161,9 @@ def convert_quantized(out_dir: str, quantize: str, group_size: int = 128, model:
         raise ValueError(f"--quantize {quantize!r} is not supported; supported: {list(FORMATS)}")
     if model is not None and not is_gguf_file(model) and not os.path.isdir(model):
         raise ValueError(f"--model {model!r} is neither a checkpoint directory nor a GGUF file")
+    if model is not None and os.path.abspath(model) == os.path.abspath(os.path.expanduser(out_dir)):
+        raise ValueError(f"the output directory is --model {model!r} itself; write the quantized checkpoint into "
+                         f"another directory")
 
     def quantize_from(src_dir: str, tmp_dir: str):
         hessians = None
@@ -169,27 +179,35 @@ def convert_quantized(out_dir: str, quantize: str, group_size: int = 128, model:
         with tempfile.TemporaryDirectory(dir=os.path.dirname(tmp_dir)) as float_dir:
             _convert_into(float_dir, "float32", model)
             quantize_from(float_dir, tmp_dir)
-    return write_atomically(out_dir, write, force)
+    return write_atomically(out_dir, write, force, is_complete=is_checkpoint, reuse=False)
 
 
-def write_atomically(out_dir: str, write, force: bool = False) -> str:
-    """Runs write(tmp_dir) into a temporary directory beside out_dir and renames it into place; a finished
-    checkpoint already in out_dir is kept unless force. Returns the absolute out_dir."""
+def write_atomically(out_dir: str, write, force: bool = False, is_complete=is_converted, reuse: bool = True) -> str:
+    """Runs write(tmp_dir) into a temporary directory beside out_dir and renames it into place. A finished
+    checkpoint already in out_dir (`is_complete`) is replaced only with force; without it, it is kept (`reuse`:
+    the demo's cached conversion) or refused (a ValueError). A directory holding anything else is never replaced:
+    its files may be the user's. Returns the absolute out_dir."""
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
 
     with _lock(out_dir):
-        if is_converted(out_dir) and not force:
-            return out_dir
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
             raise ValueError(f"{out_dir} exists and is not a directory")
+        finished = is_complete(out_dir)
+        if finished and not force:
+            if reuse:
+                return out_dir
+            raise ValueError(f"{out_dir} already holds a checkpoint; pass --force to replace it, or pick another "
+                             f"directory")
+        if not finished and os.path.isdir(out_dir) and os.listdir(out_dir):
+            raise ValueError(f"{out_dir} holds files that are not a finished checkpoint; write into a new or empty "
+                             f"directory (nothing there is replaced)")
         tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
         try:
             write(tmp_dir)
-            if not is_converted(tmp_dir):
-                missing = [f for f in REQUIRED_FILES if not os.path.isfile(os.path.join(tmp_dir, f))]
-                raise RuntimeError(f"conversion did not write {missing}")
+            if not is_complete(tmp_dir):
+                raise RuntimeError(f"conversion wrote an incomplete checkpoint: {sorted(os.listdir(tmp_dir))}")
             # mkdtemp makes 0700 dirs; a model dir is ordinary readable data
             os.chmod(tmp_dir, 0o755)
             for name in os.listdir(tmp_dir):
