@@ -150,6 +150,8 @@ class Config:
         self._check_model_dir()
         self._check_generation_config()
         self._check_vllm_options()
+        if type(self.dtype).__name__ == "dtype" and str(self.dtype).startswith("torch."):  # vLLM takes torch.float16
+            self.dtype = str(self.dtype).removeprefix("torch.")  # (torch is not imported here: metadata only)
         for name, choices in OPTION_CHOICES.items():
             _check_choice(name, getattr(self, name), choices)
         if self.kvcache_block_size is None:

@@ -181,6 +181,9 @@ class SamplingParams:
             raise ValueError(f"n={self.n!r} must be an int >= 1")
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
             raise ValueError(f"best_of={self.best_of!r} must be None or an int >= n={self.n}")
+        if self.seed is not None and self.seed + self.num_samples - 1 >= 2**64:
+            raise ValueError(f"seed={self.seed!r} is too large for {self.num_samples} samples: sample i uses seed + i, "
+                             f"which must stay below 2**64")
 
     def _check_token_options(self):
         """logit_bias, bad_words and truncate_prompt_tokens; token ids against the vocabulary are the engine's to

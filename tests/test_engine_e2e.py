@@ -385,11 +385,12 @@ class TestBadInput:
             (dict(stop_token_ids=7), "stop_token_ids"),
             (dict(stop_token_ids=[-1]), "stop_token_ids"),
             (dict(ignore_eos="yes"), "ignore_eos"),
+            (dict(seed=2**64 - 1, n=2), "seed=18446744073709551615 is too large for 2 samples"),  # seed + 1 overflows
         ],
         ids=["max_tokens-0", "temperature-neg", "top_p-0", "top_p-1.5", "top_k-float", "seed-2**64", "seed-float",
              "seed-bool", "temperature-inf", "temperature-float32-inf", "temperature-nan", "temperature-str",
              "max_tokens-float", "max_tokens-nan", "stop-int", "stop_token_ids-int", "stop_token_ids-negative",
-             "ignore_eos-str"],
+             "ignore_eos-str", "seed-plus-n"],
     )
     def test_bad_sampling_params(self, llm, serves_good, kw, name):
         with pytest.raises(ValueError, match=name):

@@ -117,6 +117,10 @@ def test_a_tensor_no_parameter_takes_is_an_error(quant_root, bases, tmp_path):
      r"weight_shape \[129, 129\] does not match the layer's \[128, 128\]"),
     ("fp8-block128", "model.layers.0.self_attn.o_proj.weight_scale_inv", lambda t: t[:, :1].contiguous(),
      r"shape \(1, 1\) does not match the parameter's \(1, 2\)"),
+    ("fp8-block128", "model.layers.0.self_attn.o_proj.weight_scale_inv", lambda t: t.fill_(float("nan")),
+     r"2 of its values are NaN or infinite"),  # it once loaded and generated token 0 forever
+    ("awq-g32", "model.layers.1.mlp.down_proj.scales", lambda t: t.index_fill(0, torch.tensor([0]), float("inf")),
+     r"\d+ of its values are NaN or infinite"),
 ])
 def test_a_corrupt_tensor_names_itself(quant_root, bases, tmp_path, case, tensor, change, error):
     quant_dir, _ = quant_pair(quant_root, bases, case)

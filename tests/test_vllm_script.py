@@ -188,8 +188,12 @@ def test_vllm_options_refused_with_the_reason(smollm2_dir, options, message):
 @pytest.mark.parametrize("name, dtype", [("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16"),
                                          ("auto", "auto")])
 def test_dtype_takes_vllms_names(smollm2_dir, name, dtype):
+    import torch
+
     from nanovllm.config import Config
     assert Config(smollm2_dir, dtype=name).dtype == dtype
+    if dtype != "auto":  # and torch's dtypes, as vLLM takes them
+        assert Config(smollm2_dir, dtype=getattr(torch, dtype)).dtype == dtype
 
 
 def test_text_options_truncation_and_an_open_max_tokens(script):

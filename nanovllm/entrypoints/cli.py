@@ -227,7 +227,9 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for prompts", formatter_class=HelpFormatter)
     gen.add_argument("prompts", nargs="*", help=f"text prompts (default: {DEMO_PROMPT!r})")
     gen.add_argument("--prompt-ids", default=None, help="one prompt as comma-separated token ids")
-    gen.add_argument("--no-chat", dest="chat", action="store_false", help="don't apply the chat template")
+    gen.add_argument("--no-chat", dest="chat", action="store_false",
+                     help="send the prompt as it is, without the chat template (applied by default where the model "
+                          "has one)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.add_argument("--stats", action="store_true", help="print llm.stats() at the end")
     add_sampling_args(gen, max_tokens=64)

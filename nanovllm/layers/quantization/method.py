@@ -153,7 +153,18 @@ def _expand_per_tensor(layer: nn.Module, loaded: torch.Tensor, full_shape: tuple
     return loaded
 
 
+def _finite(layer: nn.Module, loaded: torch.Tensor, full_shape: tuple[int, int]) -> torch.Tensor:
+    """A NaN or infinite scale would make its whole group's outputs NaN: a corrupt checkpoint, refused (the loader
+    names the tensor)."""
+    if loaded.is_floating_point() and not torch.isfinite(loaded).all():
+        raise ValueError(f"{int((~torch.isfinite(loaded)).sum())} of its values are NaN or infinite")
+    return loaded
+
+
 # checkpoint tensor name -> fn(layer, loaded, (outputs, inputs) of the loaded tensor's part) -> the tensor to shard
 # and copy, or None (checked, nothing to keep)
 LOAD_HOOKS = {"g_idx": lambda layer, loaded, shape: _check_g_idx(layer, loaded, shape[1]),
-              "weight_shape": _check_weight_shape, "weight_scale": _expand_per_tensor}
+              "weight_shape": _check_weight_shape,
+              "weight_scale": lambda layer, loaded, shape: _expand_per_tensor(layer, _finite(layer, loaded, shape),
+                                                                              shape),
+              "weight_scale_inv": _finite, "scales": _finite, "mins": _finite}
