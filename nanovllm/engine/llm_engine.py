@@ -10,7 +10,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from nanovllm.config import Config
+from nanovllm.config import Config, from_vllm_options
 from nanovllm.core.sequence import Sequence
 from nanovllm.engine.device import with_card_batch_limits, with_cpu_host_tier_default
 from nanovllm.engine.engine_core import EngineCore
@@ -34,6 +34,7 @@ class LLMEngine:
     holds the add_request sequences that finished inside a generate call, until the next step() returns them."""
 
     def __init__(self, model: str, **kwargs):
+        kwargs = from_vllm_options(kwargs)
         self.config = config = Config(model, **with_cpu_host_tier_default(with_card_batch_limits(kwargs)))
         self.executor: Executor | None = None
         self.core: EngineCore | None = None  # both None until started: a failed start calls close()
