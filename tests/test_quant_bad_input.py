@@ -49,6 +49,13 @@ UNSUPPORTED = [
     (qc.fp8_config([128, 128]),
      r"quantization_config.weight_block_size=\[128, 128\]: qkv_proj's output part of 64 .* is not a multiple of 128"),
     (dict(qc.fp8_config(None), fmt="e5m2"), r"quantization_config.fmt='e5m2' is not supported; supported: \['e4m3'\]"),
+    # fields that change what the weights mean: loaded as if unset, the model would compute something else
+    (dict(qc.gptq_config(4, 32, True), lm_head=True), r"quantization_config.lm_head=True is not supported"),
+    (dict(qc.gptq_config(4, 32, True), dynamic={"-:.*mlp.*": {}}), r"quantization_config.dynamic=.* is not supported"),
+    (dict(ct_groups(), transform_config={"config_groups": {"u": {"type": "hadamard"}}}),
+     r"quantization_config.transform_config=.* is not supported; supported: null"),
+    (dict(ct_groups(), sparsity_config={"format": "sparse-24-bitmask"}), r"quantization_config.sparsity_config="),
+    (ct_groups(dynamic=True), r"config_groups.group_0.weights.dynamic=True is not supported"),
 ]
 
 

@@ -101,9 +101,19 @@ def _parse_awq(config: dict) -> QuantSpec:
     return QuantSpec("awq", "int", bits, group_size, True, skip_modules=_skipped(config, "modules_to_not_convert"))
 
 
+def _refuse_set(config: dict, fields: tuple[str, ...], prefix: str = "quantization_config"):
+    """ValueError for the first of `fields` that is set (not null, false or empty): each changes what the weights
+    mean (a quantized head, per-module overrides, a rotation to apply at run time, sparsity), and ignoring it
+    would load a model that computes something else."""
+    for field in fields:
+        if config.get(field):
+            raise ValueError(f"{prefix}.{field}={config[field]!r} is not supported; supported: null (unset)")
+
+
 def _parse_gptq(config: dict) -> QuantSpec:
     bits = _require(config, "bits", (4, 8))
     _require(config, "desc_act", (False, None), default=False)  # act-order: groups in a permuted K order, refused
+    _refuse_set(config, ("lm_head", "dynamic"))  # GPTQModel's quantized head and per-module overrides
     fmt = _require(config, "checkpoint_format", ("gptq", "gptq_v2"), default="gptq")
     group_size = _group_size(config, "group_size", bits)
     zero_offset = 1 if fmt == "gptq" else 0
@@ -124,12 +134,18 @@ def _parse_fp8(config: dict) -> QuantSpec:
 
 
 def _parse_compressed_tensors(config: dict) -> QuantSpec:
+    _refuse_set(config, ("transform_config", "sparsity_config"))
     groups = config.get("config_groups") or {}
     if not isinstance(groups, dict) or len(groups) != 1:
         raise ValueError(f"quantization_config.config_groups has {len(groups)} groups; supported: exactly one (a "
                          f"scheme for every Linear)")
     (name, group), = groups.items()
     prefix = f"quantization_config.config_groups.{name}"
+    if not isinstance(group, dict):
+        raise ValueError(f"{prefix}={group!r} is not supported; supported: a scheme (an object with targets and "
+                         f"weights)")
+    _refuse_set(group, ("output_activations",), prefix)
+    _refuse_set(group.get("weights") or {}, ("dynamic",), f"{prefix}.weights")
     if group.get("targets") != ["Linear"]:
         raise ValueError(f"{prefix}.targets={group.get('targets')!r} is not supported; supported: ['Linear']")
     weights = group.get("weights") or {}
