@@ -17,7 +17,8 @@ import torch
 from conftest import close_llm
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.engine import structured_outputs
-from nanovllm.engine.structured_outputs import GRAMMAR_ERROR, GrammarCompiler, without_additional_properties
+from nanovllm.engine.structured_outputs import (GRAMMAR_ERROR, GrammarCompiler, grammar_text,
+                                                without_additional_properties)
 from nanovllm.layers.token_bitmask import TokenBitmask, unpack_bits
 from structured_schemas import all_schemas
 
@@ -224,6 +225,8 @@ def test_regex_choice_grammar_and_json_object_match(llm):
     assert re.fullmatch(r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ", sql), sql
     text, reason, _ = results[-1]  # any object: a random model's keys run on (SmolLM2 closes one, below)
     assert text.startswith("{") and reason == "length", text
+    # JSON Schema's `true` (any value) compiles as {} does: it once failed ("Expecting object schema")
+    assert grammar_text(StructuredOutputsParams(json=True)) == grammar_text(StructuredOutputsParams(json={}))
 
 
 def test_a_finished_grammar_ends_the_sequence_even_with_ignore_eos(llm):

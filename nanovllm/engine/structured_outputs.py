@@ -38,6 +38,8 @@ def grammar_text(structured: StructuredOutputsParams) -> str:
     kind = structured.kind
     if kind in ("json", "json_object"):
         schema = structured.json if kind == "json" else {"type": "object"}
+        if schema is True:  # JSON Schema's `true`, any value: as {}, which takes the whitespace options
+            schema = {}
         if structured.disable_additional_properties:
             schema = without_additional_properties(schema)
         defaults = {"whitespace_flexible": not structured.disable_any_whitespace}
