@@ -1,6 +1,6 @@
 from nanovllm.engine.caller_lock import CallerLock, closing, one_caller, one_caller_stream
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.engine.tokenizer import chat_token_ids, read_chat_template
+from nanovllm.engine.tokenizer import chat_text, read_chat_template
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -43,9 +43,14 @@ class LLM(LLMEngine):
         if chat_template is not None:
             chat_template = read_chat_template(chat_template)
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = [chat_token_ids(self.tokenizer, conversation, self.config.model, add_generation_prompt,
-                                  chat_template_kwargs, chat_template) for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        texts = [chat_text(self.tokenizer, conversation, self.config.model, add_generation_prompt,
+                           chat_template_kwargs, chat_template) for conversation in conversations]
+        # token ids, not text: the template wrote its special tokens, which encoding the text would add again
+        outputs = self.generate([self.tokenizer.encode(text, add_special_tokens=False) for text in texts],
+                                sampling_params, use_tqdm=use_tqdm)
+        for output, text in zip(outputs, texts):
+            output.prompt = text  # vLLM's: the rendered conversation
+        return outputs
 
     def get_tokenizer(self):
         """The model's Hugging Face tokenizer (vLLM's name); None when the model directory has no tokenizer files."""

@@ -346,7 +346,7 @@ def test_chat_takes_another_template_as_text_or_file(smol_llm, smol_tokenizer, t
     expected = smol_tokenizer.encode("<<user: What is the capital of France?>>A:", add_special_tokens=False)
     for given in (template, str(tmp_path / "t.jinja")):
         [out] = smol_llm.chat(question, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=given)
-        assert out.prompt_token_ids == expected
+        assert out.prompt_token_ids == expected and out.prompt == "<<user: What is the capital of France?>>A:"
     [own] = smol_llm.chat(question, SamplingParams(max_tokens=1), use_tqdm=False)  # the model's, untouched
     assert own.prompt_token_ids != expected
     with pytest.raises(ValueError, match=r"chat_template='no/such.jinja' is neither a readable file nor a Jinja"):

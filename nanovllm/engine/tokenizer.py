@@ -35,9 +35,16 @@ def read_chat_template(value: str, option: str = "chat_template") -> str:
 
 def chat_token_ids(tokenizer, messages: list[dict], model: str, add_generation_prompt: bool = True,
                    chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> list[int]:
-    """One conversation rendered by `chat_template` (the template's text; None: the tokenizer's), as token ids.
-    ValueError naming the model when it has no tokenizer or template, or quoting the template when it refuses the
-    messages (roles out of order, ...)."""
+    """chat_text's conversation as token ids."""
+    text = chat_text(tokenizer, messages, model, add_generation_prompt, chat_template_kwargs, chat_template)
+    return tokenizer.encode(text, add_special_tokens=False)  # the template already has its special tokens
+
+
+def chat_text(tokenizer, messages: list[dict], model: str, add_generation_prompt: bool = True,
+              chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> str:
+    """One conversation rendered by `chat_template` (the template's text; None: the tokenizer's). ValueError naming
+    the model when it has no tokenizer or template, or quoting the template when it refuses the messages (roles out
+    of order, ...)."""
     if tokenizer is None:
         raise ValueError(f"model {model!r} has no tokenizer files, so no chat template; pass token ids")
     if not (chat_template or tokenizer.chat_template):
@@ -50,7 +57,7 @@ def chat_token_ids(tokenizer, messages: list[dict], model: str, add_generation_p
                                              chat_template=chat_template, **(chat_template_kwargs or {}))
     except TemplateError as e:
         raise ValueError(f"the chat template refused these messages: {e}") from None
-    return tokenizer.encode(text, add_special_tokens=False)  # the template already has its special tokens
+    return text
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
