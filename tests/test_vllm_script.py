@@ -188,7 +188,7 @@ def test_vllm_options_refused_with_the_reason(smollm2_dir, options, message):
 def test_vllm_options_without_effect_pass_with_their_no_op_values_only():
     """vLLM's options this engine has no use for: accepted where they ask for what it always does, a ValueError
     with the reason otherwise; block_size is vLLM's name for kvcache_block_size."""
-    from nanovllm.config import from_vllm_options
+    from nanovllm.utils.vllm_options import from_vllm_options
     assert from_vllm_options({"enable_chunked_prefill": True, "tokenizer_mode": "auto", "revision": None,
                               "task": "generate", "block_size": 16, "seed": 1}) == {"kvcache_block_size": 16, "seed": 1}
     for options, message in [({"enable_chunked_prefill": False}, "prefills are always chunked"),

@@ -10,7 +10,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from nanovllm.config import Config, from_vllm_options
+from nanovllm.config import Config
 from nanovllm.core.sequence import Sequence
 from nanovllm.engine.device import with_card_batch_limits, with_cpu_host_tier_default
 from nanovllm.engine.engine_core import EngineCore
@@ -24,6 +24,7 @@ from nanovllm.engine.tokenizer import eos_token_ids, load_tokenizer
 from nanovllm.inputs import checked_params
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.vllm_options import from_vllm_options
 
 logger = logging.getLogger(__name__)
 
