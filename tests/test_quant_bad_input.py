@@ -120,6 +120,8 @@ def test_a_tensor_no_parameter_takes_is_an_error(quant_root, bases, tmp_path):
      r"dtype torch.float32 does not match the parameter's torch.int32"),
     ("gptq4-sym-g32", "model.layers.0.mlp.gate_proj.g_idx", lambda t: t.flip(0).contiguous(),
      r"g_idx .* is not k // group_size .* desc_act=true"),
+    ("gptq4-sym-g32", "model.layers.0.mlp.gate_proj.g_idx", lambda t: (torch.arange(len(t)) // 16).to(t.dtype),
+     r"g_idx groups every 16 inputs, but quantization_config.group_size=32"),  # not act-order: the wrong size
     ("ct-w4-sym-g32", "model.layers.0.self_attn.k_proj.weight_shape", lambda t: t + 1,
      r"weight_shape \[129, 129\] does not match the layer's \[128, 128\]"),
     ("fp8-block128", "model.layers.0.self_attn.o_proj.weight_scale_inv", lambda t: t[:, :1].contiguous(),

@@ -132,12 +132,18 @@ class QuantLinearMethod:
 
 
 def _check_g_idx(layer: nn.Module, loaded: torch.Tensor, full_input_size: int) -> None:
-    """GPTQ's g_idx without act-order is k // G; any other order is act-order (desc_act), which is refused."""
-    expected = torch.arange(full_input_size, device=loaded.device) // layer.group_size
-    if loaded.shape != expected.shape or not torch.equal(loaded.to(expected.dtype), expected):
-        raise ValueError(f"g_idx of shape {tuple(loaded.shape)} is not k // group_size for k < {full_input_size} "
-                         f"(act-order groups, desc_act=true, are not supported)")
-    return None
+    """GPTQ's g_idx without act-order is k // G; k // G' for another group size G' is a config that names the wrong
+    one, any other order act-order (desc_act), which is refused."""
+    k = torch.arange(full_input_size, device=loaded.device)
+    if loaded.shape == k.shape and torch.equal(loaded.to(k.dtype), k // layer.group_size):
+        return None
+    counts = torch.bincount(loaded.to(torch.int64)) if loaded.shape == k.shape and loaded.min() >= 0 else None
+    implied = int(counts[0]) if counts is not None and len(counts) else 0
+    if implied and torch.equal(loaded.to(k.dtype), k // implied):
+        raise ValueError(f"g_idx groups every {implied} inputs, but quantization_config.group_size="
+                         f"{layer.group_size}; the config names the wrong group size")
+    raise ValueError(f"g_idx of shape {tuple(loaded.shape)} is not k // group_size for k < {full_input_size} "
+                     f"(act-order groups, desc_act=true, are not supported)")
 
 
 def _check_weight_shape(layer: nn.Module, loaded: torch.Tensor, full_shape: tuple[int, int]) -> None:
