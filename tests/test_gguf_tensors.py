@@ -106,6 +106,11 @@ def test_unknown_tensor_and_truncated_file_are_named(tmp_path):
         f.truncate(f.seek(0, 2) - 100)
     with pytest.raises(ValueError, match="b.gguf.* is truncated or corrupt"):
         open_gguf(path)
+    # a quantized 1-D tensor (llama.cpp keeps norms in float): its error names it
+    norm = gguf.quants.quantize(np.ones(64, np.float32), T.Q8_0)
+    path = write_gguf(str(tmp_path / "c.gguf"), "llama", {"blk.0.attn_norm.weight": (norm, "Q8_0")})
+    with pytest.raises(ValueError, match="tensor 'blk.0.attn_norm.weight': .*not whole blocks"):
+        list(iter_gguf_tensors(open_gguf(path)))
 
 
 def test_a_gguf_files_disk_tier_identity_follows_its_bytes_not_its_place(tmp_path):

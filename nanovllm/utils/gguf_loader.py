@@ -34,8 +34,12 @@ def iter_gguf_tensors(reader) -> Iterator[tuple[str, torch.Tensor | IntGroups]]:
         type_name = tensor.tensor_type.name
         if type_name in FLOAT_DTYPES:
             yield name, _float_tensor(rows, type_name)
-        else:
-            yield name, unpack_blocks(rows, type_name)
+            continue
+        try:
+            groups = unpack_blocks(rows, type_name)
+        except ValueError as e:  # a quantized tensor that is no whole blocks of rows (a 1-D one, say)
+            raise ValueError(f"tensor {tensor.name!r}: {e}") from None
+        yield name, groups
 
 
 def _permuted_head_counts(reader) -> tuple[int, int] | None:
