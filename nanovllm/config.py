@@ -213,7 +213,7 @@ class Config:
             return
         hf = self.hf_config
         quant_config = getattr(hf, "quantization_config", None)
-        if quant_config is not None and not isinstance(quant_config, dict):
+        if hasattr(quant_config, "to_dict"):  # transformers' QuantizationConfig; anything else parse_quant_spec checks
             quant_config = quant_config.to_dict()
         self.quant_spec = parse_quant_spec(quant_config, self.quantization)
         if self.mlp_chunk_tokens is not None and (not isinstance(self.mlp_chunk_tokens, numbers.Integral)
@@ -373,6 +373,12 @@ def _check_choice(name: str, value, choices):
 def load_hf_config(model: str):
     if is_gguf_file(model):
         return load_gguf_config(model)
+    path = os.path.join(model, "config.json")
+    if os.path.isfile(path):  # checked before transformers reads it: it fails on this one with an AttributeError
+        with open(path) as f:
+            quant_config = json.load(f).get("quantization_config")
+        if quant_config is not None and not isinstance(quant_config, dict):
+            raise ValueError(f"quantization_config={quant_config!r} must be a JSON object")
     from transformers import AutoConfig
     return AutoConfig.from_pretrained(model)
 

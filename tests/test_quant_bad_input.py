@@ -56,6 +56,14 @@ UNSUPPORTED = [
      r"quantization_config.transform_config=.* is not supported; supported: null"),
     (dict(ct_groups(), sparsity_config={"format": "sparse-24-bitmask"}), r"quantization_config.sparsity_config="),
     (ct_groups(dynamic=True), r"config_groups.group_0.weights.dynamic=True is not supported"),
+    # malformed values: a ValueError naming the field, not a TypeError or ZeroDivisionError from deeper down
+    (["awq"], r"quantization_config=\['awq'\] must be a JSON object"),
+    (qc.fp8_config([True, True]), r"weight_block_size=\[True, True\] is not supported"),
+    (qc.ct_config("float-quantized", {"type": "float", "num_bits": 8, "strategy": "block",
+                                      "block_structure": [0, 128]}),
+     r"weights.block_structure=\[0, 128\] is not supported; supported: \[bn, bk\] of two positive ints"),
+    (qc.ct_config("float-quantized", {"type": "float", "num_bits": 8, "strategy": "block",
+                                      "block_structure": ["a", 128]}), r"weights.block_structure=\['a', 128\]"),
 ]
 
 

@@ -121,12 +121,17 @@ def _parse_gptq(config: dict) -> QuantSpec:
                      skip_modules=_skipped(config, "modules_to_not_convert"))
 
 
+def _is_block(block) -> bool:
+    """[bn, bk]: two positive ints (not bools)."""
+    return isinstance(block, list) and len(block) == 2 and all(
+        isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+
+
 def _parse_fp8(config: dict) -> QuantSpec:
     _require(config, "fmt", ("e4m3",), default="e4m3")
     _require(config, "activation_scheme", ("dynamic", "static"), default="dynamic")
     block = config.get("weight_block_size")
-    if block is not None and (not isinstance(block, list) or len(block) != 2 or
-                              not all(isinstance(b, int) and b > 0 for b in block)):
+    if block is not None and not _is_block(block):
         raise ValueError(f"quantization_config.weight_block_size={block!r} is not supported; supported: [bn, bk] "
                          f"of two positive ints (Qwen's [128, 128]), or none (one scale per tensor)")
     return QuantSpec("fp8", "fp8", 8, block_size=tuple(block) if block else None,
@@ -159,8 +164,9 @@ def _parse_compressed_tensors(config: dict) -> QuantSpec:
         _require(weights, "num_bits", (8,), f"{prefix}.weights")
         strategy = _require(weights, "strategy", ("channel", "tensor", "block"), f"{prefix}.weights")
         block = weights.get("block_structure") if strategy == "block" else None
-        if strategy == "block" and (not isinstance(block, list) or len(block) != 2):
-            raise ValueError(f"{prefix}.weights.block_structure={block!r} is not supported; supported: [bn, bk]")
+        if strategy == "block" and not _is_block(block):
+            raise ValueError(f"{prefix}.weights.block_structure={block!r} is not supported; supported: [bn, bk] of "
+                             f"two positive ints")
         return QuantSpec("compressed-tensors", "fp8", 8, block_size=tuple(block) if block else None,
                          skip_modules=skip)
     _require(weights, "type", ("int",), f"{prefix}.weights")
