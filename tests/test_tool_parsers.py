@@ -155,3 +155,7 @@ def test_finish_reason_is_tool_calls_only_after_a_call():
     without.parse_all("hello")
     assert (with_call.finish_reason("stop"), with_call.finish_reason("length")) == ("tool_calls", "length")
     assert without.finish_reason("stop") == "stop"
+    # a tag around a JSON object that is no call (no name) sends no call: no "tool_calls" to look for either
+    unnamed = ChatOutputParser(hermes_parser())
+    assert unnamed.parse_all('<tool_call>\n{"foo": 1}\n</tool_call>').tool_calls == []
+    assert unnamed.finish_reason("stop") == "stop" and unnamed.num_calls == 0

@@ -60,12 +60,15 @@ class ChatOutputParser:
     def __init__(self, tool_parser: ToolParser, reasoning_parser: Qwen3ReasoningParser | None = None):
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
+        # the indices of the calls sent with a name: a call the parser began but never named (a JSON object that is
+        # no call) was no call, and must not make the finish reason "tool_calls"
+        self._named_calls: set[int] = set()
 
     def feed(self, text: str) -> ParsedDelta:
         if self.reasoning_parser is None:
-            return self.tool_parser.feed(text)
+            return self._noted(self.tool_parser.feed(text))
         reasoning, content = self.reasoning_parser.feed(text)
-        return ParsedDelta(reasoning=reasoning).add(self.tool_parser.feed(content))
+        return self._noted(ParsedDelta(reasoning=reasoning).add(self.tool_parser.feed(content)))
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
@@ -73,7 +76,11 @@ class ChatOutputParser:
             reasoning, content = self.reasoning_parser.finish()
             out.reasoning = reasoning
             out.add(self.tool_parser.feed(content))
-        return out.add(self.tool_parser.finish())
+        return self._noted(out.add(self.tool_parser.finish()))
+
+    def _noted(self, delta: ParsedDelta) -> ParsedDelta:
+        self._named_calls.update(call.index for call in delta.tool_calls if call.name is not None)
+        return delta
 
     def parse_all(self, text: str) -> ParsedDelta:
         """A whole answer at once (the non-streamed response): the same parse as its deltas one by one."""
@@ -81,7 +88,8 @@ class ChatOutputParser:
 
     @property
     def num_calls(self) -> int:
-        return self.tool_parser.num_calls
+        """The calls sent so far, each with its name."""
+        return len(self._named_calls)
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
         """OpenAI's "tool_calls" for an answer that stopped after calling tools; else the engine's reason."""
